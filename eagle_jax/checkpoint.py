@@ -1,0 +1,160 @@
+"""Mapping HF tensor names onto Flax parameter paths, and building models from them.
+
+Conversion is data: a table of HF key patterns to Flax paths. `map_tensors` applies a table
+with shape checks; unmapped, missing or duplicate keys and shape mismatches are errors that
+name the key. Flax paths are the NNX state paths joined by '/', e.g.
+`layers/3/self_attn/q_proj/kernel`; that is also the key layout of the converted format.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from eagle_jax import hf_files
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One HF key pattern (regex, full match) and the Flax path it fills (`str.format` of its groups)."""
+
+    pattern: str
+    target: str
+    transpose: bool = False  # HF Linear weights are [out, in]; NNX kernels are [in, out].
+
+
+def _linear(hf_prefix: str, flax_prefix: str) -> list[Rule]:
+    return [
+        Rule(hf_prefix + r"\.weight", flax_prefix + "/kernel", transpose=True),
+        Rule(hf_prefix + r"\.bias", flax_prefix + "/bias"),
+    ]
+
+
+def decoder_layer_rules(hf_prefix: str, flax_prefix: str) -> list[Rule]:
+    """Rules for one Llama decoder layer; prefixes may contain regex groups such as `(?P<i>\\d+)`."""
+    rules = [
+        Rule(hf_prefix + r"\.input_layernorm\.weight", flax_prefix + "/input_layernorm/weight"),
+        Rule(hf_prefix + r"\.post_attention_layernorm\.weight", flax_prefix + "/post_attention_layernorm/weight"),
+    ]
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        rules += _linear(rf"{hf_prefix}\.self_attn\.{name}", f"{flax_prefix}/self_attn/{name}")
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        rules += _linear(rf"{hf_prefix}\.mlp\.{name}", f"{flax_prefix}/mlp/{name}")
+    return rules
+
+
+LLAMA_RULES = [
+    Rule(r"model\.embed_tokens\.weight", "embed_tokens/embedding"),
+    Rule(r"model\.norm\.weight", "norm/weight"),
+    Rule(r"lm_head\.weight", "lm_head/kernel", transpose=True),
+    *decoder_layer_rules(r"model\.layers\.(?P<i>\d+)", "layers/{i}"),
+]
+# Buffers some exporters save that carry no learned weights.
+LLAMA_IGNORED = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
+
+
+def map_tensors(tensors: dict[str, np.ndarray], rules: list[Rule], expected: dict[str, Any],
+                ignored: tuple[str, ...] = (), optional: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
+    """Renames HF tensors to Flax paths, checking every key and shape.
+
+    Args:
+        tensors: HF name -> array.
+        rules: the conversion table.
+        expected: Flax path -> anything with `.shape` (the abstract model state).
+        ignored: HF name patterns to drop silently.
+        optional: HF name patterns whose tensor is dropped when the model has no such path
+            (e.g. `lm_head.weight` saved beside tied embeddings).
+
+    Raises:
+        hf_files.CheckpointError: naming the offending key.
+    """
+    compiled = [(re.compile(rule.pattern), rule) for rule in rules]
+    out: dict[str, np.ndarray] = {}
+    source_of: dict[str, str] = {}
+    for name, array in tensors.items():
+        if any(re.fullmatch(p, name) for p in ignored):
+            continue
+        for regex, rule in compiled:
+            match = regex.fullmatch(name)
+            if match:
+                break
+        else:
+            raise hf_files.CheckpointError(f"unexpected tensor {name!r}: no conversion rule matches it")
+        target = rule.target.format(**match.groupdict())
+        if target not in expected:
+            if any(re.fullmatch(p, name) for p in optional):
+                continue
+            raise hf_files.CheckpointError(f"tensor {name!r} maps to {target!r}, which this model does not have")
+        if target in out:
+            raise hf_files.CheckpointError(f"tensors {source_of[target]!r} and {name!r} both map to {target!r}")
+        array = np.asarray(array)
+        array = array.T if rule.transpose else array
+        if tuple(array.shape) != tuple(expected[target].shape):
+            raise hf_files.CheckpointError(
+                f"tensor {name!r} has shape {tuple(array.shape)}, model expects {tuple(expected[target].shape)} at {target!r}")
+        out[target] = array
+        source_of[target] = name
+    missing = sorted(set(expected) - set(out))
+    if missing:
+        raise hf_files.CheckpointError(f"checkpoint lacks {len(missing)} tensors, first: {missing[:5]}")
+    return out
+
+
+def flat_state(state: nnx.State) -> dict[str, Any]:
+    """Flax path -> leaf, for an NNX state (abstract or concrete)."""
+    flat = {}
+
+    def walk(node, prefix):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                walk(value, f"{prefix}/{key}" if prefix else str(key))
+        else:
+            flat[prefix] = node
+
+    walk(state.to_pure_dict(), "")
+    return flat
+
+
+def build_model(factory: Callable[[], nnx.Module], params: dict[str, np.ndarray], dtype) -> nnx.Module:
+    """Creates a module without random initialisation and fills it from Flax-path arrays.
+
+    Args:
+        factory: builds the module (called under `nnx.eval_shape`, so nothing is allocated).
+        params: Flax path -> array, covering every parameter.
+        dtype: the parameter dtype on device.
+    """
+    abstract = nnx.eval_shape(factory)
+    graphdef, state = nnx.split(abstract)
+    expected = flat_state(state)
+    missing = sorted(set(expected) - set(params))
+    extra = sorted(set(params) - set(expected))
+    if missing or extra:
+        raise hf_files.CheckpointError(f"parameters do not fit the model: missing {missing[:5]}, unexpected {extra[:5]}")
+    pure = state.to_pure_dict()
+
+    def fill(node, prefix):
+        for key, value in node.items():
+            path = f"{prefix}/{key}" if prefix else str(key)
+            if isinstance(value, dict):
+                fill(value, path)
+            else:
+                if tuple(params[path].shape) != tuple(value.shape):
+                    raise hf_files.CheckpointError(f"{path!r} has shape {params[path].shape}, model expects {value.shape}")
+                # Only floating parameters take the model dtype; integer tables (EAGLE-3 d2t) stay exact.
+                floating = jnp.issubdtype(value.dtype, jnp.floating)
+                node[key] = jnp.asarray(params[path], dtype=dtype if floating else value.dtype)
+
+    fill(pure, "")
+    nnx.replace_by_pure_dict(state, pure)
+    return nnx.merge(graphdef, state)
+
+
+def model_params(model: nnx.Module) -> dict[str, np.ndarray]:
+    """Flax path -> host array, the inverse of `build_model`."""
+    return {path: np.asarray(jax.device_get(leaf)) for path, leaf in flat_state(nnx.state(model, nnx.Param)).items()}

@@ -1,0 +1,214 @@
+"""Host side of generation: input checks, batching, prefill buckets, compilation, streaming.
+
+The device programs live in `speculative`; this module compiles them ahead of time (so
+generation timings exclude compilation and compile counts are observable), feeds them
+int32 arrays of fixed shapes, and turns the final state into per-prompt results.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from eagle_jax import compile_cache as compile_cache_lib
+from eagle_jax import llama
+from eagle_jax import sampling as sampling_lib
+from eagle_jax import speculative
+
+MIN_BUCKET = 16
+
+
+class InputError(ValueError):
+    """Bad user input (token ids, lengths, settings): reported without a traceback by the CLI."""
+
+
+def as_token_ids(ids, vocab_size: int) -> np.ndarray:
+    """Validates one prompt's token ids and returns them as int32.
+
+    int64 ids (what `argmax` or a tokenizer returns) are range-checked, then cast: feeding
+    them unchecked to an int32 program would wrap silently.
+    """
+    array = np.asarray(ids)
+    if array.ndim != 1 or array.size == 0:
+        raise InputError(f"a prompt must be a non-empty 1-D sequence of token ids, got shape {array.shape}")
+    if not np.issubdtype(array.dtype, np.integer):
+        raise InputError(f"token ids must be integers, got dtype {array.dtype}")
+    low, high = int(array.min()), int(array.max())
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise InputError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    return array.astype(np.int32)
+
+
+def bucket_length(length: int, max_length: int) -> int:
+    """Power-of-two prefill width (>= MIN_BUCKET), capped at the cache length."""
+    return min(max(MIN_BUCKET, 1 << (length - 1).bit_length()), max_length)
+
+
+@dataclasses.dataclass
+class Result:
+    """One prompt's generation."""
+
+    token_ids: list[int]
+    seconds: float  # wall time of its batch, excluding load and compilation
+    compile_seconds: float
+    stats: dict
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class Engine:
+    """Compiles and runs (speculative) generation for one target and optional EAGLE head.
+
+    Args:
+        target: the Llama target.
+        head: an EAGLE head, or None for plain decoding.
+        num_speculative_tokens: k; 0 means plain decoding.
+        max_length: static KV-cache length (prompt + new tokens + k + 1 must fit).
+        batch_size: rows per compiled program; shorter batches are padded with idle rows.
+        eager: run the same functions op by op, without jit (for comparison only: slow).
+        cache_dir: persistent compilation cache root; None compiles in memory only.
+    """
+
+    def __init__(self, target: llama.Llama, head=None, *, num_speculative_tokens: int = 0, max_length: int = 2048,
+                 batch_size: int = 1, eager: bool = False, cache_dir=None):
+        if num_speculative_tokens < 0:
+            raise InputError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
+        if num_speculative_tokens and head is None:
+            raise InputError("num_speculative_tokens > 0 needs a draft head")
+        self.config = target.config
+        self.k = num_speculative_tokens if head is not None else 0
+        self.max_length = min(max_length, self.config.max_position_embeddings)
+        self.batch_size = batch_size
+        self.eager = eager
+        self._target_def, self.target_params = nnx.split(target)
+        self._head_def, self.head_params = nnx.split(head) if head is not None else (None, None)
+        self.head_config = head.config if head is not None else None
+        self.compile_cache = compile_cache_lib.CompileCache(cache_dir)
+        self._compiled: dict = {}
+        self.compile_seconds = 0.0
+
+    @property
+    def num_compilations(self) -> int:
+        """XLA compilations this engine ran (persistent-cache hits excluded)."""
+        return self.compile_cache.misses
+
+    def module_name(self, program: str, opts: speculative.Options) -> str:
+        method = self.head_config.method if self.head_config is not None and opts.k else "plain"
+        if program == "start":
+            return f"prefill-{method}"
+        return f"speculative-{method}-k{opts.k}" if opts.k else "decode"
+
+    # Pure functions of (params, inputs): the jit boundary merges modules inside.
+    def _modules(self, target_params, head_params):
+        target = nnx.merge(self._target_def, target_params)
+        head = nnx.merge(self._head_def, head_params) if self._head_def is not None else None
+        return target, head
+
+    def _start(self, target_params, head_params, tokens, lengths, rng, opts):
+        target, head = self._modules(target_params, head_params)
+        return speculative.start(target, head, tokens, lengths, rng, self.max_length, opts)
+
+    def _run(self, target_params, head_params, state, num_steps, opts):
+        target, head = self._modules(target_params, head_params)
+        return speculative.run_steps(target, head, state, num_steps, opts)
+
+    def _program(self, name: str, function, args, static: dict, donate: tuple[str, ...] = ()):
+        """The compiled program for these shapes and static settings, compiled once."""
+        if self.eager:
+            def op_by_op(*a):
+                with jax.disable_jit():
+                    return function(*a, **static)
+            return op_by_op
+        shapes = jax.tree.map(lambda x: (x.shape, x.dtype) if hasattr(x, "shape") else x, args)
+        key = repr((name, shapes, sorted(static.items()), self.config, self.head_config, self.max_length))
+        if key not in self._compiled:
+            jitted = jax.jit(function, static_argnames=tuple(static), donate_argnames=donate)
+            lowered = jitted.lower(*args, **static)
+            module = self.module_name(name, static["opts"])
+            self._compiled[key], seconds = self.compile_cache.compile(module, key, lowered)
+            self.compile_seconds += seconds
+        return self._compiled[key]
+
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 128,
+                 sampling: sampling_lib.Sampling = sampling_lib.Sampling(), seed: int = 0, ignore_eos: bool = False,
+                 eos_ids: Sequence[int] | None = None, steps_per_call: int = 64,
+                 on_tokens: Callable[[int, list[int]], None] | None = None) -> list[Result]:
+        """Generates for each prompt (lists or arrays of token ids, any integer dtype).
+
+        Args:
+            on_tokens: called as `on_tokens(prompt_index, new_ids)` after each device call,
+                for streaming. Smaller `steps_per_call` streams more smoothly.
+        """
+        if max_new_tokens < 1:
+            raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        prompts = [as_token_ids(p, self.config.vocab_size) for p in prompts]
+        for index, prompt in enumerate(prompts):
+            needed = len(prompt) + max_new_tokens + self.k + 1
+            if needed > self.max_length:
+                raise InputError(f"prompt {index} has {len(prompt)} tokens; with {max_new_tokens} new tokens and k={self.k} "
+                                 f"it needs {needed} cache slots, more than max_length={self.max_length}")
+        eos = () if ignore_eos else tuple(self.config.eos_token_ids if eos_ids is None else eos_ids)
+        opts = speculative.Options(k=self.k, sampling=sampling, eos_ids=eos, max_new_tokens=max_new_tokens)
+        results: list[Result] = []
+        rng = jax.random.key(seed)
+        for first in range(0, len(prompts), self.batch_size):
+            rng, batch_rng = jax.random.split(rng)
+            batch = prompts[first:first + self.batch_size]
+            emit = None if on_tokens is None else (lambda row, ids, first=first: on_tokens(first + row, ids))
+            results += self._generate_batch(batch, batch_rng, opts, steps_per_call, emit)
+        return results
+
+    def _generate_batch(self, prompts, rng, opts, steps_per_call, emit) -> list[Result]:
+        width = bucket_length(max(len(p) for p in prompts), self.max_length)
+        tokens = np.zeros((self.batch_size, width), np.int32)
+        lengths = np.ones((self.batch_size,), np.int32)  # idle padding rows hold one token
+        for row, prompt in enumerate(prompts):
+            tokens[row, :len(prompt)] = prompt
+            lengths[row] = len(prompt)
+        idle = np.arange(self.batch_size) >= len(prompts)
+        args = (self.target_params, self.head_params, jnp.asarray(tokens), jnp.asarray(lengths), rng)
+        compile_before = self.compile_seconds
+        start = self._program("start", self._start, args, dict(opts=opts))
+        state_shape = None if self.eager else jax.eval_shape(lambda *a: self._start(*a, opts=opts), *args)
+        run_args = (self.target_params, self.head_params, state_shape)
+        run = self._program("run", self._run, run_args, dict(num_steps=steps_per_call, opts=opts), donate=("state",))
+        compile_seconds = self.compile_seconds - compile_before
+
+        began = time.perf_counter()
+        state = start(*args)
+        if idle.any():
+            state = state.replace(done=jnp.asarray(np.asarray(state.done) | idle))
+        shown = np.zeros(len(prompts), np.int64)
+        while True:
+            if emit is not None:
+                shown = self._emit(state, shown, emit)
+            if np.all(jax.device_get(state.done)):
+                break
+            state = run(self.target_params, self.head_params, state)
+        output, counts = jax.device_get((state.output, state.num_generated))
+        seconds = time.perf_counter() - began
+        stats = speculative.stats(state, self.k)
+        return [Result(token_ids=output[row, :counts[row]].tolist(), seconds=seconds,
+                       compile_seconds=compile_seconds, stats=stats[row]) for row in range(len(prompts))]
+
+    @staticmethod
+    def _emit(state, shown, emit):
+        output, counts = jax.device_get((state.output, state.num_generated))
+        for row in range(len(shown)):
+            if counts[row] > shown[row]:
+                emit(row, output[row, shown[row]:counts[row]].tolist())
+                shown[row] = counts[row]
+        return shown

@@ -1,0 +1,143 @@
+"""`python -m eagle_jax.generate`: (speculative) generation from the command line.
+
+With no `--model` it runs the embedded default model, SmolLM2-135M-Instruct, with its shipped
+EAGLE head as the draft. Text streams to the terminal; `--json` prints one object per prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from eagle_jax import compile_cache
+from eagle_jax import engine as engine_lib
+from eagle_jax import heads
+from eagle_jax import hf_files
+from eagle_jax import models
+from eagle_jax import sampling as sampling_lib
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m eagle_jax.generate", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="HF directory, converted directory or .gguf (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    parser.add_argument("--prompts-file", help="JSONL with a 'prompt' field or MT-Bench 'turns' (first turn used)")
+    parser.add_argument("--no-chat", action="store_true", help="feed raw text, without the chat template")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=sorted(models.DTYPES), default="float32")
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
+    parser.add_argument("--draft", help="EAGLE head directory; 'none' disables (default: the shipped head "
+                                        "when the model is the default one)")
+    parser.add_argument("--method", choices=["eagle", "eagle3"], help="which shipped head (default: eagle3)")
+    parser.add_argument("--num-speculative-tokens", type=int, help="k drafted tokens per step; 0 = plain decoding")
+    parser.add_argument("--eager", action="store_true", help="run op by op without jit (slow; for comparison)")
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--max-length", type=int, default=2048, help="KV cache length")
+    parser.add_argument("--cache-dir", help=f"compilation cache root (default: ${compile_cache.ENV_VAR}/xla or "
+                                            "~/.cache/eagle_jax/xla)")
+    parser.add_argument("--no-compile-cache", action="store_true")
+    return parser.parse_args(argv)
+
+
+def read_prompts(args) -> list[str]:
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        for number, line in enumerate(Path(args.prompts_file).read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                prompts.append(record["prompt"] if "prompt" in record else record["turns"][0])
+            except (json.JSONDecodeError, KeyError, IndexError, TypeError):
+                raise engine_lib.InputError(f"{args.prompts_file}:{number}: expected JSON with 'prompt' or 'turns'")
+    if not prompts:
+        prompts = ["Write a short poem about the sea."]
+    return prompts
+
+
+def encode(tokenizer, text: str, chat: bool) -> list[int]:
+    if chat and tokenizer.chat_template:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(text)["input_ids"]
+
+
+def load(args):
+    """(engine, tokenizer, method) for the parsed arguments."""
+    import transformers
+
+    target, tokenizer_dir = models.load_target(args.model, args.dtype)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    draft, method = heads.choose_draft(args.model, args.draft, args.method)
+    head = models.load_head(draft, target, args.dtype) if draft else None
+    k = args.num_speculative_tokens
+    if k is None:
+        k = heads.best_k(method) if head is not None else 0
+    if k == 0:
+        head, method = None, "none"
+    cache_dir = None if args.no_compile_cache else (args.cache_dir or compile_cache.default_root())
+    engine = engine_lib.Engine(target, head, num_speculative_tokens=k, max_length=args.max_length,
+                               batch_size=args.batch_size, eager=args.eager, cache_dir=cache_dir)
+    return engine, tokenizer, method
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        if args.batch_size < 1:
+            raise engine_lib.InputError(f"--batch-size must be >= 1, got {args.batch_size}")
+        sampling = sampling_lib.Sampling(temperature=args.temperature, top_p=args.top_p)
+        prompts = read_prompts(args)
+        engine, tokenizer, method = load(args)
+        token_ids = [encode(tokenizer, text, not args.no_chat) for text in prompts]
+        stream = not args.json and args.batch_size == 1
+        streamed = {}
+
+        def on_tokens(index, new_ids):
+            previous = tokenizer.decode(streamed.get(index, []), skip_special_tokens=True)
+            streamed[index] = streamed.get(index, []) + new_ids
+            print(tokenizer.decode(streamed[index], skip_special_tokens=True)[len(previous):], end="", flush=True)
+
+        results = []
+        for index, ids in enumerate(token_ids):  # one at a time so each streams as it is made
+            if stream:
+                print(f"\n>>> {prompts[index]}\n", flush=True)
+            [result] = engine.generate([ids], max_new_tokens=args.max_new_tokens, sampling=sampling,
+                                       seed=args.seed + index, ignore_eos=args.ignore_eos,
+                                       steps_per_call=8 if stream else 64, on_tokens=on_tokens if stream else None)
+            results.append(result)
+            report(args, prompts[index], tokenizer, result, method, engine.k, stream)
+    except (engine_lib.InputError, hf_files.CheckpointError, FileNotFoundError, ValueError, RuntimeError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def report(args, prompt, tokenizer, result, method, k, streamed) -> None:
+    text = tokenizer.decode(result.token_ids, skip_special_tokens=True)
+    if args.json:
+        record = dict(prompt=prompt, text=text, token_ids=result.token_ids, num_tokens=result.num_tokens,
+                      seconds=round(result.seconds, 4), tokens_per_second=round(result.tokens_per_second, 2),
+                      compile_seconds=round(result.compile_seconds, 3), method=method, num_speculative_tokens=k,
+                      **result.stats)
+        print(json.dumps(record), flush=True)
+        return
+    if not streamed:
+        print(f"\n>>> {prompt}\n{text}")
+    summary = f"{result.num_tokens} tokens in {result.seconds:.2f} s, {result.tokens_per_second:.1f} tokens/s"
+    if k:
+        summary += f", acceptance length {result.stats['acceptance_length']:.2f} ({method}, k={k})"
+    print(f"\n[{summary}; compile {result.compile_seconds:.1f} s]", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""The key/value cache: an immutable, statically shaped pytree passed through jit and donated."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+@struct.dataclass
+class KVCache:
+    """Per-layer key and value buffers plus the committed length of each row.
+
+    One array per layer (rather than one stacked array) so that each layer's update aliases
+    its own donated buffer. Slots at or past `lengths[b]` hold stale or rejected entries that
+    the next write overwrites; attention masks by position, so they are never read.
+
+    Attributes:
+        keys: per layer [B, S, K, H].
+        values: per layer [B, S, K, H].
+        lengths: [B] int32 committed tokens per row (the next write position).
+    """
+
+    keys: tuple[jax.Array, ...]
+    values: tuple[jax.Array, ...]
+    lengths: jax.Array
+
+    @property
+    def max_length(self) -> int:
+        return self.keys[0].shape[1]
+
+    @property
+    def batch_size(self) -> int:
+        return self.keys[0].shape[0]
+
+    @classmethod
+    def create(cls, num_layers: int, batch_size: int, max_length: int, num_kv_heads: int, head_dim: int,
+               dtype=jnp.float32) -> "KVCache":
+        shape = (batch_size, max_length, num_kv_heads, head_dim)
+        zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
+        return cls(keys=zeros(), values=zeros(), lengths=jnp.zeros((batch_size,), jnp.int32))

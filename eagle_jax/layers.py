@@ -1,0 +1,159 @@
+"""Llama building blocks: RMSNorm, rotary embeddings (incl. llama3 scaling), attention, MLP.
+
+Submodule and parameter names follow HF (`self_attn.q_proj`, `mlp.gate_proj`, ...) so that
+weight conversion is a short table. Einsum letters: B batch, T query, S key, D model,
+N query heads, K kv heads, G group, H head dim, F feed-forward.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from eagle_jax import config as config_lib
+
+# A large finite negative instead of -inf: a fully masked row (a padded query) then gives a
+# uniform softmax instead of NaNs that would poison the cache through later layers.
+_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+class RMSNorm(nnx.Module):
+    """HF LlamaRMSNorm: normalise in float32, cast back, then scale."""
+
+    def __init__(self, size: int, eps: float, *, dtype=jnp.float32, param_dtype=jnp.float32):
+        self.weight = nnx.Param(jnp.ones((size,), param_dtype))
+        self.eps = eps
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight.value.astype(self.dtype) * x32.astype(self.dtype)
+
+
+def rope_inverse_frequencies(head_dim: int, theta: float, scaling: config_lib.RopeScaling | None) -> np.ndarray:
+    """Rotary inverse frequencies [H/2], with the `llama3` long-context rescaling when given."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    if scaling is None:
+        return inv_freq.astype(np.float32)
+    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    interpolated = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    between = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(between, interpolated, scaled).astype(np.float32)
+
+
+def apply_rotary(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate-half rotary embedding (HF convention, so q/k weights need no permutation).
+
+    Args:
+        x: [B, T, N, H] queries or keys.
+        positions: [B, T] int32 absolute positions.
+        inv_freq: [H/2] inverse frequencies.
+    """
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, H/2]
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, :, None, :]
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, :, None, :]
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    return (x32 * cos + rotated * sin).astype(x.dtype)
+
+
+def write_rows(cache: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Array:
+    """Writes `new` [B, T, ...] into `cache` [B, S, ...] at a per-row start index [B]."""
+
+    def write_one(row_cache, row_new, start):
+        return jax.lax.dynamic_update_slice_in_dim(row_cache, row_new, start, axis=0)
+
+    return jax.vmap(write_one)(cache, new.astype(cache.dtype), starts)
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention over an explicit, statically shaped KV cache."""
+
+    def __init__(self, cfg: config_lib.LlamaConfig, *, input_size: int | None = None, rngs: nnx.Rngs,
+                 dtype=jnp.float32, param_dtype=jnp.float32):
+        input_size = input_size or cfg.hidden_size
+        linear = lambda i, o, bias: nnx.Linear(i, o, use_bias=bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.q_proj = linear(input_size, cfg.num_heads * cfg.head_dim, cfg.attention_bias)
+        self.k_proj = linear(input_size, cfg.num_kv_heads * cfg.head_dim, cfg.attention_bias)
+        self.v_proj = linear(input_size, cfg.num_kv_heads * cfg.head_dim, cfg.attention_bias)
+        self.o_proj = linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.attention_bias)
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        # Hashable rope settings, not an array: module attributes that are not Params are static.
+        self.rope = (cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+    def __call__(self, x: jax.Array, positions: jax.Array, keys: jax.Array, values: jax.Array):
+        """Attends T new tokens to the cache after writing their keys and values into it.
+
+        Args:
+            x: [B, T, input_size] inputs.
+            positions: [B, T] int32 positions, contiguous per row; they are also the cache slots.
+            keys, values: [B, S, K, H] this layer's cache.
+
+        Returns:
+            ([B, T, D] output, updated keys, updated values). Slot s is visible to a query at
+            position p iff s <= p, so stale entries past a row's cursor are never read.
+        """
+        batch, length, _ = x.shape
+        q = self.q_proj(x).reshape(batch, length, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(batch, length, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(batch, length, self.num_kv_heads, self.head_dim)
+        inv_freq = rope_inverse_frequencies(*self.rope)
+        q = apply_rotary(q, positions, inv_freq)
+        k = apply_rotary(k, positions, inv_freq)
+        keys = write_rows(keys, k, positions[:, 0])
+        values = write_rows(values, v, positions[:, 0])
+
+        group = self.num_heads // self.num_kv_heads
+        q = q.reshape(batch, length, self.num_kv_heads, group, self.head_dim)  # [B, T, K, G, H]
+        scores = jnp.einsum("btkgh,bskh->bkgts", q, keys.astype(q.dtype), preferred_element_type=jnp.float32)
+        scores = scores / math.sqrt(self.head_dim)
+        slots = jnp.arange(keys.shape[1], dtype=jnp.int32)
+        visible = slots[None, None, :] <= positions[:, :, None]  # [B, T, S]
+        scores = jnp.where(visible[:, None, None], scores, _MASK_VALUE)
+        probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+        out = jnp.einsum("bkgts,bskh->btkgh", probs, values.astype(q.dtype))
+        out = out.reshape(batch, length, self.num_heads * self.head_dim)
+        return self.o_proj(out), keys, values
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: config_lib.LlamaConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        linear = lambda i, o: nnx.Linear(i, o, use_bias=cfg.mlp_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.gate_proj = linear(cfg.hidden_size, cfg.intermediate_size)
+        self.up_proj = linear(cfg.hidden_size, cfg.intermediate_size)
+        self.down_proj = linear(cfg.intermediate_size, cfg.hidden_size)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm Llama decoder layer."""
+
+    def __init__(self, cfg: config_lib.LlamaConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        kw = dict(dtype=dtype, param_dtype=param_dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.self_attn = Attention(cfg, rngs=rngs, **kw)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.mlp = MLP(cfg, rngs=rngs, **kw)
+
+    def __call__(self, x, positions, keys, values):
+        attended, keys, values = self.self_attn(self.input_layernorm(x), positions, keys, values)
+        x = x + attended
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, keys, values

