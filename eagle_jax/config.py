@@ -62,6 +62,8 @@ class LlamaConfig:
         head_dim = int(hf.get("head_dim") or hidden_size // num_heads)
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
+        # transformers >= 5 writes rope_theta and the scaling block together as `rope_parameters`.
+        rope = hf.get("rope_parameters") or {}
         eos = hf.get("eos_token_id")
         eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
         return cls(
@@ -73,8 +75,8 @@ class LlamaConfig:
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-            rope_theta=float(hf.get("rope_theta", 10000.0)),
-            rope_scaling=_rope_scaling(hf.get("rope_scaling")),
+            rope_theta=float(hf.get("rope_theta") or rope.get("rope_theta", 10000.0)),
+            rope_scaling=_rope_scaling(hf.get("rope_scaling") or rope),
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bool(hf.get("attention_bias", False)),

@@ -235,7 +235,7 @@ def render_conversation(
             render prefixes of the conversation as prefixes of its text.
     """
     text = _render(tokenizer, messages)
-    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
     token_ids = np.asarray(encoding["input_ids"][:max_length], dtype=np.int32)
     offsets = encoding["offset_mapping"][: len(token_ids)]  # character span of each token
     token_starts = np.asarray([start for start, _ in offsets], dtype=np.int64)

@@ -1,10 +1,13 @@
 """EAGLE-1 and EAGLE-3 draft heads.
 
-Both heads share one interface, so the speculative loop does not care which it runs:
+Both heads share one interface, so the speculative loop and the trainer do not care which runs:
   * `project(target_features)`: target features -> the head's feature space [.., D].
-  * `__call__(tokens, features, positions, cache, target)`: one draft forward; returns
-    (next features [B, T, D], logits [B, T, V_draft], cache).
+  * `attention_input(embedded, features)` -> (attention input, residual); `attention`, the
+    layer's `layers.Attention`; `finish(attended, residual)` -> next features; `logits(out, target)`.
+  * `__call__(tokens, features, positions, cache, target)`: those four with a KV cache;
+    returns (next features [B, T, D], logits [B, T, V_draft], cache).
   * `to_target_ids(draft_ids)`: draft vocabulary -> target vocabulary.
+The split lets training run the same layer under its own attention pattern (training-time test).
 """
 
 from __future__ import annotations
@@ -57,13 +60,23 @@ class Eagle1Head(nnx.Module):
     def project(self, target_features: jax.Array) -> jax.Array:
         return target_features  # EAGLE-1 regresses the target's final-norm hidden state itself
 
-    def __call__(self, tokens, features, positions, cache: kv_cache_lib.KVCache, target: llama.Llama):
-        embedded = target.embed_tokens(tokens)
+    @property
+    def attention(self) -> layers.Attention:
+        return self.self_attn
+
+    def attention_input(self, embedded, features):
         x = self.fc(jnp.concatenate([embedded, features.astype(embedded.dtype)], axis=-1))
-        attended, keys, values = self.self_attn(x, positions, cache.keys[0], cache.values[0])  # no input norm
-        h = x + attended
-        out = h + self.mlp(self.post_attention_layernorm(h))
-        return out, target.logits(out), cache.replace(keys=(keys,), values=(values,))
+        return x, x  # layer 0 has no input norm
+
+    def finish(self, attended, residual):
+        h = residual + attended
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def logits(self, out, target: llama.Llama):
+        return target.logits(out)
+
+    def __call__(self, tokens, features, positions, cache: kv_cache_lib.KVCache, target: llama.Llama):
+        return _cached_forward(self, tokens, features, positions, cache, target)
 
     def to_target_ids(self, draft_ids: jax.Array) -> jax.Array:
         return draft_ids
@@ -85,21 +98,38 @@ class Eagle3Head(nnx.Module):
         self.d2t = nnx.Variable(jnp.zeros((cfg.draft_vocab_size,), jnp.int32))
 
     def project(self, target_features: jax.Array) -> jax.Array:
-        return self.fc(target_features.astype(self.fc.kernel.value.dtype))
+        return self.fc(target_features.astype(self.fc.kernel[...].dtype))
+
+    @property
+    def attention(self) -> layers.Attention:
+        return self.midlayer.self_attn
+
+    def attention_input(self, embedded, features):
+        features = features.astype(embedded.dtype)
+        layer = self.midlayer
+        return jnp.concatenate([layer.input_layernorm(embedded), layer.hidden_norm(features)], axis=-1), features
+
+    def finish(self, attended, residual):
+        h = attended + residual
+        return h + self.midlayer.mlp(self.midlayer.post_attention_layernorm(h))  # pre-norm: fed back as g
+
+    def logits(self, out, target: llama.Llama):
+        return jnp.einsum("...d,dv->...v", self.norm(out), self.lm_head.kernel[...].astype(out.dtype),
+                          preferred_element_type=jnp.float32)
 
     def __call__(self, tokens, features, positions, cache: kv_cache_lib.KVCache, target: llama.Llama):
-        embedded = target.embed_tokens(tokens)
-        pre, keys, values = self.midlayer(embedded, features, positions, cache.keys[0], cache.values[0])
-        logits = jnp.einsum("...d,dv->...v", self.norm(pre), self.lm_head.kernel.value.astype(pre.dtype),
-                            preferred_element_type=jnp.float32)
-        return pre, logits, cache.replace(keys=(keys,), values=(values,))
+        return _cached_forward(self, tokens, features, positions, cache, target)
 
     def to_target_ids(self, draft_ids: jax.Array) -> jax.Array:
-        return (draft_ids + self.d2t.value[draft_ids]).astype(jnp.int32)
+        return (draft_ids + self.d2t[...][draft_ids]).astype(jnp.int32)
 
 
 class Eagle3Midlayer(nnx.Module):
-    """The EAGLE-3 decoder layer: q/k/v read 2H inputs; the residual is the feature g."""
+    """The EAGLE-3 decoder layer's weights: q/k/v read 2H inputs; the residual is the feature g.
+
+    Its forward lives in `Eagle3Head.attention_input` / `finish`; this module only keeps the
+    checkpoint's `midlayer.*` names.
+    """
 
     def __init__(self, cfg: EagleConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
         kw = dict(dtype=dtype, param_dtype=param_dtype)
@@ -110,12 +140,13 @@ class Eagle3Midlayer(nnx.Module):
         self.post_attention_layernorm = layers.RMSNorm(hidden, eps, **kw)
         self.mlp = layers.MLP(cfg.layer, rngs=rngs, **kw)
 
-    def __call__(self, embedded, features, positions, keys, values):
-        features = features.astype(embedded.dtype)
-        z = jnp.concatenate([self.input_layernorm(embedded), self.hidden_norm(features)], axis=-1)
-        attended, keys, values = self.self_attn(z, positions, keys, values)
-        h = attended + features
-        return h + self.mlp(self.post_attention_layernorm(h)), keys, values
+
+def _cached_forward(head, tokens, features, positions, cache: kv_cache_lib.KVCache, target: llama.Llama):
+    """One draft forward over T (token, feature) pairs with the head's one-layer KV cache."""
+    x, residual = head.attention_input(target.embed_tokens(tokens), features)
+    attended, keys, values = head.attention(x, positions, cache.keys[0], cache.values[0])
+    out = head.finish(attended, residual)
+    return out, head.logits(out, target), cache.replace(keys=(keys,), values=(values,))
 
 
 def make_head(cfg: EagleConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):

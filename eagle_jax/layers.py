@@ -32,7 +32,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.weight.value.astype(self.dtype) * x32.astype(self.dtype)
+        return self.weight[...].astype(self.dtype) * x32.astype(self.dtype)
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling: config_lib.RopeScaling | None) -> np.ndarray:
@@ -94,6 +94,15 @@ class Attention(nnx.Module):
         # Hashable rope settings, not an array: module attributes that are not Params are static.
         self.rope = (cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
+    def project(self, x: jax.Array, positions: jax.Array):
+        """Queries [B, T, N, H], keys and values [B, T, K, H] of the inputs, rotary applied."""
+        batch, length, _ = x.shape
+        q = self.q_proj(x).reshape(batch, length, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(batch, length, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(batch, length, self.num_kv_heads, self.head_dim)
+        inv_freq = rope_inverse_frequencies(*self.rope)
+        return apply_rotary(q, positions, inv_freq), apply_rotary(k, positions, inv_freq), v
+
     def __call__(self, x: jax.Array, positions: jax.Array, keys: jax.Array, values: jax.Array):
         """Attends T new tokens to the cache after writing their keys and values into it.
 
@@ -106,27 +115,35 @@ class Attention(nnx.Module):
             ([B, T, D] output, updated keys, updated values). Slot s is visible to a query at
             position p iff s <= p, so stale entries past a row's cursor are never read.
         """
-        batch, length, _ = x.shape
-        q = self.q_proj(x).reshape(batch, length, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(batch, length, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(batch, length, self.num_kv_heads, self.head_dim)
-        inv_freq = rope_inverse_frequencies(*self.rope)
-        q = apply_rotary(q, positions, inv_freq)
-        k = apply_rotary(k, positions, inv_freq)
+        q, k, v = self.project(x, positions)
         keys = write_rows(keys, k, positions[:, 0])
         values = write_rows(values, v, positions[:, 0])
-
-        group = self.num_heads // self.num_kv_heads
-        q = q.reshape(batch, length, self.num_kv_heads, group, self.head_dim)  # [B, T, K, G, H]
-        scores = jnp.einsum("btkgh,bskh->bkgts", q, keys.astype(q.dtype), preferred_element_type=jnp.float32)
-        scores = scores / math.sqrt(self.head_dim)
         slots = jnp.arange(keys.shape[1], dtype=jnp.int32)
         visible = slots[None, None, :] <= positions[:, :, None]  # [B, T, S]
-        scores = jnp.where(visible[:, None, None], scores, _MASK_VALUE)
-        probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-        out = jnp.einsum("bkgts,bskh->btkgh", probs, values.astype(q.dtype))
-        out = out.reshape(batch, length, self.num_heads * self.head_dim)
-        return self.o_proj(out), keys, values
+        return self.output(grouped_attention(q, keys, values, visible)), keys, values
+
+    def output(self, attended: jax.Array) -> jax.Array:
+        """o_proj of attended values [B, T, N, H]."""
+        batch, length = attended.shape[:2]
+        return self.o_proj(attended.reshape(batch, length, self.num_heads * self.head_dim))
+
+
+def grouped_attention(q: jax.Array, keys: jax.Array, values: jax.Array, visible: jax.Array) -> jax.Array:
+    """Softmax attention with grouped kv heads.
+
+    Args:
+        q: [B, T, N, H] queries; keys, values: [B, S, K, H]; visible: [B, T, S] bool.
+    Returns:
+        [B, T, N, H] attended values.
+    """
+    batch, length, num_heads, head_dim = q.shape
+    num_kv_heads = keys.shape[2]
+    q = q.reshape(batch, length, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, T, K, G, H]
+    scores = jnp.einsum("btkgh,bskh->bkgts", q, keys.astype(q.dtype), preferred_element_type=jnp.float32)
+    scores = jnp.where(visible[:, None, None], scores / math.sqrt(head_dim), _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, values.astype(q.dtype))
+    return out.reshape(batch, length, num_heads, head_dim)
 
 
 class MLP(nnx.Module):

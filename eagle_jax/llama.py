@@ -43,24 +43,25 @@ class Llama(nnx.Module):
             (hidden [B, T, D] after the final norm, updated cache, captured [B, T, C*D] or None).
         """
         x = self.embed_tokens(tokens)
-        keys, values, captured = list(cache.keys), list(cache.values), []
+        keys, values, captured = list(cache.keys), list(cache.values), {}
         for index, layer in enumerate(self.layers):
             if index in capture_layers:
-                captured.append(x)
+                captured[index] = x
             x, keys[index], values[index] = layer(x, positions, keys[index], values[index])
         cache = cache.replace(keys=tuple(keys), values=tuple(values))
-        features = jnp.concatenate(captured, axis=-1) if captured else None
+        # In the requested order, repeats allowed (tiny targets give EAGLE-3 defaults like (2, 2, 1)).
+        features = jnp.concatenate([captured[i] for i in capture_layers], axis=-1) if capture_layers else None
         return self.norm(x), cache, features
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """float32 logits [..., V] from final-norm hidden states."""
         if self.config.tie_word_embeddings:
-            weight = self.embed_tokens.embedding.value  # [V, D]
+            weight = self.embed_tokens.embedding[...]  # [V, D]
         else:
-            weight = self.lm_head.kernel.value.T
+            weight = self.lm_head.kernel[...].T
         return jnp.einsum("...d,vd->...v", hidden, weight.astype(hidden.dtype), preferred_element_type=jnp.float32)
 
     def init_cache(self, batch_size: int, max_length: int, dtype=None) -> kv_cache_lib.KVCache:
         cfg = self.config
-        dtype = dtype or self.embed_tokens.embedding.value.dtype
+        dtype = dtype or self.embed_tokens.embedding[...].dtype
         return kv_cache_lib.KVCache.create(cfg.num_layers, batch_size, max_length, cfg.num_kv_heads, cfg.head_dim, dtype)

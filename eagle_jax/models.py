@@ -161,7 +161,7 @@ def load_head(path: str | Path, target: llama.Llama, dtype: str = "float32"):
 
 
 def _check_embeddings(embeddings: np.ndarray, target: llama.Llama) -> None:
-    target_embeddings = np.asarray(target.embed_tokens.embedding.value, np.float32)
+    target_embeddings = np.asarray(target.embed_tokens.embedding[...], np.float32)
     if embeddings.shape != target_embeddings.shape:
         raise hf_files.CheckpointError(
             f"head does not fit target: head embed_tokens {embeddings.shape}, target embed_tokens {target_embeddings.shape}")
@@ -182,3 +182,45 @@ def _check_vocab_map(tensors: dict, cfg: eagle.EagleConfig, vocab_size: int) -> 
     if "t2d" in tensors and np.asarray(tensors["t2d"]).shape != (vocab_size,):
         raise hf_files.CheckpointError(f"head t2d has length {np.asarray(tensors['t2d']).shape[0]}, target vocab_size={vocab_size}")
     return dict(tensors, d2t=d2t.astype(np.int32))
+
+
+def export_head(head, target_config: config_lib.LlamaConfig, out_dir: str | Path, dtype: str = "bfloat16") -> Path:
+    """Writes a head in its public HF layout (config.json + model.safetensors), the inverse of `load_head`.
+
+    The key names and config fields follow yuhuili/EAGLE-LLaMA3.1-Instruct-8B (EAGLE-1) and
+    yuhuili/EAGLE3-LLaMA3.1-Instruct-8B (EAGLE-3), so vLLM and SGLang load the result too.
+    """
+    cfg = head.config
+    params = checkpoint.flat_state(nnx.state(head))
+    rules = EAGLE3_RULES if cfg.method == "eagle3" else EAGLE1_RULES
+    tensors = {}
+    for rule in rules:
+        if rule.target in params:
+            array = np.asarray(params[rule.target])
+            if np.issubdtype(array.dtype, np.floating):
+                array = array.astype(np.dtype(DTYPES[dtype]))
+            tensors[rule.pattern.replace("\\", "")] = array.T if rule.transpose else array
+    layer = cfg.layer
+    config = dict(
+        architectures=["LlamaForCausalLMEagle3" if cfg.method == "eagle3" else "LlamaForCausalLM"],
+        model_type="llama", hidden_act="silu", num_hidden_layers=1, torch_dtype=dtype,
+        hidden_size=layer.hidden_size, intermediate_size=layer.intermediate_size,
+        num_attention_heads=layer.num_heads, num_key_value_heads=layer.num_kv_heads, head_dim=layer.head_dim,
+        rms_norm_eps=layer.rms_norm_eps, rope_theta=layer.rope_theta, vocab_size=layer.vocab_size,
+        max_position_embeddings=layer.max_position_embeddings, tie_word_embeddings=False,
+        bos_token_id=target_config.bos_token_id, eos_token_id=list(target_config.eos_token_ids),
+    )
+    if cfg.method == "eagle3":
+        d2t = tensors["d2t"].astype(np.int64)
+        t2d = np.zeros((target_config.vocab_size,), bool)
+        t2d[np.arange(len(d2t)) + d2t] = True
+        tensors.update(d2t=d2t, t2d=t2d)
+        config.update(draft_vocab_size=cfg.draft_vocab_size, target_hidden_size=cfg.target_hidden_size,
+                      eagle_aux_hidden_state_layer_ids=list(cfg.feature_layers))
+    else:
+        config["bias"] = cfg.fc_bias
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    hf_files.save_tensors(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out_dir

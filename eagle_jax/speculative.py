@@ -52,6 +52,7 @@ class Options:
     sampling: sampling_lib.Sampling = struct.field(pytree_node=False, default=sampling_lib.Sampling())
     eos_ids: tuple[int, ...] = struct.field(pytree_node=False, default=())
     max_new_tokens: int = struct.field(pytree_node=False, default=128)
+    cache_length: int = struct.field(pytree_node=False, default=256)
 
 
 def _target_features(head, hidden, captured):
@@ -87,17 +88,16 @@ def append_tokens(state: DecodeState, tokens: jax.Array, counts: jax.Array, opts
 
 
 def start(target: llama.Llama, head, tokens: jax.Array, lengths: jax.Array, rng: jax.Array,
-          max_length: int, opts: Options) -> DecodeState:
+          opts: Options) -> DecodeState:
     """Prefills target (and head) with right-padded prompts and emits the first token.
 
     Args:
         tokens: [B, T] int32 prompts, right-padded to a bucket T.
         lengths: [B] int32 true prompt lengths (>= 1).
-        max_length: static cache length.
     """
     batch, width = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
-    cache = target.init_cache(batch, max_length)
+    cache = target.init_cache(batch, opts.cache_length)
     hidden, cache, captured = target(tokens, positions, cache, _capture_layers(head))
     rows = jnp.arange(batch)
     rng, select_rng = jax.random.split(rng)
@@ -121,7 +121,7 @@ def start(target: llama.Llama, head, tokens: jax.Array, lengths: jax.Array, rng:
     features = _target_features(head, hidden, captured)
     shifted = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
     shifted = shifted.at[rows, lengths - 1].set(first)
-    draft_cache = eagle.init_cache(head.config, batch, max_length, features.dtype)
+    draft_cache = eagle.init_cache(head.config, batch, opts.cache_length, features.dtype)
     _, _, draft_cache = head(shifted, features, positions, draft_cache, target)
     pending_features = jnp.zeros((batch, k + 1, features.shape[-1]), features.dtype)
     return state.replace(

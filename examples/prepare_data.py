@@ -55,7 +55,8 @@ def write_distillation_prompts(tokenizer, conversations, arguments) -> None:
         if key in seen:
             continue
         seen.add(key)
-        if len(tokenizer(message["content"], add_special_tokens=False)["input_ids"]) > arguments.max_prompt_tokens:
+        prompt_ids = tokenizer(message["content"], add_special_tokens=False, verbose=False)["input_ids"]
+        if len(prompt_ids) > arguments.max_prompt_tokens:
             too_long += 1
             continue
         prompts.append(message["content"])

@@ -1,0 +1,253 @@
+"""EAGLE head training: `python -m eagle_jax.train` and the functions behind it.
+
+The target stays frozen and computes its features on the fly inside the compiled train step
+(Flax target, never another framework). Params and optimizer state are checkpointed with
+orbax and training resumes from the latest checkpoint in `--output/checkpoints`. At the end
+the head is exported in the public HF layout and evaluated on held-out prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import tqdm
+from flax import nnx
+
+from eagle_jax import data as data_lib
+from eagle_jax import eagle
+from eagle_jax import engine as engine_lib
+from eagle_jax import llama
+from eagle_jax import models
+from eagle_jax import train_objective
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    method: str = "eagle3"
+    steps: int = 2000
+    batch_size: int = 16
+    learning_rate: float = 5e-4
+    warmup_steps: int = 100
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    draft_vocab_size: int = 8192  # EAGLE-3
+    objective: train_objective.Objective = train_objective.Objective()
+    seed: int = 0
+    checkpoint_every: int = 500
+
+
+def new_head(target_config, cfg: TrainConfig, token_counts: np.ndarray | None = None, dtype=jnp.float32):
+    """A randomly initialised head shaped after the target (one layer of the target's width)."""
+    layer = dataclasses.replace(target_config, num_layers=1)
+    if cfg.method == "eagle3":
+        head_cfg = eagle.EagleConfig(method="eagle3", layer=layer, draft_vocab_size=cfg.draft_vocab_size,
+                                     target_hidden_size=target_config.hidden_size,
+                                     feature_layers=eagle.default_feature_layers(target_config.num_layers))
+    else:
+        head_cfg = eagle.EagleConfig(method="eagle", layer=layer, fc_bias=True)
+    head = eagle.make_head(head_cfg, rngs=nnx.Rngs(cfg.seed), dtype=dtype, param_dtype=jnp.float32)
+    if cfg.method == "eagle3":
+        if token_counts is None:
+            raise ValueError("EAGLE-3 needs token counts to choose its draft vocabulary")
+        head.d2t[...] = jnp.asarray(draft_vocabulary(token_counts, cfg.draft_vocab_size))
+    return head
+
+
+def draft_vocabulary(token_counts: np.ndarray, size: int) -> np.ndarray:
+    """d2t for the `size` most frequent target tokens: draft id i -> target id i + d2t[i] (ids ascending)."""
+    if size > len(token_counts):
+        raise ValueError(f"draft_vocab_size {size} exceeds the target vocabulary {len(token_counts)}")
+    chosen = np.sort(np.argsort(-token_counts, kind="stable")[:size])
+    return (chosen - np.arange(size)).astype(np.int32)
+
+
+def token_counts(dataset: dict[str, np.ndarray], vocab_size: int) -> np.ndarray:
+    """How often each target token appears among the trained (assistant) tokens."""
+    return np.bincount(dataset["input_ids"][dataset["loss_mask"]].ravel(), minlength=vocab_size)[:vocab_size]
+
+
+def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, cfg.warmup_steps, max(cfg.steps, cfg.warmup_steps + 1),
+                                                  end_value=cfg.learning_rate * 0.1)
+    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
+                       optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay))
+
+
+class Trainer:
+    """Holds the split modules and the compiled train step."""
+
+    def __init__(self, target: llama.Llama, head, cfg: TrainConfig):
+        self.cfg = cfg
+        self.target_def, self.target_state = nnx.split(target)
+        self.head_def, params, rest = nnx.split(head, nnx.Param, ...)
+        self.params, self.rest = params.to_pure_dict(), rest.to_pure_dict()
+        self.optimizer = optimizer(cfg)
+        self.opt_state = self.optimizer.init(self.params)
+        self.draft_ids = None
+        if isinstance(head, eagle.Eagle3Head):
+            self.draft_ids = head.to_target_ids(jnp.arange(head.config.draft_vocab_size, dtype=jnp.int32))
+        self.step = 0
+        self._train_step = jax.jit(self._step_fn, donate_argnums=(0, 1))
+
+    def head(self):
+        return nnx.merge(self.head_def, self.params, self.rest)
+
+    def _loss(self, params, tokens, loss_mask, rng):
+        head = nnx.merge(self.head_def, params, self.rest)
+        target = nnx.merge(self.target_def, self.target_state)
+        return train_objective.loss(head, target, tokens, loss_mask, rng, self.cfg.objective, self.draft_ids)
+
+    def _step_fn(self, params, opt_state, tokens, loss_mask, rng):
+        (_, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(params, tokens, loss_mask, rng)
+        updates, opt_state = self.optimizer.update(grads, opt_state, params)
+        metrics["grad_norm"] = optax.global_norm(grads)
+        return optax.apply_updates(params, updates), opt_state, metrics
+
+    def train_step(self, tokens: np.ndarray, loss_mask: np.ndarray) -> dict[str, float]:
+        rng = jax.random.fold_in(jax.random.key(self.cfg.seed), self.step)
+        self.params, self.opt_state, metrics = self._train_step(
+            self.params, self.opt_state, jnp.asarray(tokens, jnp.int32), jnp.asarray(loss_mask), rng)
+        self.step += 1
+        return metrics
+
+    # ---- orbax checkpoints ---------------------------------------------------------------
+    def checkpoint_manager(self, directory: Path) -> ocp.CheckpointManager:
+        options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
+        return ocp.CheckpointManager(directory.resolve(), options=options)
+
+    def save(self, manager: ocp.CheckpointManager) -> None:
+        state = {"params": self.params, "opt_state": self.opt_state}
+        manager.save(self.step, args=ocp.args.StandardSave(state))
+        manager.wait_until_finished()
+
+    def restore(self, manager: ocp.CheckpointManager) -> bool:
+        """Loads the latest checkpoint if there is one; returns whether it did."""
+        step = manager.latest_step()
+        if step is None:
+            return False
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": self.params, "opt_state": self.opt_state})
+        state = manager.restore(step, args=ocp.args.StandardRestore(abstract))
+        self.params, self.opt_state, self.step = state["params"], state["opt_state"], int(step)
+        return True
+
+
+def batches(dataset: dict[str, np.ndarray], batch_size: int, seed: int, start_step: int):
+    """Endless shuffled batches (epoch order fixed by seed, so a resumed run sees the same stream)."""
+    count = len(dataset["input_ids"])
+    rng = np.random.default_rng(seed)
+    order, step = rng.permutation(count), 0
+    while True:
+        for first in range(0, count - batch_size + 1, batch_size):
+            if step >= start_step:
+                rows = order[first:first + batch_size]
+                yield dataset["input_ids"][rows], dataset["loss_mask"][rows]
+            step += 1
+        order = rng.permutation(count)
+
+
+def train(target: llama.Llama, dataset: dict[str, np.ndarray], cfg: TrainConfig, output: Path,
+          progress: bool = True, head=None) -> tuple[Trainer, list[dict]]:
+    """Trains (or resumes) a head; returns the trainer and the logged metrics."""
+    if head is None:
+        counts = token_counts(dataset, target.config.vocab_size) if cfg.method == "eagle3" else None
+        head = new_head(target.config, cfg, counts, dtype=target.embed_tokens.embedding[...].dtype)
+    trainer = Trainer(target, head, cfg)
+    manager = trainer.checkpoint_manager(output / "checkpoints")
+    if trainer.restore(manager):
+        print(f"resumed from step {trainer.step}", file=sys.stderr)
+    log = []
+    bar = tqdm.tqdm(total=cfg.steps, initial=trainer.step, desc=f"train {cfg.method}", disable=not progress)
+    began, tokens_seen = time.perf_counter(), 0
+    for tokens, mask in batches(dataset, cfg.batch_size, cfg.seed, trainer.step):
+        if trainer.step >= cfg.steps:
+            break
+        metrics = trainer.train_step(tokens, mask)
+        tokens_seen += int(mask.sum())
+        if trainer.step % 25 == 0 or trainer.step == cfg.steps:
+            metrics = {name: float(value) for name, value in jax.device_get(metrics).items()}
+            metrics.update(step=trainer.step, tokens_per_second=tokens_seen / (time.perf_counter() - began))
+            log.append(metrics)
+            shown = {"loss": f"{metrics['loss']:.3f}", "tok/s": f"{metrics['tokens_per_second']:.0f}"}
+            shown.update({f"acc{j}": f"{metrics[f'accuracy_{j}']:.2f}" for j in range(cfg.objective.num_steps)})
+            bar.set_postfix(shown)
+        bar.update(1)
+        if trainer.step % cfg.checkpoint_every == 0 or trainer.step == cfg.steps:
+            trainer.save(manager)
+    bar.close()
+    return trainer, log
+
+
+def acceptance_length(target: llama.Llama, head, prompts: list[np.ndarray], k: int, max_new_tokens: int = 256,
+                      batch_size: int = 1) -> dict:
+    """Greedy acceptance length over prompts, vLLM's convention (1 + accepted / drafts, pooled)."""
+    engine = engine_lib.Engine(target, head, num_speculative_tokens=k, batch_size=batch_size,
+                               max_length=max(len(p) for p in prompts) + max_new_tokens + k + 1)
+    results = engine.generate(prompts, max_new_tokens=max_new_tokens)
+    drafts = sum(r.stats["num_drafts"] for r in results)
+    accepted = sum(r.stats["num_accepted_tokens"] for r in results)
+    per_position = np.sum([np.asarray(r.stats["acceptance_rate_per_position"]) * r.stats["num_drafts"]
+                           for r in results], axis=0) / max(drafts, 1)
+    return dict(k=k, acceptance_length=1 + accepted / max(drafts, 1), num_drafts=drafts,
+                acceptance_rate_per_position=per_position.tolist(), num_prompts=len(prompts))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m eagle_jax.train", description=__doc__.splitlines()[0])
+    parser.add_argument("--method", choices=["eagle", "eagle3"], default="eagle3")
+    parser.add_argument("--model", help="target (HF dir, converted dir or .gguf; default SmolLM2-135M-Instruct)")
+    parser.add_argument("--data", required=True, help="npz from examples/prepare_data.py or eagle_jax.distill")
+    parser.add_argument("--output", required=True, help="run directory: checkpoints/, head/, metrics.json")
+    parser.add_argument("--dtype", choices=sorted(models.DTYPES), default="bfloat16")
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--learning-rate", type=float, default=5e-4)
+    parser.add_argument("--warmup-steps", type=int, default=100)
+    parser.add_argument("--unroll", type=int, help="training-time-test steps (default: 1 eagle, 7 eagle3)")
+    parser.add_argument("--draft-vocab-size", type=int, default=8192)
+    parser.add_argument("--eval-prompts", type=int, default=80, help="MT-Bench first turns for the final check")
+    parser.add_argument("--eval-k", type=int, default=5)
+    parser.add_argument("--eval-max-new-tokens", type=int, default=256)
+    args = parser.parse_args(argv)
+
+    target, tokenizer_dir = models.load_target(args.model, args.dtype)
+    dataset = data_lib.load_dataset(args.data)
+    unroll = args.unroll or (1 if args.method == "eagle" else 7)
+    cfg = TrainConfig(method=args.method, steps=args.steps, batch_size=args.batch_size, learning_rate=args.learning_rate,
+                      warmup_steps=args.warmup_steps, draft_vocab_size=args.draft_vocab_size,
+                      objective=train_objective.Objective(num_steps=unroll))
+    output = Path(args.output)
+    began = time.perf_counter()
+    trainer, log = train(target, dataset, cfg, output)
+    seconds = time.perf_counter() - began
+    head = trainer.head()
+    models.export_head(head, target.config, output / "head")
+    summary = dict(method=args.method, steps=trainer.step, train_seconds=seconds, final=log[-1] if log else None,
+                   device=jax.devices()[0].device_kind, jax_version=jax.__version__, config=repr(cfg),
+                   num_sequences=len(dataset["input_ids"]), sequence_length=int(dataset["input_ids"].shape[1]))
+    if args.eval_prompts:
+        import transformers
+
+        from eagle_jax import generate
+
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        questions = data_lib.load_mtbench()[:args.eval_prompts]
+        prompts = [np.asarray(generate.encode(tokenizer, q["turns"][0], chat=True)) for q in questions]
+        exported = models.load_head(output / "head", target, args.dtype)
+        summary["eval"] = acceptance_length(target, exported, prompts, args.eval_k, args.eval_max_new_tokens)
+        print(f"MT-Bench acceptance length at k={args.eval_k}: {summary['eval']['acceptance_length']:.3f}")
+    (output / "metrics.json").write_text(json.dumps(dict(summary, log=log), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

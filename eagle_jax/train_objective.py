@@ -1,0 +1,144 @@
+"""The EAGLE training objective: target features, the unrolled head ("training-time test"), losses.
+
+Alignment. For base position i the head's first step reads the pair (t_{i+1}, f_i), exactly as
+draft slot i does at inference, and predicts the target's distribution at position i+1. Step j
+reads (t_{i+1+j}, its own step-(j-1) output) at rotary position i+j and predicts position
+i+1+j. Its attention sees what a drafting step sees at inference: step-0 keys (true features)
+at positions <= i, and its own earlier steps' keys for the same i (the "diagonal").
+
+EAGLE-1 (SafeAILab recipe): SmoothL1(out, f_{i+1}) + 0.1 * CE(lm_head(out), softmax(lm_head(f_{i+1}))),
+with uniform noise on the target features. EAGLE-3: CE against the target distribution restricted
+to the draft vocabulary. Step j's loss is weighted 0.8^j.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from eagle_jax import eagle
+from eagle_jax import layers
+from eagle_jax import llama
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """Static settings of the loss (hashable: part of the compiled train step)."""
+
+    num_steps: int = 1  # unrolled head steps (1 = plain teacher forcing)
+    step_decay: float = 0.8
+    feature_noise: float = 0.2  # EAGLE-1: width of the uniform noise added to target features
+    regression_weight: float = 1.0  # EAGLE-1
+    distribution_weight: float = 0.1  # EAGLE-1 (EAGLE-3 uses CE alone, weight 1)
+
+
+def target_outputs(target: llama.Llama, tokens: jax.Array, capture_layers: tuple[int, ...]):
+    """Target hidden states [B, T, D], captured features and float32 logits [B, T, V], no gradient."""
+    batch, length = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+    cache = target.init_cache(batch, length)
+    hidden, _, captured = target(tokens, positions, cache, capture_layers)
+    return jax.lax.stop_gradient((hidden, captured, target.logits(hidden)))
+
+
+def _shift(array: jax.Array, offset: int, length: int, fill=0) -> jax.Array:
+    """array[:, offset:offset+length] along axis 1, padded with `fill` past the end."""
+    part = array[:, offset:offset + length]
+    pad = [(0, 0)] * array.ndim
+    pad[1] = (0, length - part.shape[1])
+    return jnp.pad(part, pad, constant_values=fill)
+
+
+def _diagonal_attention(q, keys0, values0, causal, diagonal_keys, diagonal_values):
+    """Softmax over step-0 keys (causal) plus, per query, its own earlier steps' keys.
+
+    q: [B, T, N, H]; keys0/values0: [B, T, K, H]; causal: [T, T]; diagonal_*: lists of [B, T, K, H].
+    """
+    batch, length, num_heads, head_dim = q.shape
+    num_kv_heads = keys0.shape[2]
+    q = q.reshape(batch, length, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scale = 1.0 / jnp.sqrt(jnp.float32(head_dim))
+    scores0 = jnp.einsum("btkgh,bskh->bkgts", q, keys0, preferred_element_type=jnp.float32) * scale
+    scores0 = jnp.where(causal[None, None, None], scores0, layers._MASK_VALUE)
+    diagonal_k = jnp.stack(diagonal_keys, axis=-2)  # [B, T, K, J, H]
+    diagonal_v = jnp.stack(diagonal_values, axis=-2)
+    scores_d = jnp.einsum("btkgh,btkjh->bkgtj", q, diagonal_k, preferred_element_type=jnp.float32) * scale
+    probs = jax.nn.softmax(jnp.concatenate([scores0, scores_d], axis=-1), axis=-1).astype(q.dtype)
+    probs0, probs_d = probs[..., :length], probs[..., length:]
+    out = jnp.einsum("bkgts,bskh->btkgh", probs0, values0) + jnp.einsum("bkgtj,btkjh->btkgh", probs_d, diagonal_v)
+    return out.reshape(batch, length, num_heads, head_dim)
+
+
+def unrolled_head(head, target: llama.Llama, tokens: jax.Array, features: jax.Array, num_steps: int):
+    """Runs the head `num_steps` times on its own outputs.
+
+    Args:
+        tokens: [B, T] the full token sequences.
+        features: [B, n] head-space features of positions 0..n-1 (n = T - 1).
+    Returns:
+        list over steps of (out [B, n, D], logits [B, n, V_draft]).
+    """
+    batch, n = features.shape[:2]
+    positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (batch, n))
+    causal = jnp.tril(jnp.ones((n, n), bool))
+    attention = head.attention
+    results, diagonal_keys, diagonal_values = [], [], []
+    keys0 = values0 = None
+    for step in range(num_steps):
+        embedded = target.embed_tokens(_shift(tokens, 1 + step, n))
+        x, residual = head.attention_input(embedded, features)
+        q, k, v = attention.project(x, positions + step)
+        if step == 0:
+            keys0, values0 = k, v
+            attended = layers.grouped_attention(q, k, v, jnp.broadcast_to(causal, (batch, n, n)))
+        else:
+            diagonal_keys.append(k)
+            diagonal_values.append(v)
+            attended = _diagonal_attention(q, keys0, values0, causal, diagonal_keys, diagonal_values)
+        out = head.finish(attention.output(attended), residual)
+        results.append((out, head.logits(out, target)))
+        features = out
+    return results
+
+
+def loss(head, target: llama.Llama, tokens: jax.Array, loss_mask: jax.Array, rng: jax.Array,
+         objective: Objective, draft_ids: jax.Array | None = None):
+    """Mean weighted loss and metrics for one batch.
+
+    Args:
+        tokens: [B, T] int32; loss_mask: [B, T] bool, True on tokens the target generated
+            (assistant tokens): a prediction counts when the token it predicts is masked in.
+        draft_ids: EAGLE-3 only: [V_draft] target ids of the draft vocabulary.
+    Returns:
+        (loss, {"loss": .., "accuracy_<j>": ..}).
+    """
+    is_eagle3 = isinstance(head, eagle.Eagle3Head)
+    capture = head.config.feature_layers if is_eagle3 else ()
+    hidden, captured, target_logits = target_outputs(target, tokens, capture)
+    n = tokens.shape[1] - 1
+    if is_eagle3:
+        features = head.project(captured[:, :n])
+        target_logits = jnp.take(target_logits, draft_ids, axis=-1)  # the draft vocabulary's slice
+    else:
+        noise = jax.random.uniform(rng, hidden[:, :n].shape, minval=-0.5, maxval=0.5) * objective.feature_noise
+        features = hidden[:, :n] + noise.astype(hidden.dtype)
+    total, weights, metrics = 0.0, 0.0, {}
+    for step, (out, logits) in enumerate(unrolled_head(head, target, tokens, features, objective.num_steps)):
+        valid = _shift(loss_mask, 2 + step, n, fill=False).astype(jnp.float32)  # predicted token is t_{i+2+step}
+        count = jnp.maximum(valid.sum(), 1.0)
+        teacher = _shift(target_logits, 1 + step, n)
+        cross_entropy = optax.softmax_cross_entropy(logits, jax.nn.softmax(teacher, axis=-1))
+        step_loss = (cross_entropy * valid).sum() / count
+        if not is_eagle3:
+            regression = optax.huber_loss(out.astype(jnp.float32), _shift(hidden, 1 + step, n).astype(jnp.float32))
+            step_loss = objective.regression_weight * (regression.mean(-1) * valid).sum() / count \
+                + objective.distribution_weight * step_loss
+        weight = objective.step_decay ** step
+        total, weights = total + weight * step_loss, weights + weight
+        agree = jnp.argmax(logits, axis=-1) == jnp.argmax(teacher, axis=-1)
+        metrics[f"accuracy_{step}"] = (agree * valid).sum() / count
+    metrics["loss"] = total / weights
+    return total / weights, metrics

@@ -1,0 +1,129 @@
+"""The host side of generation: input checks, dtypes, compile counts, streaming, EOS, sampling."""
+
+import collections
+
+import jax
+import numpy as np
+import pytest
+
+from eagle_jax import engine as engine_lib
+from eagle_jax import sampling as sampling_lib
+
+MAX_NEW = 8
+
+# Every XLA compilation in the process, by the name of the jitted function. jax 0.10 reports
+# '/jax/core/compile/backend_compile_duration' with fun_name='jit(<name>)' for each one.
+COMPILES: collections.Counter = collections.Counter()
+
+
+def _count_compiles(event: str, seconds: float, **kwargs) -> None:
+    if "backend_compile" in event:
+        COMPILES[kwargs.get("fun_name", "?")] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compiles)
+
+
+@pytest.fixture(scope="module")
+def target(random_target):
+    return random_target(seed=0)
+
+
+@pytest.fixture(scope="module")
+def engine(target):
+    return engine_lib.Engine(target, max_length=64)
+
+
+def prompt(length: int, seed: int = 0) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 101, length).tolist()
+
+
+@pytest.mark.parametrize("ids, message", [
+    ([3, -1, 4], "token id -1 is outside the vocabulary"),
+    ([3, 101], "token id 101 is outside the vocabulary"),
+    ([1.0, 2.0], "token ids must be integers"),
+    ([], "non-empty 1-D"),
+    ([[1, 2], [3, 4]], "non-empty 1-D"),
+])
+def test_bad_token_ids(engine, ids, message):
+    with pytest.raises(engine_lib.InputError, match=message):
+        engine.generate([ids], max_new_tokens=MAX_NEW)
+
+
+def test_prompt_too_long_for_max_length(engine):
+    with pytest.raises(engine_lib.InputError, match=r"prompt 1 has 60 tokens.*more than max_length=64"):
+        engine.generate([prompt(3), prompt(60)], max_new_tokens=MAX_NEW)
+
+
+def test_bad_settings(target, engine):
+    with pytest.raises(engine_lib.InputError, match="max_new_tokens must be >= 1"):
+        engine.generate([prompt(3)], max_new_tokens=0)
+    with pytest.raises(engine_lib.InputError, match="num_speculative_tokens must be >= 0"):
+        engine_lib.Engine(target, num_speculative_tokens=-1)
+    with pytest.raises(engine_lib.InputError, match="needs a draft head"):
+        engine_lib.Engine(target, num_speculative_tokens=2)
+
+
+def test_int64_ids_give_the_same_output_as_int32(engine):
+    ids = np.asarray(prompt(9, seed=1))
+    [wide] = engine.generate([ids.astype(np.int64)], max_new_tokens=MAX_NEW, ignore_eos=True)
+    [narrow] = engine.generate([ids.astype(np.int32)], max_new_tokens=MAX_NEW, ignore_eos=True)
+    assert wide.token_ids == narrow.token_ids and len(wide.token_ids) == MAX_NEW
+
+
+def test_compile_count_stays_flat_within_buckets(engine):
+    # Prompts of 8..16 tokens share the 16-wide prefill bucket and (+ 8 new + 1) the 32-slot cache.
+    engine.generate([prompt(16, seed=2)], max_new_tokens=MAX_NEW, ignore_eos=True, steps_per_call=3)
+    before_engine, before_global = engine.num_compilations, sum(COMPILES.values())
+    assert before_engine >= 2  # prefill and decode programs exist
+    for length in (8, 11, 13, 15):
+        # steps_per_call=3 with 8 new tokens: several dispatches of the same program per prompt.
+        [result] = engine.generate([prompt(length, seed=length)], max_new_tokens=MAX_NEW, ignore_eos=True,
+                                   steps_per_call=3)
+        assert len(result.token_ids) == MAX_NEW
+    assert engine.num_compilations == before_engine
+    assert sum(COMPILES.values()) == before_global, COMPILES
+    # The counters are live: a new prefill bucket (17 tokens -> 32 wide) compiles again.
+    engine.generate([prompt(17)], max_new_tokens=MAX_NEW, ignore_eos=True, steps_per_call=3)
+    assert engine.num_compilations > before_engine and sum(COMPILES.values()) > before_global
+
+
+def test_streaming_receives_exactly_the_result(engine):
+    prompts = [prompt(4, seed=3), prompt(6, seed=4)]
+    streamed = collections.defaultdict(list)
+    calls = []
+
+    def on_tokens(index, ids):
+        calls.append(index)
+        streamed[index] += ids
+
+    results = engine_lib.Engine(engine_target(engine), max_length=64, batch_size=2).generate(
+        prompts, max_new_tokens=MAX_NEW, ignore_eos=True, steps_per_call=2, on_tokens=on_tokens)
+    assert [streamed[0], streamed[1]] == [r.token_ids for r in results]
+    assert calls.count(0) > 1  # tokens arrived in several pieces, not once at the end
+
+
+def engine_target(engine):
+    from flax import nnx
+
+    return nnx.merge(engine._target_def, engine.target_params)
+
+
+def test_eos_stops_a_row(engine):
+    ids = prompt(5, seed=5)
+    [free] = engine.generate([ids], max_new_tokens=MAX_NEW, ignore_eos=True)
+    stop = free.token_ids[3]
+    first = free.token_ids.index(stop)
+    [stopped] = engine.generate([ids], max_new_tokens=MAX_NEW, eos_ids=[stop])
+    assert stopped.token_ids == free.token_ids[:first + 1]  # the EOS token is kept, nothing after it
+    [ignored] = engine.generate([ids], max_new_tokens=MAX_NEW, eos_ids=[stop], ignore_eos=True)
+    assert ignored.token_ids == free.token_ids
+
+
+def test_sampling_is_reproducible_for_a_seed(engine):
+    ids = prompt(6, seed=6)
+    sampling = sampling_lib.Sampling(temperature=1.0, top_p=0.9)
+    runs = [engine.generate([ids], max_new_tokens=MAX_NEW, sampling=sampling, seed=seed, ignore_eos=True)[0].token_ids
+            for seed in (7, 7, 8)]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]  # the seed is used (a tiny random model is far from deterministic at T=1)
