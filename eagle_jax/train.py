@@ -102,13 +102,13 @@ class Trainer:
     def head(self):
         return nnx.merge(self.head_def, self.params, self.rest)
 
-    def _loss(self, params, tokens, loss_mask, rng):
+    def _loss(self, params, target_state, tokens, loss_mask, rng):
         head = nnx.merge(self.head_def, params, self.rest)
-        target = nnx.merge(self.target_def, self.target_state)
+        target = nnx.merge(self.target_def, target_state)  # an argument, not a constant: no folding of weights
         return train_objective.loss(head, target, tokens, loss_mask, rng, self.cfg.objective, self.draft_ids)
 
-    def _step_fn(self, params, opt_state, tokens, loss_mask, rng):
-        (_, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(params, tokens, loss_mask, rng)
+    def _step_fn(self, params, opt_state, target_state, tokens, loss_mask, rng):
+        (_, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(params, target_state, tokens, loss_mask, rng)
         updates, opt_state = self.optimizer.update(grads, opt_state, params)
         metrics["grad_norm"] = optax.global_norm(grads)
         return optax.apply_updates(params, updates), opt_state, metrics
@@ -116,7 +116,7 @@ class Trainer:
     def train_step(self, tokens: np.ndarray, loss_mask: np.ndarray) -> dict[str, float]:
         rng = jax.random.fold_in(jax.random.key(self.cfg.seed), self.step)
         self.params, self.opt_state, metrics = self._train_step(
-            self.params, self.opt_state, jnp.asarray(tokens, jnp.int32), jnp.asarray(loss_mask), rng)
+            self.params, self.opt_state, self.target_state, jnp.asarray(tokens, jnp.int32), jnp.asarray(loss_mask), rng)
         self.step += 1
         return metrics
 
@@ -233,7 +233,12 @@ def main(argv=None) -> int:
     models.export_head(head, target.config, output / "head")
     summary = dict(method=args.method, steps=trainer.step, train_seconds=seconds, final=log[-1] if log else None,
                    device=jax.devices()[0].device_kind, jax_version=jax.__version__, config=repr(cfg),
-                   num_sequences=len(dataset["input_ids"]), sequence_length=int(dataset["input_ids"].shape[1]))
+                   num_sequences=len(dataset["input_ids"]), sequence_length=int(dataset["input_ids"].shape[1]),
+                   num_trained_tokens=int(dataset["loss_mask"].sum()))
+    if args.method == "eagle3":  # how much of the trained text the draft vocabulary can express
+        counts = token_counts(dataset, target.config.vocab_size)
+        chosen = np.arange(cfg.draft_vocab_size) + draft_vocabulary(counts, cfg.draft_vocab_size)
+        summary["draft_vocab_coverage"] = float(counts[chosen].sum() / counts.sum())
     if args.eval_prompts:
         import transformers
 
