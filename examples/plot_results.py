@@ -1,0 +1,316 @@
+"""Plots the benchmark results in docs/results/ as PNGs in docs/.
+
+    python examples/plot_results.py [--results docs/results/mtbench.json] [--profile docs/results/profile.json]
+                                    [--out-dir docs]
+
+From mtbench.json (examples/eagle.py and examples/hf_peers.py rows), each written only when its
+data exists:
+  * acceptance_vs_k.png: acceptance length vs k per method (compiled, batch 1, greedy), with
+    vLLM's Llama-3.1-8B figures as dashed references;
+  * otps_vs_k.png: output tokens/s vs k, plain decoding and HF peers as horizontal lines;
+  * per_position_acceptance.png: acceptance rate at each draft position, best k per method;
+  * batch_scaling.png: tokens/s vs batch size, plain decoding and each method at its best k.
+From profile.json (examples/profile_step.py and examples/scale_8b.py rows), when present:
+  * step_breakdown.png: draft / verify / rest of a speculative step;
+  * scale_8b.png: 8B-shaped step times against their HBM floors.
+Rows repeating a setting (method, k, mode, batch, temperature, max_new_tokens, num_prompts)
+count once: the latest wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+# vLLM's MT-Bench acceptance lengths for Llama-3.1-8B-Instruct (PRs #17211 and #20780).
+VLLM_ANCHORS = {
+    "eagle": {1: 1.71, 2: 2.09, 3: 2.30, 4: 2.38, 5: 2.43},
+    "eagle3": {2: 2.36, 3: 2.79, 4: 3.08, 5: 3.32, 6: 3.46, 7: 3.54},
+}
+LABELS = {"none": "plain decoding", "eagle": "EAGLE-1", "eagle3": "EAGLE-3", "hf-eager": "HF transformers (eager)",
+          "hf-static": "HF transformers (static cache)", "hf-static-compiled": "HF transformers (static, compiled)",
+          "hf-prompt-lookup": "HF transformers (prompt lookup)"}
+COLORS = {"none": "black", "eagle": "tab:blue", "eagle3": "tab:orange"}
+EAGLE_METHODS = ("eagle", "eagle3")
+KEY = ("method", "k", "mode", "batch_size", "temperature", "max_new_tokens", "num_prompts")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--results", default="docs/results/mtbench.json")
+    parser.add_argument("--profile", default="docs/results/profile.json")
+    parser.add_argument("--out-dir", default="docs")
+    parser.add_argument("--num-prompts", type=int, help="plot rows of this many prompts (default: the most common)")
+    parser.add_argument("--max-new-tokens", type=int, help="plot rows of this budget (default: the most common)")
+    return parser.parse_args(argv)
+
+
+def load_rows(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    rows = json.loads(path.read_text())
+    if not isinstance(rows, list):
+        raise ValueError(f"{path} does not hold a JSON list")
+    return rows
+
+
+def latest(rows: list[dict]) -> list[dict]:
+    """One row per setting, the latest (rows are appended in time order)."""
+    by_key = {}
+    for row in rows:
+        by_key[tuple(row.get(name) for name in KEY)] = row
+    return list(by_key.values())
+
+
+def reference_setting(rows: list[dict], args) -> tuple[int, int] | None:
+    """(num_prompts, max_new_tokens) to plot: the most common among compiled greedy rows, larger on ties."""
+    counts = collections.Counter((r["num_prompts"], r["max_new_tokens"]) for r in rows
+                                 if r.get("mode") == "compiled" and float(r.get("temperature", 0)) == 0
+                                 and r["method"] in ("none",) + EAGLE_METHODS)
+    if args.num_prompts is not None or args.max_new_tokens is not None:
+        counts = collections.Counter({key: n for key, n in counts.items()
+                                      if args.num_prompts in (None, key[0]) and args.max_new_tokens in (None, key[1])})
+    if not counts:
+        return None
+    return max(counts, key=lambda key: (counts[key], key[0] * key[1]))
+
+
+def subtitle(rows: list[dict], setting) -> str:
+    devices = sorted({r.get("device", "?") for r in rows})
+    dtypes = sorted({r.get("dtype", "?") for r in rows})
+    return (f"SmolLM2-135M-Instruct, MT-Bench first turns: {setting[0]} prompts x up to {setting[1]} tokens; "
+            f"{', '.join(devices)}, {', '.join(dtypes)}")
+
+
+def finish(fig, ax, path: Path, title: str, sub: str, legend_below: bool = False) -> None:
+    ax.set_title(f"{title}\n", fontsize=13)
+    ax.text(0.5, 1.01, sub, transform=ax.transAxes, ha="center", va="bottom", fontsize=8.5, color="dimgray")
+    ax.grid(True, alpha=0.3)
+    if legend_below:
+        handles, labels = ax.get_legend_handles_labels()
+        fig.legend(handles, labels, fontsize=9, frameon=True, loc="lower center", ncol=2)
+        legend_inches = 0.2 * ((len(labels) + 1) // 2) + 0.25
+        fig.tight_layout(rect=(0, legend_inches / fig.get_figheight(), 1, 1))
+        fig.savefig(path, dpi=150)
+        plt.close(fig)
+        print(f"wrote {path}")
+        return
+    ax.legend(fontsize=9, frameon=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=150)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+def by_k(rows: list[dict], method: str) -> list[dict]:
+    return sorted((r for r in rows if r["method"] == method), key=lambda r: r["k"])
+
+
+def best_k(rows: list[dict], method: str) -> dict | None:
+    candidates = by_k(rows, method)
+    return max(candidates, key=lambda r: r["output_tokens_per_second"]) if candidates else None
+
+
+def plot_acceptance(rows, sub, out: Path) -> None:
+    if not any(r["method"] in EAGLE_METHODS for r in rows):
+        return
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for method in EAGLE_METHODS:
+        series = by_k(rows, method)
+        if series:
+            ax.plot([r["k"] for r in series], [r["acceptance_length"] for r in series], "o-", color=COLORS[method],
+                    label=f"{LABELS[method]} (ours, SmolLM2-135M)", linewidth=2)
+        anchor = VLLM_ANCHORS[method]
+        ax.plot(list(anchor), list(anchor.values()), "x--", color=COLORS[method], alpha=0.6,
+                label=f"{LABELS[method]} (vLLM, Llama-3.1-8B)")
+    ax.set_xlabel("k, speculative tokens per step")
+    ax.set_ylabel("acceptance length (tokens per target forward)")
+    ax.set_ylim(bottom=1.0)
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    finish(fig, ax, out / "acceptance_vs_k.png", "Acceptance length vs k (greedy, batch 1)", sub)
+
+
+def plot_otps(rows, peers, sub, out: Path) -> None:
+    spec = [r for r in rows if r["method"] in EAGLE_METHODS]
+    plain = [r for r in rows if r["method"] == "none"]
+    if not spec and not plain:
+        return
+    lines = [(LABELS["none"] + " (ours)", plain[-1]["output_tokens_per_second"], "black", "-")] if plain else []
+    styles = ["--", ":", "-.", (0, (5, 1, 1, 1))]
+    for index, row in enumerate(sorted(peers, key=lambda r: r["method"])):
+        label = f"{LABELS.get(row['method'], row['method'])}, {row['num_prompts']}x{row['max_new_tokens']}"
+        lines.append((label, row["output_tokens_per_second"], "gray", styles[index % len(styles)]))
+    ours = [r["output_tokens_per_second"] for r in spec] + [value for _, value, _, _ in lines[:1 if plain else 0]]
+    far = [value for _, value, _, _ in lines if value < 0.2 * min(ours)]
+    # HF peers far below ours: a broken axis (ours above, peers below) keeps both readable.
+    if far:
+        fig, (ax, low) = plt.subplots(2, 1, sharex=True, figsize=(7.5, 6.6), gridspec_kw=dict(height_ratios=[3, 1]))
+    else:
+        fig, ax = plt.subplots(figsize=(7.5, 5.8))
+        low = None
+    for method in EAGLE_METHODS:
+        series = by_k(rows, method)
+        if series:
+            ax.plot([r["k"] for r in series], [r["output_tokens_per_second"] for r in series], "o-",
+                    color=COLORS[method], label=LABELS[method], linewidth=2)
+    for axis in (ax, low):
+        if axis is not None:
+            for label, value, color, style in lines:
+                axis.axhline(value, color=color, linestyle=style, linewidth=1.3,
+                             label=f"{label}: {value:.0f}" if axis is ax else None)
+    ax.set_ylabel("output tokens / s")
+    if low is not None:
+        top = max(ours + [value for _, value, _, _ in lines])
+        ax.set_ylim(0.8 * min(ours), 1.08 * top)
+        low.set_ylim(0, 1.3 * max(far))
+        ax.spines["bottom"].set_visible(False)
+        low.spines["top"].set_visible(False)
+        ax.tick_params(bottom=False)
+        kw = dict(marker=[(-1, -0.5), (1, 0.5)], markersize=10, linestyle="none", color="k", mec="k", mew=1,
+                  clip_on=False)
+        ax.plot([0, 1], [0, 0], transform=ax.transAxes, **kw)
+        low.plot([0, 1], [1, 1], transform=low.transAxes, **kw)
+        low.grid(True, alpha=0.3)
+        low.set_xlabel("k, speculative tokens per step")
+    else:
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("k, speculative tokens per step")
+    if spec:
+        ax.xaxis.get_major_locator().set_params(integer=True)
+    finish(fig, ax, out / "otps_vs_k.png", "Output tokens per second vs k (greedy, batch 1)", sub, legend_below=True)
+
+
+def plot_per_position(rows, sub, out: Path) -> None:
+    best = [row for method in EAGLE_METHODS if (row := best_k(rows, method)) and row["acceptance_rate_per_position"]]
+    if not best:
+        return
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for row in best:
+        rates = row["acceptance_rate_per_position"]
+        ax.plot(range(1, len(rates) + 1), rates, "o-", color=COLORS[row["method"]], linewidth=2,
+                label=f"{LABELS[row['method']]}, k={row['k']} (best tokens/s)")
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate (share of steps accepting it)")
+    ax.set_ylim(0, 1)
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    finish(fig, ax, out / "per_position_acceptance.png", "Per-position acceptance rate (greedy, batch 1)", sub)
+
+
+def plot_batch_scaling(all_rows, batch1, sub, out: Path) -> None:
+    series = {}
+    plain = sorted((r for r in all_rows if r["method"] == "none"), key=lambda r: r["batch_size"])
+    if plain:
+        series[LABELS["none"]] = ("none", plain)
+    for method in EAGLE_METHODS:
+        if (best := best_k(batch1, method)) is not None:
+            rows = sorted((r for r in all_rows if r["method"] == method and r["k"] == best["k"]),
+                          key=lambda r: r["batch_size"])
+            series[f"{LABELS[method]}, k={best['k']}"] = (method, rows)
+    if not any(len({r["batch_size"] for r in rows}) > 1 for _, rows in series.values()):
+        return
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for label, (method, rows) in series.items():
+        ax.plot([r["batch_size"] for r in rows], [r["output_tokens_per_second"] for r in rows], "o-",
+                color=COLORS[method], label=label, linewidth=2)
+    ax.set_xscale("log", base=2)
+    sizes = sorted({r["batch_size"] for _, rows in series.values() for r in rows})
+    ax.set_xticks(sizes, [str(s) for s in sizes])
+    ax.set_xlabel("batch size (max_num_seqs)")
+    ax.set_ylabel("output tokens / s (all rows)")
+    ax.set_ylim(bottom=0)
+    finish(fig, ax, out / "batch_scaling.png", "Throughput vs batch size (greedy)", sub)
+
+
+def plot_step_breakdown(profile, out: Path) -> None:
+    rows = latest_by(profile, "step_breakdown", ("method", "k", "device", "dtype"))
+    if not rows:
+        return
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    labels = [f"{LABELS.get(r['method'], r['method'])}\nk={r['k']}\n{r['device']}" for r in rows]
+    draft = [r["draft_ms"] for r in rows]
+    verify = [r["verify_ms"] for r in rows]
+    other = [max(r["step_ms"] - r["draft_ms"] - r["verify_ms"], 0) for r in rows]
+    bar = dict(width=0.5)
+    ax.bar(labels, draft, color="tab:orange", label="draft (k head forwards)", **bar)
+    ax.bar(labels, verify, bottom=draft, color="tab:blue", label="verify (target over k+1 tokens)", **bar)
+    ax.bar(labels, other, bottom=[d + v for d, v in zip(draft, verify)], color="lightgray", label="rest of the step",
+           **bar)
+    ax.set_xlim(-0.5 - 0.5 * (len(rows) == 1), len(rows) - 0.5 + 0.5 * (len(rows) == 1))
+    for index, row in enumerate(rows):
+        ax.text(index, row["step_ms"], f"{row['step_ms']:.2f} ms\ndraft {row['draft_share']:.0%}", ha="center",
+                va="bottom", fontsize=8)
+        ax.plot([index - 0.3, index + 0.3], [row["plain_decode_ms"]] * 2, "k--", linewidth=1,
+                label="plain decode step" if index == 0 else None)
+    ax.set_ylabel("milliseconds per step (median, jit)")
+    ax.set_ylim(0, max(r["step_ms"] for r in rows) * 1.25)
+    finish(fig, ax, out / "step_breakdown.png", "Where a speculative step's time goes",
+           "batch 1, SmolLM2-135M-Instruct")
+
+
+def plot_scale(profile, out: Path) -> None:
+    rows = [r for r in profile if r.get("kind") == "scale_8b" and "floor_ms" in r]
+    if not rows:
+        return
+    date = rows[-1]["date"]
+    rows = [r for r in rows if r["date"] == date]  # the latest run only
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    names = [r["what"] + (f" {LABELS.get(r['method'], r['method'])}" if "method" in r else "")
+             + (f" k={r['k']}" if "k" in r else "") for r in rows]
+    positions = range(len(rows))
+    ax.bar([p - 0.2 for p in positions], [r["ms"] for r in rows], width=0.4, color="tab:blue", label="measured (jit)")
+    ax.bar([p + 0.2 for p in positions], [r["floor_ms"] for r in rows], width=0.4, color="lightgray",
+           label="HBM floor (bytes read / copy bandwidth)")
+    for p, row in zip(positions, rows):
+        ax.text(p - 0.2, row["ms"], f"{row['ratio_to_floor']:.1f}x", ha="center", va="bottom", fontsize=7.5)
+    ax.set_xticks(list(positions), names, rotation=35, ha="right", fontsize=8.5)
+    ax.set_ylabel("milliseconds (median)")
+    sub = (f"{rows[0]['model_shape']} shapes, random bf16 weights, batch 1, cache {rows[0]['cache_length']} "
+           f"({rows[0]['filled']} filled), {rows[0]['device']}")
+    finish(fig, ax, out / "scale_8b.png", "Llama-3.1-8B-shaped step times vs their HBM floor", sub)
+
+
+def latest_by(rows: list[dict], kind: str, key: tuple[str, ...]) -> list[dict]:
+    found = {}
+    for row in rows:
+        if row.get("kind") == kind:
+            found[tuple(row.get(name) for name in key)] = row
+    return list(found.values())
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = latest(load_rows(Path(args.results)))
+    setting = reference_setting(rows, args)
+    if setting is None:
+        print(f"no compiled greedy rows in {args.results}: no MT-Bench plots", file=sys.stderr)
+    else:
+        chosen = [r for r in rows if (r["num_prompts"], r["max_new_tokens"]) == setting
+                  and float(r.get("temperature", 0)) == 0]
+        ours = [r for r in chosen if r.get("mode") == "compiled" and r["method"] in ("none",) + EAGLE_METHODS]
+        batch1 = [r for r in ours if r["batch_size"] == 1]
+        # HF peers are slow, so they may be run on fewer prompts: the latest of each, whatever its setting.
+        peers = list({r["method"]: r for r in rows if r["method"].startswith("hf-") and r["batch_size"] == 1}.values())
+        sub = subtitle(batch1 or ours, setting)
+        plot_acceptance(batch1, sub, out)
+        plot_otps(batch1, peers, sub, out)
+        plot_per_position(batch1, sub, out)
+        plot_batch_scaling(ours, batch1, sub, out)
+    profile = load_rows(Path(args.profile))
+    plot_step_breakdown(profile, out)
+    plot_scale(profile, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,304 @@
+"""Llama-3.1-8B-shaped timings with random bf16 weights, and an 8B throughput PROJECTION.
+
+    python examples/scale_8b.py --cache-length 1024 --filled 512 --ks 1,2,3,4,5,6,7
+    python examples/scale_8b.py --tiny   # a small model of the same structure, for CPU tests
+
+The target (hidden 4096, 32 layers, 32 heads / 8 kv heads of 128, FFN 14336, vocab 128256,
+llama3 rope scaling) and its heads (EAGLE-1: one layer of the same shape with fc 8192->4096;
+EAGLE-3: the midlayer over 2x4096 inputs, fc 3x4096->4096, own 32k-token lm_head) get random
+weights generated on the device inside one jitted function (nothing is materialised on the
+host). With jit, batch 1, a cache of `--cache-length` slots of which `--filled` are committed:
+  * decode: one target forward of 1 token + lm_head + argmax (a plain decoding step);
+  * verify(k): the same over k+1 tokens;
+  * draft step: one head forward of 1 token + its lm_head (the target's 128256-token one for
+    EAGLE-1) + argmax, the unit the draft loop repeats.
+Each is compared with its HBM floor: (weight bytes read + KV bytes read) / copy bandwidth,
+the bandwidth measured here with a large on-device array op (bytes read + written / time).
+Then, using acceptance lengths measured with SmolLM2-135M on MT-Bench (docs/results/mtbench.json),
+projected tokens/s = acceptance_length(k) / (k * draft_step + verify(k)). That is a projection
+for a hypothetical 8B pair with SmolLM2's acceptance, not a measurement of a trained 8B head.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+try:
+    import eagle_jax  # noqa: F401
+except ModuleNotFoundError:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tqdm
+from flax import nnx
+
+from eagle_jax import config as config_lib
+from eagle_jax import eagle
+from eagle_jax import llama
+
+LLAMA_31_8B = config_lib.LlamaConfig(
+    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+    head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+    rope_scaling=config_lib.RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                        original_max_position_embeddings=8192),
+    max_position_embeddings=131072, tie_word_embeddings=False, bos_token_id=128000,
+    eos_token_ids=(128001, 128008, 128009),
+)
+TINY = dataclasses.replace(LLAMA_31_8B, vocab_size=1000, hidden_size=256, intermediate_size=512, num_layers=2,
+                           num_heads=4, num_kv_heads=2, head_dim=64)
+EAGLE3_DRAFT_VOCAB = {"full": 32000, "tiny": 500}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--cache-length", type=int, default=1024, help="KV cache slots (attention reads them all)")
+    parser.add_argument("--filled", type=int, default=512, help="committed tokens in the cache")
+    parser.add_argument("--ks", default="1,2,3,4,5,6,7", help="comma list of k for verify(k)")
+    parser.add_argument("--methods", default="eagle,eagle3", help="heads whose draft step is timed")
+    parser.add_argument("--iterations", type=int, default=20, help="timed calls per measurement (median)")
+    parser.add_argument("--copy-gib", type=float, help="array size for the bandwidth test (default 4, --tiny 0.0625)")
+    parser.add_argument("--results", default="docs/results/mtbench.json", help="acceptance lengths for the projection")
+    parser.add_argument("--tiny", action="store_true", help="hidden 256, 2 layers, vocab 1000: a CPU smoke test")
+    parser.add_argument("--out", default="docs/results/profile.json", help="JSON list the rows are appended to")
+    args = parser.parse_args(argv)
+    args.ks = sorted({int(part) for part in args.ks.split(",") if part.strip()})
+    args.methods = [part.strip() for part in args.methods.split(",") if part.strip()]
+    if bad := [m for m in args.methods if m not in ("eagle", "eagle3")]:
+        parser.error(f"--methods must be among eagle, eagle3; got {bad}")
+    if not args.ks or min(args.ks) < 1:
+        parser.error("--ks must list k >= 1")
+    if args.filled + max(args.ks) + 1 > args.cache_length:
+        parser.error("--filled + max k + 1 must fit in --cache-length")
+    if args.copy_gib is None:
+        args.copy_gib = 0.0625 if args.tiny else 4.0
+    return args
+
+
+def append_rows(path: str | Path, rows: list[dict]) -> None:
+    """Appends rows to a JSON list file (created if missing), replacing it atomically."""
+    path = Path(path)
+    existing = json.loads(path.read_text()) if path.is_file() and path.read_text().strip() else []
+    if not isinstance(existing, list):
+        raise ValueError(f"{path} does not hold a JSON list")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(path.suffix + ".tmp")
+    temporary.write_text(json.dumps(existing + rows, indent=1) + "\n")
+    os.replace(temporary, path)
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "dtype"))
+def _random_leaf(key, shape, dtype):
+    if jnp.issubdtype(dtype, jnp.integer):  # EAGLE-3 d2t: the identity map
+        return jnp.zeros(shape, dtype)
+    if len(shape) == 1:  # norm scales (and biases): ones keep activations in range
+        return jnp.ones(shape, dtype)
+    return 0.02 * jax.random.normal(key, shape, dtype)
+
+
+def random_module(factory, seed: int):
+    """Builds `factory()` with random weights generated on the device (shapes from `nnx.eval_shape`).
+
+    One small jitted generator per distinct shape (a few, since layers repeat) rather than one
+    program for the whole model: that one took a minute to compile at 8B.
+    """
+    graphdef, abstract = nnx.split(nnx.eval_shape(factory))
+    leaves, treedef = jax.tree.flatten(abstract)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    values = [_random_leaf(key, tuple(leaf.shape), jnp.dtype(leaf.dtype)) for key, leaf in zip(keys, leaves)]
+    return nnx.merge(graphdef, jax.tree.unflatten(treedef, jax.block_until_ready(values)))
+
+
+def nbytes(tree) -> int:
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
+
+
+def compile_and_time(function, args: tuple, iterations: int, desc: str, carry_index: int | None = None):
+    """(median ms, compile seconds) of a jitted function; output `carry_index` feeds back as donated input."""
+    began = time.perf_counter()
+    donate = () if carry_index is None else (len(args) - 1,)
+    compiled = jax.jit(function, donate_argnums=donate).lower(*args).compile()
+    compile_seconds = time.perf_counter() - began
+    args, times = list(args), []
+    for index in tqdm.trange(3 + iterations, desc=desc, leave=False, file=sys.stderr):
+        began = time.perf_counter()
+        out = jax.block_until_ready(compiled(*args))
+        if index >= 3:
+            times.append(time.perf_counter() - began)
+        if carry_index is not None:
+            args[-1] = out[carry_index]
+    return 1e3 * float(np.median(times)), compile_seconds, args[-1]
+
+
+def copy_bandwidth(gib: float, iterations: int) -> float:
+    """Bytes read + written per second by an elementwise op over a large bf16 array."""
+    x = jnp.ones((int(gib * 2**30) // 2,), jnp.bfloat16)
+    ms, _, _ = compile_and_time(lambda x: x + jnp.bfloat16(1), (x,), iterations, "bandwidth")
+    return 2 * x.nbytes / (ms / 1e3)
+
+
+def kv_bytes(cfg: config_lib.LlamaConfig, num_layers: int, slots: int) -> int:
+    return 2 * num_layers * slots * cfg.num_kv_heads * cfg.head_dim * 2  # keys + values, bf16
+
+
+def load_acceptance(path: str) -> dict[tuple[str, int], float]:
+    """(method, k) -> acceptance length from the latest matching SmolLM2 MT-Bench row."""
+    path = Path(path)
+    if not path.is_file():
+        return {}
+    found = {}
+    for row in json.loads(path.read_text()):
+        if (row.get("method") in ("eagle", "eagle3") and row.get("batch_size") == 1 and row.get("mode") == "compiled"
+                and float(row.get("temperature", 0)) == 0 and row.get("acceptance_length")):
+            found[(row["method"], int(row["k"]))] = float(row["acceptance_length"])  # later rows win
+    return found
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    cfg = TINY if args.tiny else LLAMA_31_8B
+    label = "tiny" if args.tiny else "llama-3.1-8b"
+    dtype = jnp.bfloat16
+    device = jax.devices()[0]
+    meta = dict(kind="scale_8b", model_shape=label, device=device.device_kind, platform=device.platform,
+                jax_version=jax.__version__, dtype="bfloat16", cache_length=args.cache_length, filled=args.filled,
+                batch_size=1, iterations=args.iterations,
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                command="python examples/scale_8b.py " + shlex.join(sys.argv[1:]))
+    rows = []
+
+    def record(row: dict) -> None:
+        rows.append(dict(row, **meta))
+        if "ms" in row:
+            text = f"{row['ms']:.3f} ms (floor {row['floor_ms']:.3f} ms, {row['ratio_to_floor']:.2f}x)"
+        elif "bytes_per_second" in row:
+            text = f"{row['bytes_per_second'] / 1e12:.3f} TB/s"
+        else:
+            text = f"projected {row['projected_output_tokens_per_second']:.1f} tok/s ({row['projected_speedup']:.2f}x)"
+        name = row["what"] + (f" {row['method']}" if "method" in row else "") + (f" k={row['k']}" if "k" in row else "")
+        print(f"[scale_8b.py] {name}: {text}", file=sys.stderr)
+
+    bandwidth = copy_bandwidth(args.copy_gib, args.iterations)
+    record(dict(what="copy_bandwidth", bytes_per_second=bandwidth, gib=args.copy_gib))
+
+    began = time.perf_counter()
+    target = random_module(lambda: llama.Llama(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype), seed=0)
+    init_seconds = time.perf_counter() - began
+    target_def, target_params = nnx.split(target)
+    embed_bytes = target.embed_tokens.embedding[...].nbytes
+    row_bytes = cfg.hidden_size * 2
+    target_read = nbytes(target_params) - embed_bytes  # the embedding gather reads only T rows
+    print(f"[scale_8b.py] target: {nbytes(target_params) / 1e9:.2f} GB of bf16 weights, random init "
+          f"{init_seconds:.1f} s", file=sys.stderr)
+
+    def verify(params, tokens, cache):
+        model = nnx.merge(target_def, params)
+        positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
+        hidden, cache, _ = model(tokens, positions, cache)  # lengths unchanged: every call does the same work
+        return jnp.argmax(model.logits(hidden), axis=-1), cache
+
+    cache = target.init_cache(1, args.cache_length, dtype)
+    cache = cache.replace(lengths=jnp.full((1,), args.filled, jnp.int32))
+    verify_ms = {}
+    for width in tqdm.tqdm(sorted({1} | {k + 1 for k in args.ks}), desc="verify widths", file=sys.stderr):
+        tokens = jnp.ones((1, width), jnp.int32)
+        ms, compile_seconds, cache = compile_and_time(verify, (target_params, tokens, cache), args.iterations,
+                                                      f"verify {width}", carry_index=1)
+        verify_ms[width] = ms
+        weights = target_read + width * row_bytes
+        floor_ms = 1e3 * (weights + kv_bytes(cfg, cfg.num_layers, args.filled + width)) / bandwidth
+        floor_full_ms = 1e3 * (weights + kv_bytes(cfg, cfg.num_layers, args.cache_length)) / bandwidth
+        row = dict(what="decode" if width == 1 else "verify", ms=round(ms, 4), tokens=width,
+                   floor_ms=round(floor_ms, 4), ratio_to_floor=round(ms / floor_ms, 3),
+                   floor_full_cache_ms=round(floor_full_ms, 4), weight_bytes=weights,
+                   compile_seconds=round(compile_seconds, 2))
+        if width > 1:
+            row["k"] = width - 1
+        record(row)
+
+    draft_ms = {}
+    head_layer = dataclasses.replace(cfg, num_layers=1)
+    for method in args.methods:
+        if method == "eagle3":
+            head_cfg = eagle.EagleConfig(method="eagle3", layer=head_layer,
+                                         draft_vocab_size=EAGLE3_DRAFT_VOCAB["tiny" if args.tiny else "full"],
+                                         target_hidden_size=cfg.hidden_size,
+                                         feature_layers=eagle.default_feature_layers(cfg.num_layers))
+        else:
+            head_cfg = eagle.EagleConfig(method="eagle", layer=head_layer, fc_bias=False)
+        head = random_module(lambda: eagle.make_head(head_cfg, rngs=nnx.Rngs(1), dtype=dtype, param_dtype=dtype), 1)
+        head_def, head_params = nnx.split(head)
+
+        def draft_step(target_params, head_params, token, feature, cache):
+            model, head = nnx.merge(target_def, target_params), nnx.merge(head_def, head_params)
+            out, logits, cache = head(token[:, None], feature[:, None], cache.lengths[:, None], cache, model)
+            return head.to_target_ids(jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)), cache
+
+        draft_cache = eagle.init_cache(head_cfg, 1, args.cache_length, dtype)
+        draft_cache = draft_cache.replace(lengths=jnp.full((1,), args.filled, jnp.int32))
+        token, feature = jnp.ones((1,), jnp.int32), jnp.ones((1, cfg.hidden_size), dtype)
+        ms, compile_seconds, _ = compile_and_time(draft_step, (target_params, head_params, token, feature, draft_cache),
+                                                  args.iterations, f"draft step {method}", carry_index=1)
+        draft_ms[method] = ms
+        head_read = nbytes(head_params) + row_bytes
+        if method == "eagle":
+            head_read += target.lm_head.kernel[...].nbytes  # EAGLE-1 drafts through the target's lm_head
+        else:
+            head_read -= head.fc.kernel[...].nbytes  # EAGLE-3's fc projects target features in the verify, not here
+        floor_ms = 1e3 * (head_read + kv_bytes(cfg, 1, args.filled + 1)) / bandwidth
+        record(dict(what="draft_step", method=method, ms=round(ms, 4), floor_ms=round(floor_ms, 4),
+                    ratio_to_floor=round(ms / floor_ms, 3), weight_bytes=head_read,
+                    head_bytes=nbytes(head_params), compile_seconds=round(compile_seconds, 2)))
+        del head, head_params
+
+    acceptance = load_acceptance(args.results)
+    plain_otps = 1e3 / verify_ms[1]
+    projections = []
+    for method in args.methods:
+        for k in args.ks:
+            if (method, k) not in acceptance:
+                continue
+            step_ms = k * draft_ms[method] + verify_ms[k + 1]
+            otps = 1e3 * acceptance[(method, k)] / step_ms
+            row = dict(what="projection", method=method, k=k, acceptance_length_smollm2=acceptance[(method, k)],
+                       projected_step_ms=round(step_ms, 4), projected_output_tokens_per_second=round(otps, 1),
+                       plain_output_tokens_per_second=round(plain_otps, 1),
+                       projected_speedup=round(otps / plain_otps, 3),
+                       note="PROJECTION: 8B-shaped timings x SmolLM2-135M acceptance lengths, not a measured 8B run")
+            record(row)
+            projections.append(row)
+    if not acceptance:
+        print(f"[scale_8b.py] no EAGLE rows (batch 1, compiled, temperature 0) in {args.results}: no projection",
+              file=sys.stderr)
+
+    append_rows(args.out, rows)
+    print(f"\n{label}: copy bandwidth {bandwidth / 1e12:.3f} TB/s; cache {args.cache_length}, filled {args.filled}")
+    print(f"{'what':<18}{'k':>3}{'ms':>10}{'floor ms':>10}{'x floor':>9}")
+    for row in rows:
+        if "ms" in row:
+            print(f"{row['what'] + (' ' + row['method'] if 'method' in row else ''):<18}{row.get('k', ''):>3}"
+                  f"{row['ms']:>10.3f}{row['floor_ms']:>10.3f}{row['ratio_to_floor']:>9.2f}")
+    if projections:
+        print(f"\nPROJECTION (8B-shaped timings, SmolLM2-135M acceptance); plain decoding {plain_otps:.1f} tok/s")
+        print(f"{'method':<8}{'k':>3}{'accept len':>12}{'step ms':>10}{'tok/s':>9}{'speedup':>9}")
+        for row in projections:
+            print(f"{row['method']:<8}{row['k']:>3}{row['acceptance_length_smollm2']:>12.3f}"
+                  f"{row['projected_step_ms']:>10.3f}"
+                  f"{row['projected_output_tokens_per_second']:>9.1f}{row['projected_speedup']:>9.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    sys.exit(main())

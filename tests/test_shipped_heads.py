@@ -1,0 +1,47 @@
+"""The heads shipped for the default model load and speculate usefully on a short CPU run.
+
+Needs the default model (downloaded once from PyPI and converted into the cache, ~100 MB).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from eagle_jax import heads
+from eagle_jax import models
+from eagle_jax import train
+
+PROMPTS = [
+    "Compose an engaging travel blog post about a recent trip to Hawaii.",
+    "Explain the difference between a list and a tuple in Python.",
+    "Give me three tips for staying productive when working from home.",
+]
+
+
+@pytest.fixture(scope="module")
+def default_target():
+    import transformers
+
+    from eagle_jax import generate
+
+    target, tokenizer_dir = models.load_target(None, "float32")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    return target, [np.asarray(generate.encode(tokenizer, text, chat=True)) for text in PROMPTS]
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_shipped_head_accepts_more_than_half_a_token_per_step(default_target, method):
+    target, prompts = default_target
+    path = heads.shipped_head(method)
+    assert path is not None, f"no shipped {method} head"
+    head = models.load_head(path, target, "float32")
+    result = train.acceptance_length(target, head, prompts, k=5, max_new_tokens=48)
+    assert result["acceptance_length"] > 1.5, result
+
+
+def test_cli_defaults_to_a_shipped_head():
+    path, method = heads.choose_draft(None, None, None)
+    assert path == heads.shipped_head(heads.DEFAULT_METHOD) and method == heads.DEFAULT_METHOD
+    assert heads.choose_draft(None, "none", None) == (None, "none")
+    assert heads.choose_draft("some/other/model", None, None) == (None, "none")
