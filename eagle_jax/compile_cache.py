@@ -55,7 +55,9 @@ class CompileCache:
 
     def module_dir(self, module: str, key: str) -> Path:
         device = jax.devices()[0]
-        identity = "|".join([key, jax.__version__, jaxlib.__version__, device.platform, device.device_kind])
+        # XLA_FLAGS change the executable but not the program text, so they belong in the key.
+        identity = "|".join([key, jax.__version__, jaxlib.__version__, device.platform, device.device_kind,
+                             os.environ.get("XLA_FLAGS", "")])
         return self.root / f"{module}-{_digest(identity)[:16]}"
 
     def compile(self, module: str, key: str, lowered) -> tuple[object, float]:

@@ -103,6 +103,7 @@ class Engine:
         self.head_config = head.config if head is not None else None
         self.compile_cache = compile_cache_lib.CompileCache(cache_dir)
         self._compiled: dict = {}
+        self._state_shapes: dict = {}
         self.compile_seconds = 0.0
 
     @property
@@ -130,20 +131,25 @@ class Engine:
         target, head = self._modules(target_params, head_params)
         return speculative.run_steps(target, head, state, num_steps, opts)
 
-    def _program(self, name: str, function, args, static: dict, donate: tuple[str, ...] = ()):
-        """The compiled program for these shapes and static settings, compiled once."""
+    def _program(self, name: str, function, args, static: dict, width: int, donate: tuple[str, ...] = ()):
+        """The compiled program for this prefill width and static settings, compiled once.
+
+        The in-memory key is cheap (parameters and batch size are fixed per engine); the
+        persistent cache key, built only on a miss, spells out every argument shape.
+        """
         if self.eager:
             def op_by_op(*a):
                 with jax.disable_jit():
                     return function(*a, **static)
             return op_by_op
-        shapes = jax.tree.map(lambda x: (x.shape, x.dtype) if hasattr(x, "shape") else x, args)
-        key = repr((name, shapes, sorted(static.items()), self.config, self.head_config, self.max_length))
+        key = (name, width, tuple(sorted(static.items())))
         if key not in self._compiled:
+            shapes = jax.tree.map(lambda x: (x.shape, x.dtype) if hasattr(x, "shape") else x, args)
+            description = repr((name, shapes, sorted(static.items()), self.config, self.head_config, self.max_length))
             jitted = jax.jit(function, static_argnames=tuple(static), donate_argnames=donate)
             lowered = jitted.lower(*args, **static)
             module = self.module_name(name, static["opts"])
-            self._compiled[key], seconds = self.compile_cache.compile(module, key, lowered)
+            self._compiled[key], seconds = self.compile_cache.compile(module, description, lowered)
             self.compile_seconds += seconds
         return self._compiled[key]
 
@@ -195,10 +201,12 @@ class Engine:
         idle = np.arange(self.batch_size) >= len(prompts)
         args = (self.target_params, self.head_params, jnp.asarray(tokens), jnp.asarray(lengths), rng)
         compile_before = self.compile_seconds
-        start = self._program("start", self._start, args, dict(opts=opts))
-        state_shape = None if self.eager else jax.eval_shape(lambda *a: self._start(*a, opts=opts), *args)
+        start = self._program("start", self._start, args, dict(opts=opts), width)
+        state_shape = None if self.eager else self._state_shape(args, width, opts)
         run_args = (self.target_params, self.head_params, state_shape)
-        run = self._program("run", self._run, run_args, dict(num_steps=steps_per_call, opts=opts), donate=("state",))
+        # The step program does not depend on the prefill width: one serves every bucket.
+        run = self._program("run", self._run, run_args, dict(num_steps=steps_per_call, opts=opts), 0,
+                            donate=("state",))
         compile_seconds = self.compile_seconds - compile_before
 
         began = time.perf_counter()
@@ -217,6 +225,13 @@ class Engine:
         stats = speculative.stats(state, self.k)
         return [Result(token_ids=output[row, :counts[row]].tolist(), seconds=seconds,
                        compile_seconds=compile_seconds, stats=stats[row]) for row in range(len(prompts))]
+
+    def _state_shape(self, args, width: int, opts):
+        """The decode state's shapes, traced once per (prefill width, options), not per batch."""
+        key = (width, opts)
+        if key not in self._state_shapes:
+            self._state_shapes[key] = jax.eval_shape(lambda *a: self._start(*a, opts=opts), *args)
+        return self._state_shapes[key]
 
     @staticmethod
     def _emit(state, shown, emit):

@@ -210,6 +210,11 @@ def export_head(head, target_config: config_lib.LlamaConfig, out_dir: str | Path
         max_position_embeddings=layer.max_position_embeddings, tie_word_embeddings=False,
         bos_token_id=target_config.bos_token_id, eos_token_id=list(target_config.eos_token_ids),
     )
+    if layer.rope_scaling is not None:  # Llama 3.1 heads carry the target's llama3 scaling
+        scaling = layer.rope_scaling
+        config["rope_scaling"] = dict(rope_type="llama3", factor=scaling.factor, low_freq_factor=scaling.low_freq_factor,
+                                      high_freq_factor=scaling.high_freq_factor,
+                                      original_max_position_embeddings=scaling.original_max_position_embeddings)
     if cfg.method == "eagle3":
         d2t = tensors["d2t"].astype(np.int64)
         t2d = np.zeros((target_config.vocab_size,), bool)

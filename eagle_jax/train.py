@@ -173,7 +173,7 @@ def train(target: llama.Llama, dataset: dict[str, np.ndarray], cfg: TrainConfig,
             break
         metrics = trainer.train_step(tokens, mask)
         tokens_seen += int(mask.sum())
-        if trainer.step % 25 == 0 or trainer.step == cfg.steps:
+        if trainer.step % 25 == 0 or trainer.step in (1, cfg.steps):
             metrics = {name: float(value) for name, value in jax.device_get(metrics).items()}
             metrics.update(step=trainer.step, tokens_per_second=tokens_seen / (time.perf_counter() - began))
             log.append(metrics)

@@ -6,21 +6,24 @@ fixtures returning functions so that test modules need no imports from this file
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-import numpy as np
-import pytest
-from flax import nnx
+import os
+
+# Tests compile dozens of small programs and never time them: XLA:CPU's LLVM optimisation
+# level 0 halves compile time here without changing what is computed. Set before jax starts its
+# backend; subprocesses started by tests inherit it.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+
+import jax.numpy as jnp  # noqa: E402 (after the flags)
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from flax import nnx  # noqa: E402
 
 from eagle_jax import checkpoint
 from eagle_jax import config as config_lib
 from eagle_jax import eagle
 from eagle_jax import llama
 from eagle_jax import models
-
-# The llama3 scaling of Llama 3.1 shrunk to a tiny context: with head_dim 8 and theta 1e4 the
-# wavelengths (6, 63, 628, 6283) fall in all three bands (kept, interpolated, slowed down).
-LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                  "original_max_position_embeddings": 64}
 
 
 def hf_config_dict(*, vocab_size=101, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
@@ -77,12 +80,36 @@ def hf_llama(tmp_path_factory):
     return make
 
 
+def random_module(factory, seed: int = 0) -> nnx.Module:
+    """Builds `factory()` with numpy random weights (no jax initialisers: those compile op by op, seconds).
+
+    Kernels ~ N(0, 1/fan_in), embeddings ~ N(0, 1), norm weights ~ 1 + N(0, 0.1^2), biases ~ N(0, 0.1^2),
+    integer tables (EAGLE-3 d2t) zero.
+    """
+    rng = np.random.default_rng(seed)
+    params = {}
+    for path, leaf in checkpoint.flat_state(nnx.split(nnx.eval_shape(factory))[1]).items():
+        name, shape = path.rsplit("/", 1)[-1], tuple(leaf.shape)
+        if not jnp.issubdtype(leaf.dtype, jnp.floating):
+            params[path] = np.zeros(shape, leaf.dtype)
+        elif name == "kernel":
+            params[path] = rng.standard_normal(shape) / np.sqrt(shape[0])
+        elif name == "embedding":
+            params[path] = rng.standard_normal(shape)
+        elif name == "weight":
+            params[path] = 1 + 0.1 * rng.standard_normal(shape)
+        else:
+            params[path] = 0.1 * rng.standard_normal(shape)
+    return checkpoint.build_model(factory, params, jnp.float32)
+
+
 @pytest.fixture(scope="session")
 def random_target(tiny_config):
     """Factory: `random_target(seed=0, **config overrides)` -> Flax Llama with random weights."""
 
     def make(seed: int = 0, **overrides):
-        return llama.Llama(tiny_config(**overrides), rngs=nnx.Rngs(seed))
+        cfg = tiny_config(**overrides)
+        return random_module(lambda: llama.Llama(cfg, rngs=nnx.Rngs(0)), seed)
 
     return make
 
@@ -100,7 +127,7 @@ def head_config(target_cfg: config_lib.LlamaConfig, method: str, *, fc_bias: boo
 
 def vocab_map(vocab_size: int, draft_vocab_size: int, seed: int = 0) -> np.ndarray:
     """A nontrivial EAGLE-3 d2t: draft id i -> a distinct target id, stored as the offset target - i."""
-    targets = np.sort(np.random.default_rng(seed).permutation(vocab_size)[:draft_vocab_size])
+    targets = np.random.default_rng(seed).permutation(vocab_size)[:draft_vocab_size]
     return (targets - np.arange(draft_vocab_size)).astype(np.int32)
 
 
@@ -108,19 +135,14 @@ def vocab_map(vocab_size: int, draft_vocab_size: int, seed: int = 0) -> np.ndarr
 def random_head():
     """Factory: `random_head(target_cfg, method, seed=0, fc_bias=False, draft_vocab_size=0, feature_layers=())`.
 
-    EAGLE-3 heads get a random d2t from `vocab_map` (draft ids -> distinct, shuffled-in target ids)
-    and random norm weights, so every parameter matters.
+    Weights as `random_module`; EAGLE-3 heads get a d2t from `vocab_map` (draft ids -> distinct target ids).
     """
 
     def make(target_cfg, method: str, seed: int = 0, **kwargs):
         cfg = head_config(target_cfg, method, **kwargs)
-        head = eagle.make_head(cfg, rngs=nnx.Rngs(seed))
-        rng = np.random.default_rng(seed)
+        head = random_module(lambda: eagle.make_head(cfg, rngs=nnx.Rngs(0)), seed)
         if method == "eagle3":
-            head.d2t.value = jnp.asarray(vocab_map(target_cfg.vocab_size, cfg.draft_vocab_size, seed))
-        for path, leaf in checkpoint.flat_state(nnx.state(head, nnx.Param)).items():
-            if path.endswith("/bias") or (path.endswith("/weight") and "norm" in path):
-                _set(head, path, 1.0 * (path.endswith("/weight")) + 0.1 * rng.standard_normal(leaf.shape))
+            head.d2t[...] = jnp.asarray(vocab_map(target_cfg.vocab_size, cfg.draft_vocab_size, seed))
         return head
 
     return make
@@ -131,10 +153,42 @@ def _set(module: nnx.Module, path: str, value) -> None:
     *parents, name = path.split("/")
     for part in parents:
         module = module[int(part)] if part.isdigit() else getattr(module, part)
-    getattr(module, name).value = jnp.asarray(value, jnp.float32)
+    getattr(module, name)[...] = jnp.asarray(value, jnp.float32)
 
 
 @pytest.fixture(scope="session")
 def set_param():
     """`set_param(module, "self_attn/o_proj/kernel", array)`."""
     return _set
+
+
+def export_head(head, directory, *, embeddings=None, torch_bin: bool = False):
+    """Writes a head in its public HF layout with `models.export_head` (float32), plus variants.
+
+    Args:
+        embeddings: optional [V, D] array added as `embed_tokens.weight` (as SafeAILab heads ship).
+        torch_bin: write `pytorch_model.bin` instead of `model.safetensors` (older public heads).
+    """
+    from eagle_jax import hf_files
+
+    # The head's layer config carries the target's vocabulary and special tokens (see head_config).
+    directory = models.export_head(head, head.config.layer, directory, dtype="float32")
+    if embeddings is None and not torch_bin:
+        return directory
+    tensors = {name: np.array(array) for name, array in hf_files.load_tensors(directory, progress=False).items()}
+    if embeddings is not None:
+        tensors["embed_tokens.weight"] = np.asarray(embeddings, np.float32)
+    if torch_bin:
+        import torch
+
+        (directory / "model.safetensors").unlink()
+        torch.save({name: torch.from_numpy(array) for name, array in tensors.items()}, directory / "pytorch_model.bin")
+    else:
+        hf_files.save_tensors(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    return directory
+
+
+@pytest.fixture(scope="session")
+def save_head():
+    """`save_head(head, directory, embeddings=None, torch_bin=False)` -> directory: see `export_head`."""
+    return export_head

@@ -36,7 +36,7 @@ def test_shipped_head_accepts_more_than_half_a_token_per_step(default_target, me
     path = heads.shipped_head(method)
     assert path is not None, f"no shipped {method} head"
     head = models.load_head(path, target, "float32")
-    result = train.acceptance_length(target, head, prompts, k=5, max_new_tokens=48)
+    result = train.acceptance_length(target, head, prompts, k=5, max_new_tokens=128)
     assert result["acceptance_length"] > 1.5, result
 
 

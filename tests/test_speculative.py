@@ -1,18 +1,23 @@
-"""Speculative decoding is lossless: greedy outputs equal plain greedy decoding, for every head kind.
+"""Speculative decoding is lossless and its acceptance is exactly what EAGLE's rules give.
 
-The target is random but "aligned": embedding rows have RMS 1 and the residual branches
-(o_proj, down_proj) are scaled down, so its next token is close to argmax(lm_head(embed(t))). An
-EAGLE-1 head with fc = [I; 0] and zeroed attention and MLP outputs computes exactly
-lm_head(embed(t)), so it agrees with the target most of the time; noise in fc makes it agree
-partially, so steps accept varying numbers of drafts (the interesting case for losslessness).
+The target is random but "aligned": embedding rows have RMS 1, the final norm is 1 and the
+residual branches (o_proj, down_proj) are scaled down, so its next token is close to
+argmax(lm_head(embed(t))). An EAGLE-1 head with fc = [I; 0] and zeroed attention and MLP outputs
+computes exactly lm_head(embed(t)), so it agrees with the target most of the time. Noise in fc
+and live attention/MLP outputs make heads that agree partially and depend on the draft cache, so
+steps accept varying numbers of drafts: the interesting case for losslessness, and for checking
+the acceptance counts against `reference_stats`, which recomputes every draft from scratch.
 """
 
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
+from eagle_jax import eagle
 from eagle_jax import engine as engine_lib
 
 MAX_NEW = 12
@@ -24,9 +29,10 @@ DRAFT_VOCAB = 64
 
 @pytest.fixture(scope="module")
 def target(random_target, set_param):
-    model = random_target(seed=1, num_layers=3, head_dim=16)
+    model = random_target(seed=3, num_layers=3, head_dim=16)
     embeddings = np.asarray(model.embed_tokens.embedding[...])
     set_param(model, "embed_tokens/embedding", embeddings / np.sqrt(np.mean(embeddings ** 2, -1, keepdims=True)))
+    set_param(model, "norm/weight", np.ones(model.config.hidden_size))
     for index, layer in enumerate(model.layers):
         for name in ("self_attn/o_proj/kernel", "mlp/down_proj/kernel"):
             set_param(model, f"layers/{index}/{name}", 0.1 * np.asarray(_get(layer, name)))
@@ -59,34 +65,41 @@ def make_head(target, reference, random_head, set_param):
     cfg = target.config
     hidden = cfg.hidden_size
 
-    def agreeing(noise: float, fc_bias: bool = False, seed: int = 0):
+    def agreeing(noise: float, residual: float = 0.0, fc_bias: bool = False, seed: int = 0):
         head = random_head(cfg, "eagle", seed=seed, fc_bias=fc_bias)
         rng = np.random.default_rng(seed)
         fc = np.concatenate([np.eye(hidden), np.zeros((hidden, hidden))])
         set_param(head, "fc/kernel", fc + noise * rng.standard_normal(fc.shape) / np.sqrt(2 * hidden))
-        set_param(head, "self_attn/o_proj/kernel", np.zeros((cfg.num_heads * cfg.head_dim, hidden)))
-        set_param(head, "mlp/down_proj/kernel", np.zeros((cfg.intermediate_size, hidden)))
+        # residual > 0 keeps some attention and MLP output, so drafts depend on the draft cache too.
+        for name in ("self_attn/o_proj/kernel", "mlp/down_proj/kernel"):
+            set_param(head, name, residual * np.asarray(_get(head, name)))
         return head
 
-    def eagle3(constant: bool, seed: int = 0):
+    def eagle3(biased: bool, seed: int = 0):
         head = random_head(cfg, "eagle3", seed=seed, draft_vocab_size=DRAFT_VOCAB, feature_layers=(0, 1, 2))
-        if constant:
-            # A zero final norm makes every draft logit 0, so the draft is always draft id 0. Map it to
-            # the target's most frequent output token: drafts then get accepted now and then, and only
-            # if d2t is applied in the right direction.
-            set_param(head, "norm/weight", np.zeros(hidden))
-            common = np.bincount(np.concatenate(reference), minlength=cfg.vocab_size).argmax()
+        if biased:
+            # Make the draft (nearly) always draft id 0 or 1, by the sign of its normalised output's
+            # first component (which depends on the features and the draft cache), and map those two
+            # ids to the target's most frequent output tokens: drafts are then accepted now and
+            # then, and only if d2t is applied in the right direction.
+            norm = np.full(hidden, 0.1)
+            norm[0] = 3.0
+            set_param(head, "norm/weight", norm)
+            lm_head = np.array(_get(head, "lm_head/kernel"))
+            lm_head[0, :2] = [4.0, -4.0]
+            set_param(head, "lm_head/kernel", lm_head)
+            frequent = np.argsort(-np.bincount(np.concatenate(reference), minlength=cfg.vocab_size))[:2]
             targets = np.arange(DRAFT_VOCAB) + np.asarray(head.d2t[...])
-            targets = np.where(targets == common, targets[0], targets)
-            targets[0] = common
+            rest = [t for t in targets if t not in frequent]
+            targets = np.concatenate([frequent, rest[:DRAFT_VOCAB - 2]])
             head.d2t[...] = jnp.asarray(targets - np.arange(DRAFT_VOCAB), jnp.int32)
         return head
 
     heads = {
         "eagle-agree": lambda: agreeing(0.0),
-        "eagle-noisy": lambda: agreeing(0.3, seed=1),
-        "eagle-bias": lambda: agreeing(0.3, fc_bias=True, seed=2),
-        "eagle3-constant": lambda: eagle3(True, seed=3),
+        "eagle-noisy": lambda: agreeing(0.3, residual=1.0, seed=1),
+        "eagle-bias": lambda: agreeing(0.3, residual=1.0, fc_bias=True, seed=2),
+        "eagle3-biased": lambda: eagle3(True, seed=3),
         "eagle3-random": lambda: eagle3(False, seed=4),
     }
     return functools.cache(lambda kind: heads[kind]())
@@ -110,9 +123,8 @@ def run(target, prompts, make_head):
 CASES = [  # k = 1..5, both head kinds and batch sizes; 3 prompts each (batch size 2 leaves an idle row)
     ("eagle-agree", 3, 2),
     ("eagle-noisy", 1, 1),
-    ("eagle-noisy", 4, 2),
     ("eagle-bias", 2, 1),
-    ("eagle3-constant", 3, 2),
+    ("eagle3-biased", 4, 2),
     ("eagle3-random", 5, 1),
 ]
 
@@ -126,13 +138,12 @@ def test_speculative_greedy_is_lossless(run, reference, kind, k, batch_size):
 def test_agreeing_head_has_high_acceptance(run):
     k = 3
     lengths = [r.stats["acceptance_length"] for r in run("eagle-agree", k, 2)]
-    assert np.mean(lengths) > 1 + 0.5 * k, lengths  # measured: about 3.5 of the maximum 4
-    assert min(lengths) > 1 + 0.3 * k, lengths
+    assert np.mean(lengths) > 1 + 0.5 * k, lengths  # measured: 3.0 (3, 2, 4) of the maximum 4
 
 
 def test_partial_agreement_accepts_some_drafts(run):
-    """The noisy and EAGLE-3 heads accept some drafts but not all: mixed acceptance per step."""
-    for case in [("eagle-noisy", 4, 2), ("eagle-bias", 2, 1), ("eagle3-constant", 3, 2)]:
+    """The noisy and biased heads accept some drafts but not all (measured 1.1 to 1.6)."""
+    for case in [("eagle-noisy", 1, 1), ("eagle-bias", 2, 1), ("eagle3-biased", 4, 2)]:
         lengths = [r.stats["acceptance_length"] for r in run(*case)]
         assert 1 < np.mean(lengths) < case[1] + 1, (case, lengths)
 
@@ -162,3 +173,74 @@ def test_stats_are_consistent(run, kind, k, batch_size):
         assert all(a >= b for a, b in zip(rates, rates[1:]))  # a draft is kept only after its predecessors
         # 1 token from prefill, then accepted + 1 per step; the last step may overshoot the budget.
         assert MAX_NEW <= 1 + drafts + accepted <= MAX_NEW + k
+
+
+# ---- A reference of the draft/verify loop, recomputed from scratch at every step ------------------
+
+WIDTH = 48  # >= prompt + new tokens + k + 1: one compiled shape for every call below
+
+
+def _pad(rows, width=WIDTH):
+    rows = np.asarray(rows)
+    return np.concatenate([rows, np.zeros((width - len(rows),) + rows.shape[1:], rows.dtype)])[None]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _features(target_def, target_params, head_def, head_params, tokens):
+    """The feature stream the head reads, [1, W, D], from one full target forward."""
+    target, head = nnx.merge(target_def, target_params), nnx.merge(head_def, head_params)
+    positions = jnp.arange(WIDTH, dtype=jnp.int32)[None]
+    capture = head.config.feature_layers if head.config.method == "eagle3" else ()
+    hidden, _, captured = target(tokens, positions, target.init_cache(1, WIDTH), capture)
+    return head.project(captured if capture else hidden), jnp.argmax(target.logits(hidden), -1)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _draft(head_def, head_params, target_def, target_params, tokens, features):
+    """One head forward over W (token, feature) pairs from an empty draft cache."""
+    head, target = nnx.merge(head_def, head_params), nnx.merge(target_def, target_params)
+    positions = jnp.arange(WIDTH, dtype=jnp.int32)[None]
+    out, logits, _ = head(tokens, features, positions, eagle.init_cache(head.config, 1, WIDTH, jnp.float32), target)
+    return out, head.to_target_ids(jnp.argmax(logits, -1).astype(jnp.int32))
+
+
+def reference_stats(target, head, prompt, output, k):
+    """(num_drafts, accepted per depth) of EAGLE greedy decoding, without any cache bookkeeping.
+
+    Committed tokens t_0..t_{L-1}, next token t_L emitted: draft slot i holds (t_{i+1}, f_i) with f_i
+    the target feature at i; the first draft reads slots 0..L-1, each further draft appends
+    (previous draft, the head's own output feature). Drafts are kept while they equal the target's
+    greedy tokens; then L advances by accepted + 1.
+    """
+    head_split, target_split = nnx.split(head), nnx.split(target)
+    sequence = list(prompt) + list(output)
+    while len(sequence) < len(prompt) + MAX_NEW + k + 1:  # the target's tokens past the budget too
+        _, greedy = _features(*target_split, *head_split, _pad(sequence))
+        sequence.append(int(greedy[0, len(sequence) - 1]))
+    features, _ = _features(*target_split, *head_split, _pad(sequence))
+    features = np.asarray(features[0])
+    length, generated, steps, accepted = len(prompt), 1, 0, np.zeros(k, int)
+    while generated < MAX_NEW:
+        tokens, feats, drafts = sequence[1:length + 1], list(features[:length]), []
+        for _ in range(k):
+            out, ids = _draft(*head_split, *target_split, _pad(tokens), _pad(np.stack(feats)))
+            drafts.append(int(ids[0, len(tokens) - 1]))
+            tokens.append(drafts[-1])
+            feats.append(np.asarray(out[0, len(tokens) - 2]))
+        kept = 0
+        while kept < k and drafts[kept] == sequence[length + 1 + kept]:
+            kept += 1
+        accepted[:kept] += 1
+        steps, generated, length = steps + 1, generated + kept + 1, length + kept + 1
+    return steps, accepted
+
+
+@pytest.mark.parametrize("kind, k, batch_size", CASES)
+def test_acceptance_matches_a_reference_without_caches(target, make_head, prompts, reference, run,
+                                                       kind, k, batch_size):
+    """Exact per-depth acceptance counts: catches draft-cache, pending-pair and d2t mistakes, which
+    leave the output lossless and only cost acceptance."""
+    for prompt, output, result in zip(prompts, reference, run(kind, k, batch_size)):
+        steps, accepted = reference_stats(target, make_head(kind), prompt, output, k)
+        assert result.stats["num_drafts"] == steps
+        assert [round(rate * steps) for rate in result.stats["acceptance_rate_per_position"]] == accepted.tolist()

@@ -2,8 +2,8 @@
 # Prepares a bare GPU machine (no network) for eagle_jax runs. Source it from the repo root:
 #   source examples/gpu/setup.sh
 # Expects, carried in the ignored folders .stage/ and .whl/ (see docs/GPU_RUNS.md):
-#   .stage/gguf.part00, .stage/gguf.part01 (the SmolLM2 GGUF split under 60 MB; parts may arrive in
-#   separate calls and are kept in /root/stage), .stage/tokenizer/, .whl/gguf-*.whl.
+#   .stage/gguf.partNN (the SmolLM2 GGUF split so each call's tree stays under 64 MB; parts may
+#   arrive in separate calls and are kept in /root/stage), .stage/tokenizer/, .whl/gguf-*.whl.
 set -e
 mkdir -p /root/stage
 cp .stage/gguf.part* /root/stage/ 2>/dev/null || true
@@ -12,10 +12,14 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 export EAGLE_JAX_CACHE_DIR=/root/stage/cache
 models=$EAGLE_JAX_CACHE_DIR/models
 gguf=$models/SmolLM2-135M-Instruct.Q4_1.gguf
-if [ ! -f "$gguf" ] && [ -f /root/stage/gguf.part01 ]; then
+if [ ! -f "$gguf" ]; then  # join once every part has arrived (the checksum says so)
   mkdir -p "$models"
-  cat /root/stage/gguf.part00 /root/stage/gguf.part01 > "$gguf"
-  (cd "$models" && sed "s#  .*#  SmolLM2-135M-Instruct.Q4_1.gguf#" "$OLDPWD/.stage/gguf.sha256" | sha256sum -c -)
+  cat /root/stage/gguf.part* > "$gguf.joining"
+  if [ "$(sha256sum < "$gguf.joining" | cut -d' ' -f1)" = "$(cut -d' ' -f1 .stage/gguf.sha256)" ]; then
+    mv "$gguf.joining" "$gguf"; echo "gguf joined"
+  else
+    rm "$gguf.joining"; echo "gguf parts so far: $(ls /root/stage | grep -c part)"
+  fi
 fi
 if [ -f "$gguf" ] && [ ! -f "$models/SmolLM2-135M-Instruct-hf/model.safetensors" ]; then
   mkdir -p "$models/SmolLM2-135M-Instruct-hf"

@@ -1,0 +1,99 @@
+"""`eagle-jax-convert SRC DST`: converts a model for eagle_jax.
+
+SRC is one of:
+  * an HF Llama directory or a llama `.gguf` file: DST gets the converted format (config.json,
+    params.safetensors keyed by Flax paths, tokenizer files), which loads without a name table;
+  * an EAGLE-1 or EAGLE-3 head directory (safetensors or pytorch_model.bin): it is checked against
+    `--target` and written back in its public HF layout (config.json + model.safetensors), so a
+    pytorch_model.bin head becomes safetensors and stays loadable by vLLM and SGLang.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from eagle_jax import gguf_file
+from eagle_jax import hf_files
+from eagle_jax import models
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="eagle-jax-convert", description=__doc__.splitlines()[0])
+    parser.add_argument("src", help="HF Llama directory, .gguf file, or EAGLE head directory")
+    parser.add_argument("dst", help="output directory (must not exist, or be empty)")
+    parser.add_argument("--dtype", choices=sorted(models.DTYPES),
+                        help="weight dtype (default: float32 for targets; a head keeps its own)")
+    parser.add_argument("--target", help="the target a head is for (any target source); required for heads")
+    return parser.parse_args(argv)
+
+
+def is_head(src: Path) -> bool:
+    """An EAGLE head: config architectures name Eagle3, or the tensors are fc.weight / midlayer.*."""
+    if not src.is_dir() or not (src / "config.json").is_file():
+        return False
+    architectures = " ".join(hf_files.load_config(src).get("architectures") or [])
+    if "Eagle3" in architectures:
+        return True
+    names = set(hf_files.load_tensors(src, progress=False))
+    return "fc.weight" in names or any(name.startswith("midlayer.") for name in names)
+
+
+def convert_target(src: Path, dst: Path, dtype: str) -> None:
+    with tempfile.TemporaryDirectory(prefix="eagle-jax-convert-") as scratch:
+        if src.is_file() and src.suffix == ".gguf":
+            src = gguf_file.gguf_to_hf_dir(src, Path(scratch) / "hf")
+        model, source_dir = models.load_target(src, dtype)
+        models.save_converted(model, source_dir, dst, dtype)
+
+
+def convert_head(src: Path, dst: Path, target_path: str | None, dtype: str | None) -> None:
+    if target_path is None:
+        raise hf_files.CheckpointError(f"{src} is an EAGLE head: pass --target (the model it drafts for) to check it")
+    target, _ = models.load_target(target_path)
+    tensors = hf_files.load_tensors(src)
+    models.load_head(src, target)  # raises if the head does not fit the target
+    if dtype is not None:
+        cast = np.dtype(models.DTYPES[dtype])
+        # Floating tensors only (bfloat16 has numpy kind "V"); d2t and t2d stay integer and bool.
+        tensors = {name: array if array.dtype.kind in "biu" else array.astype(cast) for name, array in tensors.items()}
+    dst.mkdir(parents=True, exist_ok=True)
+    hf_files.save_tensors(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    config = hf_files.load_config(src)
+    if dtype is not None:
+        config["torch_dtype"] = dtype
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    src, dst = Path(args.src).expanduser(), Path(args.dst).expanduser()
+    try:
+        if not src.exists():
+            raise FileNotFoundError(f"{src} does not exist")
+        if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+            raise FileExistsError(f"{dst} already exists and is not an empty directory")
+        if is_head(src):
+            convert_head(src, dst, args.target, args.dtype)
+            kind = "EAGLE head"
+        else:
+            convert_target(src, dst, args.dtype or "float32")
+            kind = "target"
+    except (hf_files.CheckpointError, FileNotFoundError, FileExistsError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyError as error:  # a config.json without a field the model needs
+        print(f"error: {src}: config.json lacks {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {kind} to {dst}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

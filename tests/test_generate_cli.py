@@ -1,0 +1,159 @@
+"""`python -m eagle_jax.generate` on a tiny converted model with a word-level tokenizer and chat template."""
+
+import json
+
+import numpy as np
+import pytest
+
+from convert import __main__ as convert_cli
+from eagle_jax import engine as engine_lib
+from eagle_jax import generate
+from eagle_jax import models
+
+WORDS = ["the", "sea", "a", "poem", "write", "short", "about", "sky", "blue", "and"]
+SPECIALS = ["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>"]
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+MAX_NEW = 6
+
+
+def save_tokenizer(directory, vocab_size: int):
+    """A WordLevel tokenizer over exactly `vocab_size` tokens (ids 1 and 2 are bos and eos, as the model's)."""
+    import tokenizers
+    import transformers
+
+    words = WORDS + [f"w{i}" for i in range(vocab_size - len(SPECIALS) - len(WORDS))]
+    vocab = {token: index for index, token in enumerate(SPECIALS + words)}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+        additional_special_tokens=SPECIALS[3:])
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(directory)
+    assert len(tokenizer) == vocab_size
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def model_dir(hf_llama, tmp_path_factory):
+    """A converted model directory (via eagle-jax-convert) holding the tokenizer."""
+    _, source, _ = hf_llama(seed=21)
+    save_tokenizer(source, 101)
+    out = tmp_path_factory.mktemp("cli") / "model"
+    assert convert_cli.main([str(source), str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def head_dir(model_dir, random_head, save_head, tmp_path_factory):
+    target, _ = models.load_target(model_dir)
+    return save_head(random_head(target.config, "eagle", seed=5), tmp_path_factory.mktemp("cli") / "head")
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """Shared by the calls below: each builds a new engine, whose programs then load from disk."""
+    return tmp_path_factory.mktemp("xla")
+
+
+def run(capsys, model_dir, cache_dir, *argv):
+    code = generate.main(["--model", str(model_dir), "--cache-dir", str(cache_dir), "--max-new-tokens", str(MAX_NEW),
+                          *map(str, argv)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def records(out: str) -> list[dict]:
+    return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
+def test_json_output(model_dir, cache_dir, capsys):
+    code, out, err = run(capsys, model_dir, cache_dir, "--prompt", "write a poem", "--prompt", "the blue sky",
+                         "--json", "--ignore-eos")
+    assert code == 0, err
+    first, second = records(out)
+    assert [first["prompt"], second["prompt"]] == ["write a poem", "the blue sky"]
+    for record in (first, second):
+        assert set(record) >= {"prompt", "text", "token_ids", "num_tokens", "seconds", "tokens_per_second",
+                               "compile_seconds", "method", "num_speculative_tokens", "acceptance_length",
+                               "acceptance_rate_per_position", "num_drafts", "num_draft_tokens", "num_accepted_tokens"}
+        assert record["num_tokens"] == len(record["token_ids"]) == MAX_NEW
+        assert record["seconds"] >= 0 and record["tokens_per_second"] >= 0 and record["compile_seconds"] >= 0
+        assert record["method"] == "none" and record["num_speculative_tokens"] == 0
+        assert record["acceptance_length"] == 1.0 and record["num_drafts"] == 0
+        assert record["acceptance_rate_per_position"] == []
+    # The CLI applies the chat template, then generates what the engine generates for those ids.
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "write a poem"}], tokenize=False,
+                                        add_generation_prompt=True)
+    ids = tokenizer(ids, add_special_tokens=False)["input_ids"]
+    assert ids[0] == tokenizer.convert_tokens_to_ids("<|user|>") and ids[-1] == tokenizer.convert_tokens_to_ids("<|assistant|>")
+    target, _ = models.load_target(model_dir)
+    engine = engine_lib.Engine(target, max_length=512, cache_dir=cache_dir)  # the CLI's programs, from disk
+    [expected] = engine.generate([ids], max_new_tokens=MAX_NEW, ignore_eos=True)
+    assert engine.num_compilations == 0
+    assert first["token_ids"] == expected.token_ids
+    assert first["text"] == tokenizer.decode(expected.token_ids, skip_special_tokens=True)
+
+
+def test_prompts_file_with_mt_bench_turns(model_dir, cache_dir, tmp_path, capsys):
+    prompts = tmp_path / "questions.jsonl"
+    prompts.write_text("\n".join([
+        json.dumps({"question_id": 81, "category": "writing", "turns": ["write a short poem", "now shorter"]}),
+        "",
+        json.dumps({"prompt": "the sea and the sky"}),
+    ]))
+    code, out, err = run(capsys, model_dir, cache_dir, "--prompts-file", prompts, "--json", "--no-chat")
+    assert code == 0, err
+    assert [r["prompt"] for r in records(out)] == ["write a short poem", "the sea and the sky"]
+
+
+def test_streams_text_and_summary(model_dir, cache_dir, capsys):
+    code, out, err = run(capsys, model_dir, cache_dir, "--prompt", "the sea", "--ignore-eos")
+    assert code == 0, err
+    assert ">>> the sea" in out and len(out.split(">>> the sea", 1)[1].split()) >= 1  # streamed words
+    assert f"{MAX_NEW} tokens in" in err and "tokens/s" in err
+
+
+def test_draft_reports_acceptance(model_dir, head_dir, cache_dir, capsys):
+    common = ("--prompt", "write a poem about the sea", "--json", "--ignore-eos")
+    code, out, err = run(capsys, model_dir, cache_dir, *common, "--draft", head_dir, "--num-speculative-tokens", 2)
+    assert code == 0, err
+    [record] = records(out)
+    assert record["method"] == "eagle" and record["num_speculative_tokens"] == 2
+    assert record["num_drafts"] > 0 and record["num_draft_tokens"] == 2 * record["num_drafts"]
+    assert len(record["acceptance_rate_per_position"]) == 2 and record["acceptance_length"] >= 1
+    code, out, err = run(capsys, model_dir, cache_dir, *common)  # plain decoding: the same tokens
+    assert code == 0, err
+    assert records(out)[0]["token_ids"] == record["token_ids"]
+
+
+def test_no_compile_cache(model_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("EAGLE_JAX_CACHE_DIR", str(tmp_path / "unused"))
+    code = generate.main(["--model", str(model_dir), "--prompt", "a", "--max-new-tokens", "2", "--json",
+                          "--no-compile-cache"])
+    assert code == 0, capsys.readouterr().err
+    assert not (tmp_path / "unused").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--top-p", "0"], "top_p must be in (0, 1]"),
+    (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--prompts-file", "{bad}"], ":2: expected JSON with 'prompt' or 'turns'"),
+    (["--model", "{missing}"], "does not exist"),
+    (["--batch-size", "0"], "--batch-size must be >= 1"),
+])
+def test_bad_input_exits_2_without_traceback(model_dir, tmp_path, capsys, argv, message):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"turns": ["fine"]}) + "\n{not json\n")
+    argv = [arg.format(bad=bad, missing=tmp_path / "missing") for arg in argv]
+    if "--model" not in argv:
+        argv = ["--model", str(model_dir), *argv]
+    code = generate.main([*argv, "--no-compile-cache"])
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert err.startswith("error:") and message in err and "Traceback" not in err
+    assert out == ""
