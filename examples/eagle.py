@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import shlex
 import sys
@@ -40,6 +39,7 @@ from eagle_jax import generate
 from eagle_jax import heads
 from eagle_jax import models
 from eagle_jax import sampling as sampling_lib
+from results_file import append_rows  # examples/ is on sys.path when run as a script
 
 METHODS = ("none", "eagle", "eagle3")
 
@@ -94,18 +94,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def command_line() -> str:
     return "python examples/eagle.py " + shlex.join(sys.argv[1:])
-
-
-def append_rows(path: str | Path, rows: list[dict]) -> None:
-    """Appends rows to a JSON list file (created if missing), replacing it atomically."""
-    path = Path(path)
-    existing = json.loads(path.read_text()) if path.is_file() and path.read_text().strip() else []
-    if not isinstance(existing, list):
-        raise ValueError(f"{path} does not hold a JSON list")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(path.suffix + ".tmp")
-    temporary.write_text(json.dumps(existing + rows, indent=1) + "\n")
-    os.replace(temporary, path)
 
 
 def resolve_drafts(args, target) -> dict[str, tuple[object, Path]]:

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import os
 import shlex
 import sys
 import time
@@ -34,6 +32,7 @@ import transformers
 from eagle_jax import data
 from eagle_jax import generate
 from eagle_jax import models
+from results_file import append_rows  # examples/ is on sys.path when run as a script
 
 MODES = {"eager": "hf-eager", "static": "hf-static", "prompt_lookup": "hf-prompt-lookup"}
 
@@ -60,18 +59,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.num_prompts < 1 or args.max_new_tokens < 1:
         parser.error("--num_prompts and --max_new_tokens must be >= 1")
     return args
-
-
-def append_rows(path: str | Path, rows: list[dict]) -> None:
-    """Appends rows to a JSON list file (created if missing), replacing it atomically."""
-    path = Path(path)
-    existing = json.loads(path.read_text()) if path.is_file() and path.read_text().strip() else []
-    if not isinstance(existing, list):
-        raise ValueError(f"{path} does not hold a JSON list")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(path.suffix + ".tmp")
-    temporary.write_text(json.dumps(existing + rows, indent=1) + "\n")
-    os.replace(temporary, path)
 
 
 def generate_kwargs(mode: str, args, eos_ids) -> dict:

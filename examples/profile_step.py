@@ -49,6 +49,7 @@ from eagle_jax import heads
 from eagle_jax import models
 from eagle_jax import speculative
 from eagle_jax import train
+from results_file import append_rows  # examples/ is on sys.path when run as a script
 
 PARTS = ("draft_forward", "step_breakdown", "cold_warm")
 
@@ -75,18 +76,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.k < 1 or args.iterations < 1 or args.eager_iterations < 1:
         parser.error("--k, --iterations and --eager-iterations must be >= 1")
     return args
-
-
-def append_rows(path: str | Path, rows: list[dict]) -> None:
-    """Appends rows to a JSON list file (created if missing), replacing it atomically."""
-    path = Path(path)
-    existing = json.loads(path.read_text()) if path.is_file() and path.read_text().strip() else []
-    if not isinstance(existing, list):
-        raise ValueError(f"{path} does not hold a JSON list")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(path.suffix + ".tmp")
-    temporary.write_text(json.dumps(existing + rows, indent=1) + "\n")
-    os.replace(temporary, path)
 
 
 def metadata(args) -> dict:

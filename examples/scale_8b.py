@@ -46,6 +46,7 @@ from flax import nnx
 from eagle_jax import config as config_lib
 from eagle_jax import eagle
 from eagle_jax import llama
+from results_file import append_rows  # examples/ is on sys.path when run as a script
 
 LLAMA_31_8B = config_lib.LlamaConfig(
     vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
@@ -84,18 +85,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.copy_gib is None:
         args.copy_gib = 0.0625 if args.tiny else 4.0
     return args
-
-
-def append_rows(path: str | Path, rows: list[dict]) -> None:
-    """Appends rows to a JSON list file (created if missing), replacing it atomically."""
-    path = Path(path)
-    existing = json.loads(path.read_text()) if path.is_file() and path.read_text().strip() else []
-    if not isinstance(existing, list):
-        raise ValueError(f"{path} does not hold a JSON list")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(path.suffix + ".tmp")
-    temporary.write_text(json.dumps(existing + rows, indent=1) + "\n")
-    os.replace(temporary, path)
 
 
 @functools.partial(jax.jit, static_argnames=("shape", "dtype"))
