@@ -66,12 +66,26 @@ def default_model_dir():
     Converts the GGUF on first use into the cache and reuses it afterwards.
     """
     gguf_path = default_gguf_path()
-    name = HF_DIR_NAME
     if os.environ.get("EAGLE_JAX_DEFAULT_GGUF"):
-        # A different GGUF must not reuse the default model's conversion.
-        digest = hashlib.sha256(str(gguf_path.resolve()).encode()).hexdigest()[:12]
-        name = f"{gguf_path.stem}-{digest}-hf"
-    out_dir = cache_root() / "models" / name
+        return converted_gguf_dir(gguf_path)  # a different GGUF must not reuse the default's conversion
+    return convert_once(gguf_path, cache_root() / "models" / HF_DIR_NAME)
+
+
+def converted_gguf_dir(gguf_path):
+    """The cached HF directory of any GGUF, converted on first use.
+
+    Named by the file's path, size and modification time, so an edited file converts anew.
+    """
+    gguf_path = pathlib.Path(gguf_path)
+    stat = gguf_path.stat()
+    identity = f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    digest = hashlib.sha256(identity.encode()).hexdigest()[:12]
+    return convert_once(gguf_path, cache_root() / "models" / f"{gguf_path.stem}-{digest}-hf")
+
+
+def convert_once(gguf_path, out_dir):
+    """Converts `gguf_path` into `out_dir` unless a finished conversion is already there."""
+    out_dir = pathlib.Path(out_dir)
     if (out_dir / "config.json").is_file():
         return out_dir
     print(f"eagle_jax: converting {gguf_path} to {out_dir} (once)", file=sys.stderr)

@@ -18,7 +18,7 @@ from eagle_jax import config as config_lib
 
 # A large finite negative instead of -inf: a fully masked row (a padded query) then gives a
 # uniform softmax instead of NaNs that would poison the cache through later layers.
-_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 
 class RMSNorm(nnx.Module):
@@ -140,7 +140,7 @@ def grouped_attention(q: jax.Array, keys: jax.Array, values: jax.Array, visible:
     num_kv_heads = keys.shape[2]
     q = q.reshape(batch, length, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, T, K, G, H]
     scores = jnp.einsum("btkgh,bskh->bkgts", q, keys.astype(q.dtype), preferred_element_type=jnp.float32)
-    scores = jnp.where(visible[:, None, None], scores / math.sqrt(head_dim), _MASK_VALUE)
+    scores = jnp.where(visible[:, None, None], scores / math.sqrt(head_dim), MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     out = jnp.einsum("bkgts,bskh->btkgh", probs, values.astype(q.dtype))
     return out.reshape(batch, length, num_heads, head_dim)

@@ -10,10 +10,8 @@ kernels [in, out]); loading it needs no name table.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
-import sys
 import warnings
 from pathlib import Path
 
@@ -25,7 +23,6 @@ from eagle_jax import checkpoint
 from eagle_jax import config as config_lib
 from eagle_jax import default_model
 from eagle_jax import eagle
-from eagle_jax import gguf_file
 from eagle_jax import hf_files
 from eagle_jax import llama
 
@@ -43,14 +40,7 @@ def resolve_target_dir(path: str | Path | None) -> Path:
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist")
     if path.suffix == ".gguf":
-        stat = path.stat()
-        digest = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-        out = default_model.cache_root() / "models" / f"{path.stem}-{digest}-hf"
-        if not (out / "config.json").is_file():
-            print(f"eagle_jax: converting {path} to {out} (once)", file=sys.stderr)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            gguf_file.gguf_to_hf_dir(path, out)
-        return out
+        return default_model.converted_gguf_dir(path)
     if not (path / "config.json").is_file():
         raise hf_files.CheckpointError(f"{path}: not a .gguf file nor a directory with config.json")
     return path

@@ -240,7 +240,7 @@ def run_steps(target: llama.Llama, head, state: DecodeState, num_steps: int, opt
     return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
 
 
-def stats(state: DecodeState, k: int) -> dict[str, Any]:
+def stats(state: DecodeState, k: int) -> list[dict[str, Any]]:
     """Per-row acceptance counters (host numbers) in vLLM's conventions."""
     steps = jax.device_get(state.num_steps)
     per_position = jax.device_get(state.accepted_per_position)[:, :k]

@@ -62,7 +62,7 @@ def _diagonal_attention(q, keys0, values0, causal, diagonal_keys, diagonal_value
     q = q.reshape(batch, length, num_kv_heads, num_heads // num_kv_heads, head_dim)
     scale = 1.0 / jnp.sqrt(jnp.float32(head_dim))
     scores0 = jnp.einsum("btkgh,bskh->bkgts", q, keys0, preferred_element_type=jnp.float32) * scale
-    scores0 = jnp.where(causal[None, None, None], scores0, layers._MASK_VALUE)
+    scores0 = jnp.where(causal[None, None, None], scores0, layers.MASK_VALUE)
     diagonal_k = jnp.stack(diagonal_keys, axis=-2)  # [B, T, K, J, H]
     diagonal_v = jnp.stack(diagonal_values, axis=-2)
     scores_d = jnp.einsum("btkgh,btkjh->bkgtj", q, diagonal_k, preferred_element_type=jnp.float32) * scale
