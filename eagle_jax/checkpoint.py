@@ -106,6 +106,11 @@ def map_tensors(tensors: dict[str, np.ndarray], rules: list[Rule], expected: dic
     return out
 
 
+def pure_dict(state: nnx.State) -> dict:
+    """Nested plain dicts of arrays (`nnx.to_pure_dict` where this flax has it, else the older method)."""
+    return nnx.to_pure_dict(state) if hasattr(nnx, "to_pure_dict") else state.to_pure_dict()
+
+
 def flat_state(state: nnx.State) -> dict[str, Any]:
     """Flax path -> leaf, for an NNX state (abstract or concrete)."""
     flat = {}
@@ -117,7 +122,7 @@ def flat_state(state: nnx.State) -> dict[str, Any]:
         else:
             flat[prefix] = node
 
-    walk(state.to_pure_dict(), "")
+    walk(pure_dict(state), "")
     return flat
 
 
@@ -136,7 +141,7 @@ def build_model(factory: Callable[[], nnx.Module], params: dict[str, np.ndarray]
     extra = sorted(set(params) - set(expected))
     if missing or extra:
         raise hf_files.CheckpointError(f"parameters do not fit the model: missing {missing[:5]}, unexpected {extra[:5]}")
-    pure = state.to_pure_dict()
+    pure = pure_dict(state)
 
     def fill(node, prefix):
         for key, value in node.items():

@@ -23,6 +23,7 @@ import orbax.checkpoint as ocp
 import tqdm
 from flax import nnx
 
+from eagle_jax import checkpoint
 from eagle_jax import data as data_lib
 from eagle_jax import eagle
 from eagle_jax import engine as engine_lib
@@ -90,7 +91,7 @@ class Trainer:
         self.cfg = cfg
         self.target_def, self.target_state = nnx.split(target)
         self.head_def, params, rest = nnx.split(head, nnx.Param, ...)
-        self.params, self.rest = params.to_pure_dict(), rest.to_pure_dict()
+        self.params, self.rest = checkpoint.pure_dict(params), checkpoint.pure_dict(rest)
         self.optimizer = optimizer(cfg)
         self.opt_state = self.optimizer.init(self.params)
         self.draft_ids = None
