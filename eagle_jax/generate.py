@@ -106,15 +106,17 @@ def main(argv=None) -> int:
             streamed[index] = streamed.get(index, []) + new_ids
             print(tokenizer.decode(streamed[index], skip_special_tokens=True)[len(previous):], end="", flush=True)
 
-        results = []
-        for index, ids in enumerate(token_ids):  # one at a time so each streams as it is made
-            if stream:
+        options = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, ignore_eos=args.ignore_eos)
+        if stream:  # one prompt at a time, so each streams as it is made
+            for index, ids in enumerate(token_ids):
                 print(f"\n>>> {prompts[index]}\n", flush=True)
-            [result] = engine.generate([ids], max_new_tokens=args.max_new_tokens, sampling=sampling,
-                                       seed=args.seed + index, ignore_eos=args.ignore_eos,
-                                       steps_per_call=8 if stream else 64, on_tokens=on_tokens if stream else None)
-            results.append(result)
-            report(args, prompts[index], tokenizer, result, method, engine.k, stream)
+                [result] = engine.generate([ids], seed=args.seed + index, steps_per_call=8, on_tokens=on_tokens,
+                                           **options)
+                report(args, prompts[index], tokenizer, result, method, engine.k, stream)
+        else:  # batched: --batch-size prompts share each compiled program call
+            results = engine.generate(token_ids, seed=args.seed, steps_per_call=64, **options)
+            for prompt, result in zip(prompts, results):
+                report(args, prompt, tokenizer, result, method, engine.k, stream)
     except (engine_lib.InputError, hf_files.CheckpointError, FileNotFoundError, ValueError, RuntimeError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
