@@ -2,7 +2,6 @@
 
 import json
 
-import numpy as np
 import pytest
 
 from convert import __main__ as convert_cli
