@@ -84,10 +84,13 @@ class Engine:
         cache_dir: persistent compilation cache root; None compiles in memory only.
         fixed_shapes: use one prefill width (max_length // 2) and one cache length
             (max_length) for every batch: two programs in all instead of one per bucket.
+        steps_per_check: steps between the device loop's "all rows done" tests
+            (`speculative.run_steps`); 1 tests after every step.
     """
 
     def __init__(self, target: llama.Llama, head=None, *, num_speculative_tokens: int = 0, max_length: int = 2048,
-                 batch_size: int = 1, eager: bool = False, cache_dir=None, fixed_shapes: bool = False):
+                 batch_size: int = 1, eager: bool = False, cache_dir=None, fixed_shapes: bool = False,
+                 steps_per_check: int = 1):
         if num_speculative_tokens < 0:
             raise InputError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
         if num_speculative_tokens and head is None:
@@ -98,6 +101,9 @@ class Engine:
         self.batch_size = batch_size
         self.eager = eager
         self.fixed_shapes = fixed_shapes
+        if steps_per_check < 1:
+            raise InputError(f"steps_per_check must be >= 1, got {steps_per_check}")
+        self.steps_per_check = steps_per_check
         self._target_def, self.target_params = nnx.split(target)
         self._head_def, self.head_params = nnx.split(head) if head is not None else (None, None)
         self.head_config = head.config if head is not None else None
@@ -129,7 +135,7 @@ class Engine:
 
     def _run(self, target_params, head_params, state, num_steps, opts):
         target, head = self._modules(target_params, head_params)
-        return speculative.run_steps(target, head, state, num_steps, opts)
+        return speculative.run_steps(target, head, state, num_steps, opts, self.steps_per_check)
 
     def _program(self, name: str, function, args, static: dict, width: int, donate: tuple[str, ...] = ()):
         """The compiled program for this prefill width and static settings, compiled once.
@@ -145,7 +151,8 @@ class Engine:
         key = (name, width, tuple(sorted(static.items())))
         if key not in self._compiled:
             shapes = jax.tree.map(lambda x: (x.shape, x.dtype) if hasattr(x, "shape") else x, args)
-            description = repr((name, shapes, sorted(static.items()), self.config, self.head_config, self.max_length))
+            description = repr((name, shapes, sorted(static.items()), self.config, self.head_config, self.max_length,
+                                self.steps_per_check))
             jitted = jax.jit(function, static_argnames=tuple(static), donate_argnames=donate)
             lowered = jitted.lower(*args, **static)
             module = self.module_name(name, static["opts"])

@@ -82,6 +82,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--cache-dir", "--cache_dir", help="persistent compilation cache root "
                                                           "(default: the eagle_jax cache; 'none' disables)")
     parser.add_argument("--steps_per_call", "--steps-per-call", type=int, default=64)
+    parser.add_argument("--steps_per_check", "--steps-per-check", type=int, default=1,
+                        help="device-loop steps between 'all rows done' tests (Engine.steps_per_check)")
     parser.add_argument("--warmup", type=int, default=1, help="prompts run first, untimed, to compile")
     parser.add_argument("--out", default="docs/results/mtbench.json", help="JSON list the rows are appended to")
     args = parser.parse_args(argv)
@@ -197,7 +199,8 @@ def main(argv=None) -> int:
         needed = max(longest + args.max_new_tokens + k + 1, 2 * longest)
         max_length = engine_lib.bucket_length(needed, target.config.max_position_embeddings)
         engine = engine_lib.Engine(target, head, num_speculative_tokens=k, max_length=max_length,
-                                   batch_size=batch_size, eager=args.eager, cache_dir=cache_dir, fixed_shapes=True)
+                                   batch_size=batch_size, eager=args.eager, cache_dir=cache_dir, fixed_shapes=True,
+                                   steps_per_check=args.steps_per_check)
         measured = run_setting(engine, prompts, warmup_prompts, args, sampling,
                                desc=f"{method} k={k} bs={batch_size} {mode}")
         stats = pooled_stats(measured["results"], k)
@@ -215,7 +218,7 @@ def main(argv=None) -> int:
             num_compilations=measured["num_compilations"], num_drafts=stats["num_drafts"],
             num_accepted_tokens=stats["num_accepted_tokens"], model=args.model or "SmolLM2-135M-Instruct",
             draft=None if head_path is None else str(head_path), seed=args.seed,
-            steps_per_call=args.steps_per_call,
+            steps_per_call=args.steps_per_call, steps_per_check=args.steps_per_check,
         )
         row = {key: value for key, value in row.items() if value is not None}
         append_rows(args.out, [row])

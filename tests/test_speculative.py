@@ -244,3 +244,13 @@ def test_acceptance_matches_a_reference_without_caches(target, make_head, prompt
         steps, accepted = reference_stats(target, make_head(kind), prompt, output, k)
         assert result.stats["num_drafts"] == steps
         assert [round(rate * steps) for rate in result.stats["acceptance_rate_per_position"]] == accepted.tolist()
+
+
+@pytest.mark.parametrize("kind, k, batch_size", [("eagle-bias", 2, 2), ("eagle3-biased", 4, 1)])
+def test_checking_for_done_rows_less_often_changes_nothing(target, prompts, make_head, run, kind, k, batch_size):
+    engine = engine_lib.Engine(target, make_head(kind), num_speculative_tokens=k, max_length=64,
+                               batch_size=batch_size, steps_per_check=3)
+    results = engine.generate(prompts, max_new_tokens=MAX_NEW, ignore_eos=True, steps_per_call=4)
+    expected = run(kind, k, batch_size)
+    assert [r.token_ids for r in results] == [r.token_ids for r in expected]
+    assert [r.stats for r in results] == [r.stats for r in expected]
