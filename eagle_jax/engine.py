@@ -69,6 +69,17 @@ class Result:
         return self.num_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
+def pooled_stats(results: Sequence[Result], k: int) -> dict:
+    """Acceptance over many results, pooled over all drafts (vLLM's convention, not a mean of means)."""
+    drafts = sum(r.stats["num_drafts"] for r in results)
+    accepted = sum(r.stats["num_accepted_tokens"] for r in results)
+    per_position = np.zeros(k)
+    for result in results:
+        per_position += np.asarray(result.stats["acceptance_rate_per_position"][:k], float) * result.stats["num_drafts"]
+    return dict(acceptance_length=1 + accepted / drafts if drafts else 1.0, num_drafts=drafts,
+                num_accepted_tokens=accepted, acceptance_rate_per_position=(per_position / max(drafts, 1)).tolist())
+
+
 class Engine:
     """Compiles and runs (speculative) generation for one target and optional EAGLE head.
 

@@ -194,12 +194,7 @@ def acceptance_length(target: llama.Llama, head, prompts: list[np.ndarray], k: i
     engine = engine_lib.Engine(target, head, num_speculative_tokens=k, batch_size=batch_size,
                                max_length=max(len(p) for p in prompts) + max_new_tokens + k + 1)
     results = engine.generate(prompts, max_new_tokens=max_new_tokens)
-    drafts = sum(r.stats["num_drafts"] for r in results)
-    accepted = sum(r.stats["num_accepted_tokens"] for r in results)
-    per_position = np.sum([np.asarray(r.stats["acceptance_rate_per_position"]) * r.stats["num_drafts"]
-                           for r in results], axis=0) / max(drafts, 1)
-    return dict(k=k, acceptance_length=1 + accepted / max(drafts, 1), num_drafts=drafts,
-                acceptance_rate_per_position=per_position.tolist(), num_prompts=len(prompts))
+    return dict(k=k, num_prompts=len(prompts), **engine_lib.pooled_stats(results, k))
 
 
 def main(argv=None) -> int:

@@ -28,7 +28,6 @@ except ModuleNotFoundError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax
-import numpy as np
 import tqdm
 import transformers
 
@@ -120,17 +119,6 @@ def resolve_drafts(args, target) -> dict[str, tuple[object, Path]]:
     return loaded
 
 
-def pooled_stats(results: list[engine_lib.Result], k: int) -> dict:
-    drafts = sum(r.stats["num_drafts"] for r in results)
-    accepted = sum(r.stats["num_accepted_tokens"] for r in results)
-    per_position = np.zeros(k)
-    for result in results:
-        per_position += np.asarray(result.stats["acceptance_rate_per_position"][:k], float) * result.stats["num_drafts"]
-    return dict(acceptance_length=1 + accepted / drafts if drafts else 1.0, num_drafts=drafts,
-                num_accepted_tokens=accepted,
-                acceptance_rate_per_position=[round(float(x), 4) for x in per_position / max(drafts, 1)])
-
-
 def run_setting(engine, prompts, warmup_prompts, args, sampling, desc) -> dict:
     """Warm-up (untimed) then timed generation; returns the measured numbers."""
     began = time.perf_counter()
@@ -203,11 +191,11 @@ def main(argv=None) -> int:
                                    steps_per_check=args.steps_per_check)
         measured = run_setting(engine, prompts, warmup_prompts, args, sampling,
                                desc=f"{method} k={k} bs={batch_size} {mode}")
-        stats = pooled_stats(measured["results"], k)
+        stats = engine_lib.pooled_stats(measured["results"], k)
         row = dict(
             method=method, k=k, mode=mode, batch_size=batch_size,
             acceptance_length=round(stats["acceptance_length"], 4),
-            acceptance_rate_per_position=stats["acceptance_rate_per_position"],
+            acceptance_rate_per_position=[round(x, 4) for x in stats["acceptance_rate_per_position"]],
             output_tokens_per_second=round(measured["total_tokens"] / measured["seconds"], 2),
             num_prompts=len(prompts), max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             dtype=args.dtype, device=device.device_kind, platform=device.platform, jax_version=jax.__version__,
