@@ -3,7 +3,7 @@
 Conversion is data: a table of HF key patterns to Flax paths. `map_tensors` applies a table
 with shape checks; unmapped, missing or duplicate keys and shape mismatches are errors that
 name the key. Flax paths are the NNX state paths joined by '/', e.g.
-`layers/3/self_attn/q_proj/kernel`; that is also the key layout of the converted format.
+`layers/3/self_attn/qkv_proj/kernel`; that is also the key layout of the converted format.
 """
 
 from __future__ import annotations
@@ -22,31 +22,45 @@ from eagle_jax import hf_files
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
-    """One HF key pattern (regex, full match) and the Flax path it fills (`str.format` of its groups)."""
+    """One HF key pattern (regex, full match) and the Flax path it fills (`str.format` of its groups).
+
+    A rule with `part` set fills one slice of a fused parameter: the parts, in index order, are
+    concatenated along the last (output) axis (HF q/k/v -> `qkv_proj`, gate/up -> `gate_up_proj`).
+    """
 
     pattern: str
     target: str
     transpose: bool = False  # HF Linear weights are [out, in]; NNX kernels are [in, out].
+    part: int | None = None
 
 
-def _linear(hf_prefix: str, flax_prefix: str) -> list[Rule]:
+def _linear(hf_prefix: str, flax_prefix: str, part: int | None = None) -> list[Rule]:
     return [
-        Rule(hf_prefix + r"\.weight", flax_prefix + "/kernel", transpose=True),
-        Rule(hf_prefix + r"\.bias", flax_prefix + "/bias"),
+        Rule(hf_prefix + r"\.weight", flax_prefix + "/kernel", transpose=True, part=part),
+        Rule(hf_prefix + r"\.bias", flax_prefix + "/bias", part=part),
     ]
+
+
+def _fused_linear(hf_prefix: str, names: tuple[str, ...], flax_prefix: str) -> list[Rule]:
+    return [rule for part, name in enumerate(names)
+            for rule in _linear(rf"{hf_prefix}\.{name}", flax_prefix, part)]
 
 
 def decoder_layer_rules(hf_prefix: str, flax_prefix: str) -> list[Rule]:
     """Rules for one Llama decoder layer; prefixes may contain regex groups such as `(?P<i>\\d+)`."""
-    rules = [
+    return [
         Rule(hf_prefix + r"\.input_layernorm\.weight", flax_prefix + "/input_layernorm/weight"),
         Rule(hf_prefix + r"\.post_attention_layernorm\.weight", flax_prefix + "/post_attention_layernorm/weight"),
+        *_fused_linear(rf"{hf_prefix}\.self_attn", ("q_proj", "k_proj", "v_proj"), f"{flax_prefix}/self_attn/qkv_proj"),
+        *_linear(rf"{hf_prefix}\.self_attn\.o_proj", f"{flax_prefix}/self_attn/o_proj"),
+        *_fused_linear(rf"{hf_prefix}\.mlp", ("gate_proj", "up_proj"), f"{flax_prefix}/mlp/gate_up_proj"),
+        *_linear(rf"{hf_prefix}\.mlp\.down_proj", f"{flax_prefix}/mlp/down_proj"),
     ]
-    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        rules += _linear(rf"{hf_prefix}\.self_attn\.{name}", f"{flax_prefix}/self_attn/{name}")
-    for name in ("gate_proj", "up_proj", "down_proj"):
-        rules += _linear(rf"{hf_prefix}\.mlp\.{name}", f"{flax_prefix}/mlp/{name}")
-    return rules
+
+
+def hf_name(rule: Rule, groups: dict[str, str]) -> str:
+    """The HF key a rule matches for given group values (e.g. `model.layers.3.mlp.up_proj.weight`)."""
+    return re.sub(r"\(\?P<(\w+)>[^)]*\)", lambda m: groups[m.group(1)], rule.pattern).replace("\\", "")
 
 
 LLAMA_RULES = [
@@ -75,8 +89,9 @@ def map_tensors(tensors: dict[str, np.ndarray], rules: list[Rule], expected: dic
         hf_files.CheckpointError: naming the offending key.
     """
     compiled = [(re.compile(rule.pattern), rule) for rule in rules]
-    out: dict[str, np.ndarray] = {}
-    source_of: dict[str, str] = {}
+    # Flax path -> {part index: (HF name, array)}; a plain rule is the single part None.
+    found: dict[str, dict] = {}
+    rule_of: dict[str, tuple[Rule, dict]] = {}
     for name, array in tensors.items():
         if any(re.fullmatch(p, name) for p in ignored):
             continue
@@ -91,19 +106,46 @@ def map_tensors(tensors: dict[str, np.ndarray], rules: list[Rule], expected: dic
             if any(re.fullmatch(p, name) for p in optional):
                 continue
             raise hf_files.CheckpointError(f"tensor {name!r} maps to {target!r}, which this model does not have")
-        if target in out:
-            raise hf_files.CheckpointError(f"tensors {source_of[target]!r} and {name!r} both map to {target!r}")
+        parts = found.setdefault(target, {})
+        if rule.part in parts:
+            raise hf_files.CheckpointError(f"tensors {parts[rule.part][0]!r} and {name!r} both map to {target!r}")
         array = np.asarray(array)
-        array = array.T if rule.transpose else array
-        if tuple(array.shape) != tuple(expected[target].shape):
-            raise hf_files.CheckpointError(
-                f"tensor {name!r} has shape {tuple(array.shape)}, model expects {tuple(expected[target].shape)} at {target!r}")
-        out[target] = array
-        source_of[target] = name
-    missing = sorted(set(expected) - set(out))
+        parts[rule.part] = (name, array.T if rule.transpose else array)
+        rule_of[target] = (rule, match.groupdict())
+    missing = sorted(set(expected) - set(found))
     if missing:
         raise hf_files.CheckpointError(f"checkpoint lacks {len(missing)} tensors, first: {missing[:5]}")
+    out = {}
+    for target, parts in found.items():
+        out[target] = _join_parts(target, parts, rule_of[target], rules, tuple(expected[target].shape))
     return out
+
+
+def _join_parts(target: str, parts: dict, found_rule: tuple[Rule, dict], rules: list[Rule], shape: tuple) -> np.ndarray:
+    """One Flax parameter from its HF tensor(s), with the shape checked against the model's."""
+    rule, groups = found_rule
+    if rule.part is None:
+        [(name, array)] = parts.values()
+        if tuple(array.shape) != shape:
+            raise hf_files.CheckpointError(
+                f"tensor {name!r} has shape {tuple(array.shape)}, model expects {shape} at {target!r}")
+        return array
+    for sibling in rules:
+        if sibling.target == rule.target and sibling.part not in parts:
+            raise hf_files.CheckpointError(
+                f"checkpoint lacks tensor {hf_name(sibling, groups)!r} (part {sibling.part + 1} of {target!r})")
+    named = [parts[index] for index in sorted(parts)]
+    if any(a.shape[:-1] != shape[:-1] for _, a in named) or sum(a.shape[-1] for _, a in named) != shape[-1]:
+        got = ", ".join(f"{name!r} has shape {tuple(a.shape)}" for name, a in named)
+        raise hf_files.CheckpointError(f"tensors do not fit: {got}; joined on the last axis the model expects {shape} at {target!r}")
+    return np.concatenate([a for _, a in named], axis=-1)
+
+
+def split_parts(array: np.ndarray, sizes: tuple[int, ...]) -> list[np.ndarray]:
+    """The inverse of joining: a fused parameter cut back into its HF tensors along the last axis."""
+    if sum(sizes) != array.shape[-1]:
+        raise ValueError(f"part sizes {sizes} do not add up to the fused width {array.shape[-1]}")
+    return np.split(array, np.cumsum(sizes)[:-1], axis=-1)
 
 
 def pure_dict(state: nnx.State) -> dict:

@@ -4,12 +4,13 @@ Target sources: an HF Llama directory, a llama `.gguf`, or the converted format.
 public EAGLE-1 and EAGLE-3 HF layouts (safetensors or pytorch_model.bin).
 
 The converted format is a directory holding the HF `config.json`, the tokenizer files, and
-`params.safetensors` whose keys are Flax parameter paths (`layers/0/self_attn/q_proj/kernel`,
-kernels [in, out]); loading it needs no name table.
+`params.safetensors` whose keys are Flax parameter paths (`layers/0/self_attn/qkv_proj/kernel`,
+kernels [in, out], q/k/v and gate/up fused); loading it needs no name table.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import warnings
@@ -24,6 +25,7 @@ from eagle_jax import config as config_lib
 from eagle_jax import default_model
 from eagle_jax import eagle
 from eagle_jax import hf_files
+from eagle_jax import layers
 from eagle_jax import llama
 
 PARAMS_FILE = "params.safetensors"
@@ -62,6 +64,10 @@ def load_target(path: str | Path | None = None, dtype: str = "float32") -> tuple
     factory = target_factory(cfg, DTYPES[dtype])
     if (directory / PARAMS_FILE).is_file():
         params = hf_files.load_tensors(directory / PARAMS_FILE)
+        if any(name.endswith("self_attn/q_proj/kernel") for name in params):
+            raise hf_files.CheckpointError(
+                f"{directory} was converted by an older eagle_jax (separate q/k/v projections); "
+                "convert its source again with eagle-jax-convert")
     else:
         expected = checkpoint.flat_state(nnx.split(nnx.eval_shape(factory))[1])
         params = checkpoint.map_tensors(hf_files.load_tensors(directory), checkpoint.LLAMA_RULES, expected,
@@ -90,7 +96,7 @@ def save_converted(model: llama.Llama, source_dir: Path, out_dir: str | Path, dt
 EAGLE1_RULES = [
     checkpoint.Rule(r"fc\.weight", "fc/kernel", transpose=True),
     checkpoint.Rule(r"fc\.bias", "fc/bias"),
-    *[checkpoint.Rule(rule.pattern, rule.target.lstrip("/"), rule.transpose)
+    *[dataclasses.replace(rule, target=rule.target.lstrip("/"))
       for rule in checkpoint.decoder_layer_rules(r"layers\.0", "") if "input_layernorm" not in rule.target],
 ]
 EAGLE3_RULES = [
@@ -183,14 +189,17 @@ def export_head(head, target_config: config_lib.LlamaConfig, out_dir: str | Path
     cfg = head.config
     params = checkpoint.flat_state(nnx.state(head))
     rules = EAGLE3_RULES if cfg.method == "eagle3" else EAGLE1_RULES
+    layer = cfg.layer
+    fused_sizes = {"qkv_proj": layers.qkv_sizes(layer), "gate_up_proj": layers.gate_up_sizes(layer)}
     tensors = {}
     for rule in rules:
         if rule.target in params:
             array = np.asarray(params[rule.target])
+            if rule.part is not None:
+                array = checkpoint.split_parts(array, fused_sizes[rule.target.split("/")[-2]])[rule.part]
             if np.issubdtype(array.dtype, np.floating):
                 array = array.astype(np.dtype(DTYPES[dtype]))
-            tensors[rule.pattern.replace("\\", "")] = array.T if rule.transpose else array
-    layer = cfg.layer
+            tensors[checkpoint.hf_name(rule, {})] = array.T if rule.transpose else array
     config = dict(
         architectures=["LlamaForCausalLMEagle3" if cfg.method == "eagle3" else "LlamaForCausalLM"],
         model_type="llama", hidden_act="silu", num_hidden_layers=1, torch_dtype=dtype,

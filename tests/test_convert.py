@@ -42,9 +42,21 @@ def test_hf_directory(hf_llama, tmp_path, capsys):
     out = tmp_path / "out"
     assert (out / "config.json").is_file() and (out / "generation_config.json").is_file()
     names = set(hf_files.load_tensors(out / models.PARAMS_FILE, progress=False))
-    assert "layers/1/self_attn/q_proj/kernel" in names and "lm_head/kernel" not in names  # Flax paths, tied
+    assert "layers/1/self_attn/qkv_proj/kernel" in names and "lm_head/kernel" not in names  # Flax paths, tied
     converted, _ = models.load_target(out)
     np.testing.assert_array_equal(logits(converted), logits(direct))
+
+
+def test_a_conversion_with_the_old_unfused_layout_asks_to_convert_again(hf_llama, tmp_path, capsys):
+    _, source, _ = hf_llama(seed=13)
+    assert run(capsys, source, tmp_path / "out")[0] == 0
+    params_file = tmp_path / "out" / models.PARAMS_FILE
+    tensors = hf_files.load_tensors(params_file, progress=False)
+    fused = tensors.pop("layers/0/self_attn/qkv_proj/kernel")
+    tensors["layers/0/self_attn/q_proj/kernel"] = fused[:, :32]
+    hf_files.save_tensors(tensors, params_file)
+    with pytest.raises(hf_files.CheckpointError, match="older eagle_jax .* convert its source again"):
+        models.load_target(tmp_path / "out")
 
 
 def test_bfloat16(hf_llama, tmp_path, capsys):

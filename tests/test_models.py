@@ -139,6 +139,10 @@ def _wrong_shape(tensors, config):
     tensors["fc.weight"] = tensors["fc.weight"][:, :-1]
 
 
+def _wrong_part_shape(tensors, config):
+    tensors["midlayer.self_attn.k_proj.weight"] = tensors["midlayer.self_attn.k_proj.weight"][:-1]
+
+
 def _no_head_tensors(tensors, config):
     tensors.pop("fc.weight")
     config["architectures"] = ["LlamaForCausalLM"]
@@ -150,8 +154,10 @@ def _no_head_tensors(tensors, config):
     (_d2t_too_long, rf"head d2t has shape \({DRAFT_VOCAB + 1},\), head draft_vocab_size={DRAFT_VOCAB}"),
     (_d2t_outside_vocab, "head d2t maps to target id 101, target vocab_size=101"),
     (_unknown_key, "unexpected tensor 'midlayer.extra.weight'"),
-    (_missing_key, r"checkpoint lacks 1 tensors, first: \['midlayer/mlp/up_proj/kernel'\]"),
+    (_missing_key, r"checkpoint lacks tensor 'midlayer.mlp.up_proj.weight' \(part 2 of 'midlayer/mlp/gate_up_proj/kernel'\)"),
     (_wrong_shape, "tensor 'fc.weight' has shape"),
+    (_wrong_part_shape, r"tensors do not fit: .*'midlayer.self_attn.k_proj.weight' has shape \(64, 15\).*"
+                        r"model expects \(64, 64\) at 'midlayer/self_attn/qkv_proj/kernel'"),
     (_no_head_tensors, "not an EAGLE head"),
 ])
 def test_bad_eagle3_heads_are_errors(target, exported, edit, message):
