@@ -120,7 +120,7 @@ class Engine:
         self.head_config = head.config if head is not None else None
         self.compile_cache = compile_cache_lib.CompileCache(cache_dir)
         self._compiled: dict = {}
-        self._state_shapes: dict = {}
+        self._output_shapes: dict = {}  # program key -> its outputs' ShapeDtypeStructs
         self.compile_seconds = 0.0
 
     @property
@@ -159,7 +159,7 @@ class Engine:
                 with jax.disable_jit():
                     return function(*a, **static)
             return op_by_op
-        key = (name, width, tuple(sorted(static.items())))
+        key = self._program_key(name, width, static)
         if key not in self._compiled:
             shapes = jax.tree.map(lambda x: (x.shape, x.dtype) if hasattr(x, "shape") else x, args)
             description = repr((name, shapes, sorted(static.items()), self.config, self.head_config, self.max_length,
@@ -168,8 +168,13 @@ class Engine:
             lowered = jitted.lower(*args, **static)
             module = self.module_name(name, static["opts"])
             self._compiled[key], seconds = self.compile_cache.compile(module, description, lowered)
+            self._output_shapes[key] = lowered.out_info
             self.compile_seconds += seconds
         return self._compiled[key]
+
+    @staticmethod
+    def _program_key(name: str, width: int, static: dict) -> tuple:
+        return name, width, tuple(sorted(static.items()))
 
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 128,
                  sampling: sampling_lib.Sampling = sampling_lib.Sampling(), seed: int = 0, ignore_eos: bool = False,
@@ -220,7 +225,9 @@ class Engine:
         args = (self.target_params, self.head_params, jnp.asarray(tokens), jnp.asarray(lengths), rng)
         compile_before = self.compile_seconds
         start = self._program("start", self._start, args, dict(opts=opts), width)
-        state_shape = None if self.eager else self._state_shape(args, width, opts)
+        # The step program is lowered for the state that `start` returns: its shapes come from
+        # start's own lowering (tracing the 30-layer prefill again would cost seconds per process).
+        state_shape = None if self.eager else self._output_shapes[self._program_key("start", width, dict(opts=opts))]
         run_args = (self.target_params, self.head_params, state_shape)
         # The step program does not depend on the prefill width: one serves every bucket.
         run = self._program("run", self._run, run_args, dict(num_steps=steps_per_call, opts=opts), 0,
@@ -243,13 +250,6 @@ class Engine:
         stats = speculative.stats(state, self.k)
         return [Result(token_ids=output[row, :counts[row]].tolist(), seconds=seconds,
                        compile_seconds=compile_seconds, stats=stats[row]) for row in range(len(prompts))]
-
-    def _state_shape(self, args, width: int, opts):
-        """The decode state's shapes, traced once per (prefill width, options), not per batch."""
-        key = (width, opts)
-        if key not in self._state_shapes:
-            self._state_shapes[key] = jax.eval_shape(lambda *a: self._start(*a, opts=opts), *args)
-        return self._state_shapes[key]
 
     @staticmethod
     def _emit(state, shown, emit):
