@@ -1,7 +1,7 @@
 """`python -m eagle_jax.generate`: (speculative) generation from the command line.
 
 With no `--model` it runs the embedded default model, SmolLM2-135M-Instruct, with its shipped
-EAGLE head as the draft. Text streams to the terminal; `--json` prints one object per prompt.
+EAGLE head as the draft (on a CPU without one unless asked: speculation measured slower there). Text streams to the terminal; `--json` prints one object per prompt.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import json
 import os
 import sys
 from pathlib import Path
+
+import jax
 
 from eagle_jax import compile_cache
 from eagle_jax import engine as engine_lib
@@ -35,7 +37,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
     parser.add_argument("--draft", help="EAGLE head directory; 'none' disables (default: the shipped head "
                                         "when the model is the default one)")
-    parser.add_argument("--method", choices=["eagle", "eagle3"], help="which shipped head (default: eagle3)")
+    parser.add_argument("--method", choices=["eagle", "eagle3"],
+                        help="which shipped head (default: eagle3; none on a CPU, where it measured slower)")
     parser.add_argument("--num-speculative-tokens", type=int, help="k drafted tokens per step; 0 = plain decoding")
     parser.add_argument("--eager", action="store_true", help="run op by op without jit (slow; for comparison)")
     parser.add_argument("--batch-size", type=int, default=1)
@@ -76,13 +79,11 @@ def load(args):
 
     target, tokenizer_dir = models.load_target(args.model, args.dtype)
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    draft, method = heads.choose_draft(args.model, args.draft, args.method)
+    platform = jax.devices()[0].platform
+    draft, method, k, note = heads.draft_plan(args.model, args.draft, args.method, args.num_speculative_tokens, platform)
+    if note:
+        print(f"eagle_jax: {note}", file=sys.stderr)
     head = models.load_head(draft, target, args.dtype) if draft else None
-    k = args.num_speculative_tokens
-    if k is None:
-        k = heads.best_k(method) if head is not None else 0
-    if k == 0:
-        head, method = None, "none"
     cache_dir = None if args.no_compile_cache else (args.cache_dir or compile_cache.default_root())
     engine = engine_lib.Engine(target, head, num_speculative_tokens=k, max_length=args.max_length,
                                batch_size=args.batch_size, eager=args.eager, cache_dir=cache_dir)

@@ -176,7 +176,7 @@ def main(argv=None) -> int:
 
     settings = []
     for method in args.method:
-        ks = [0] if method == "none" else (args.num_spec_tokens or [heads.best_k(method)])
+        ks = [0] if method == "none" else (args.num_spec_tokens or [heads.best_k(method, device.platform)])
         settings += [(method, k, batch_size) for k in ks for batch_size in args.max_num_seqs]
 
     rows = []

@@ -50,3 +50,18 @@ def test_cli_defaults_to_a_shipped_head():
     assert path == heads.shipped_head(heads.DEFAULT_METHOD) and method == heads.DEFAULT_METHOD
     assert heads.choose_draft(None, "none", None) == (None, "none")
     assert heads.choose_draft("some/other/model", None, None) == (None, "none")
+
+
+def test_plain_decoding_is_the_default_only_where_it_measured_faster():
+    shipped = heads.shipped_head(heads.DEFAULT_METHOD)
+    path, method, k, note = heads.draft_plan(None, None, None, None, "gpu")
+    assert (path, method, k, note) == (shipped, heads.DEFAULT_METHOD, heads.best_k(heads.DEFAULT_METHOD, "gpu"), None)
+    assert k == 5
+    path, method, k, note = heads.draft_plan(None, None, None, None, "cpu")
+    assert (path, method, k) == (None, "none", 0) and "--method eagle3" in note
+    # Asking for speculation on a CPU speculates, with the CPU's measured best k unless k is given.
+    assert heads.draft_plan(None, None, "eagle3", None, "cpu") == (shipped, "eagle3", 1, None)
+    assert heads.draft_plan(None, None, None, 4, "cpu") == (shipped, "eagle3", 4, None)
+    assert heads.draft_plan(None, None, "eagle", 0, "gpu") == (None, "none", 0, None)
+    assert heads.draft_plan("some/other/model", None, None, None, "gpu") == (None, "none", 0, None)
+    assert heads.best_k("eagle3", "tpu") == heads.best_k("eagle3", "gpu")  # unmeasured platforms take the GPU's

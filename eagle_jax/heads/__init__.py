@@ -1,7 +1,8 @@
 """The EAGLE heads shipped for the default model, SmolLM2-135M-Instruct, and how the CLI picks one.
 
 Each head is a directory in the public HF layout (config.json + model.safetensors), loadable by
-vLLM and SGLang too. `defaults.json` records the measured best k per head (docs/TRAINING.md).
+vLLM and SGLang too. `defaults.json` records the measured best k per head and platform, and the
+platforms where plain decoding measured faster than any speculative setting (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -19,12 +20,46 @@ def shipped_head(method: str) -> Path | None:
     return path if (path / "config.json").is_file() else None
 
 
-def best_k(method: str | None) -> int:
-    """The measured best k for a shipped head (3 for other heads, a common sweet spot)."""
-    defaults = HEADS_DIR / "defaults.json"
-    if method and defaults.is_file():
-        return int(json.loads(defaults.read_text()).get(method, {}).get("num_speculative_tokens", 3))
-    return 3
+def _defaults() -> dict:
+    path = HEADS_DIR / "defaults.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def best_k(method: str | None, platform: str = "gpu") -> int:
+    """The measured best k for a shipped head on `platform` (jax's name: "cpu", "gpu", ...).
+
+    Platforms without a measurement take the GPU's; heads without one, 3 (a common sweet spot).
+    """
+    measured = _defaults().get(method or "", {}).get("num_speculative_tokens", 3)
+    if isinstance(measured, dict):
+        measured = measured.get(platform, measured.get("gpu", 3))
+    return int(measured)
+
+
+def plain_by_default(platform: str) -> str | None:
+    """Why the CLI decodes without a draft on `platform` unless asked to speculate, or None.
+
+    On a small CPU, verifying k+1 tokens costs several decode steps, so speculating is slower
+    (measured; see defaults.json); accelerators, where a step is bound by memory, speculate.
+    """
+    return _defaults().get("plain_decoding_by_default_on", {}).get(platform)
+
+
+def draft_plan(model: str | None, draft: str | None, method: str | None, k: int | None,
+               platform: str) -> tuple[Path | None, str, int, str | None]:
+    """(head directory or None, method, k, a note for the user or None) for the CLI's flags.
+
+    Asking for nothing picks the shipped head with its measured best k, except where plain
+    decoding measured faster; asking for a head (--draft, --method) or a k always speculates.
+    """
+    path, chosen = choose_draft(model, draft, method)
+    if path is None:
+        return None, "none", 0, None
+    if draft is None and method is None and k is None and (reason := plain_by_default(platform)):
+        return None, "none", 0, (f"decoding without a draft on {platform}: {reason}. "
+                                 f"Pass --method {chosen} to speculate anyway.")
+    k = best_k(chosen, platform) if k is None else k
+    return (path, chosen, k, None) if k > 0 else (None, "none", 0, None)
 
 
 def choose_draft(model: str | None, draft: str | None, method: str | None) -> tuple[Path | None, str]:
