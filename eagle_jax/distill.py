@@ -19,6 +19,7 @@ import tqdm
 from eagle_jax import data as data_lib
 from eagle_jax import engine as engine_lib
 from eagle_jax import sampling as sampling_lib
+from eagle_jax import tokenization
 
 
 def distill(engine: engine_lib.Engine, prompts: list[np.ndarray], max_new_tokens: int, sequence_length: int,
@@ -53,9 +54,7 @@ def distill(engine: engine_lib.Engine, prompts: list[np.ndarray], max_new_tokens
 
 def tokenize_prompts(tokenizer, texts: list[str]) -> list[np.ndarray]:
     """Chat-templated int32 ids of single-turn user prompts."""
-    from eagle_jax import generate
-
-    return [np.asarray(generate.encode(tokenizer, text, chat=True), np.int32) for text in texts]
+    return [np.asarray(tokenization.encode(tokenizer, text, chat=True), np.int32) for text in texts]
 
 
 def pack_prompts(prompts: list[np.ndarray], pad_id: int = 0) -> dict[str, np.ndarray]:
@@ -82,10 +81,8 @@ def main(argv=None) -> int:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--dtype", choices=sorted(models.DTYPES), default="bfloat16")
     args = parser.parse_args(argv)
-    import transformers
-
     target, tokenizer_dir = models.load_target(args.model, args.dtype)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tokenizer = tokenization.load(tokenizer_dir)
     if args.prompts.endswith(".npz"):
         packed = data_lib.load_dataset(args.prompts)
         prompts = [row[:length] for row, length in zip(packed["input_ids"], packed["lengths"])][:args.limit]

@@ -20,6 +20,7 @@ from eagle_jax import heads
 from eagle_jax import hf_files
 from eagle_jax import models
 from eagle_jax import sampling as sampling_lib
+from eagle_jax import tokenization
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -65,20 +66,10 @@ def read_prompts(args) -> list[str]:
     return prompts
 
 
-def encode(tokenizer, text: str, chat: bool) -> list[int]:
-    if chat and tokenizer.chat_template:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-    return tokenizer(text)["input_ids"]
-
-
 def load(args):
     """(engine, tokenizer, method) for the parsed arguments."""
-    import transformers
-
     target, tokenizer_dir = models.load_target(args.model, args.dtype)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tokenizer = tokenization.load(tokenizer_dir)
     platform = jax.devices()[0].platform
     draft, method, k, note = heads.draft_plan(args.model, args.draft, args.method, args.num_speculative_tokens, platform)
     if note:
@@ -98,7 +89,7 @@ def main(argv=None) -> int:
         sampling = sampling_lib.Sampling(temperature=args.temperature, top_p=args.top_p)
         prompts = read_prompts(args)
         engine, tokenizer, method = load(args)
-        token_ids = [encode(tokenizer, text, not args.no_chat) for text in prompts]
+        token_ids = [tokenization.encode(tokenizer, text, not args.no_chat) for text in prompts]
         stream = not args.json and args.batch_size == 1
         streamed = {}
 

@@ -29,6 +29,7 @@ from eagle_jax import eagle
 from eagle_jax import engine as engine_lib
 from eagle_jax import llama
 from eagle_jax import models
+from eagle_jax import tokenization
 from eagle_jax import train_objective
 
 
@@ -236,13 +237,9 @@ def main(argv=None) -> int:
         chosen = np.arange(cfg.draft_vocab_size) + draft_vocabulary(counts, cfg.draft_vocab_size)
         summary["draft_vocab_coverage"] = float(counts[chosen].sum() / counts.sum())
     if args.eval_prompts:
-        import transformers
-
-        from eagle_jax import generate
-
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        tokenizer = tokenization.load(tokenizer_dir)
         questions = data_lib.load_mtbench()[:args.eval_prompts]
-        prompts = [np.asarray(generate.encode(tokenizer, q["turns"][0], chat=True)) for q in questions]
+        prompts = [np.asarray(tokenization.encode(tokenizer, q["turns"][0], chat=True)) for q in questions]
         exported = models.load_head(output / "head", target, args.dtype)
         summary["eval"] = acceptance_length(target, exported, prompts, args.eval_k, args.eval_max_new_tokens)
         print(f"MT-Bench acceptance length at k={args.eval_k}: {summary['eval']['acceptance_length']:.3f}")

@@ -29,15 +29,14 @@ except ModuleNotFoundError:  # run from a checkout without `pip install -e .`
 
 import jax
 import tqdm
-import transformers
 
 from eagle_jax import compile_cache
 from eagle_jax import data
 from eagle_jax import engine as engine_lib
-from eagle_jax import generate
 from eagle_jax import heads
 from eagle_jax import models
 from eagle_jax import sampling as sampling_lib
+from eagle_jax import tokenization
 from results_file import append_rows  # examples/ is on sys.path when run as a script
 
 METHODS = ("none", "eagle", "eagle3")
@@ -163,8 +162,8 @@ def main(argv=None) -> int:
     texts = [question["turns"][0] for question in questions[:args.num_prompts]]
 
     target, tokenizer_dir = models.load_target(args.model, args.dtype)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    prompts = [generate.encode(tokenizer, text, chat=True) for text in texts]
+    tokenizer = tokenization.load(tokenizer_dir)
+    prompts = [tokenization.encode(tokenizer, text, chat=True) for text in texts]
     # Warm-up compiles the programs of the first prompts' shapes; other prompt or cache buckets compile
     # when first met, outside Result.seconds (counted in wall_seconds and compile_seconds).
     warmup_prompts = prompts[:args.warmup] if args.warmup else []

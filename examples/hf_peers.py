@@ -30,8 +30,8 @@ import tqdm
 import transformers
 
 from eagle_jax import data
-from eagle_jax import generate
 from eagle_jax import models
+from eagle_jax import tokenization
 from results_file import append_rows  # examples/ is on sys.path when run as a script
 
 MODES = {"eager": "hf-eager", "static": "hf-static", "prompt_lookup": "hf-prompt-lookup"}
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     eos_ids = [int(e) for e in (eos if isinstance(eos, list) else [eos])]
 
     questions = data.load_mtbench(args.dataset)[:args.num_prompts]
-    prompts = [torch.tensor([generate.encode(tokenizer, q["turns"][0], chat=True)], device=device) for q in questions]
+    prompts = [torch.tensor([tokenization.encode(tokenizer, q["turns"][0], chat=True)], device=device) for q in questions]
     longest = max(prompts, key=lambda ids: ids.shape[1])
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 

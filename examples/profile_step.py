@@ -39,15 +39,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import tqdm
-import transformers
 from flax import nnx
 
 from eagle_jax import data
 from eagle_jax import engine as engine_lib
-from eagle_jax import generate
 from eagle_jax import heads
 from eagle_jax import models
 from eagle_jax import speculative
+from eagle_jax import tokenization
 from eagle_jax import train
 from results_file import append_rows  # examples/ is on sys.path when run as a script
 
@@ -268,8 +267,8 @@ def main(argv=None) -> int:
             rows.append(cold_warm(args, draft_path))
         if "draft_forward" in args.parts or "step_breakdown" in args.parts:
             head = models.load_head(draft_path, target, args.dtype)
-            tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
-            prompt = generate.encode(tokenizer, data.load_mtbench(args.dataset)[0]["turns"][0], chat=True)
+            tokenizer = tokenization.load(tokenizer_dir)
+            prompt = tokenization.encode(tokenizer, data.load_mtbench(args.dataset)[0]["turns"][0], chat=True)
             rows += in_process(args, target, head, prompt, head_is_random)
     meta = metadata(args)
     rows = [dict(row, **meta) for row in rows]

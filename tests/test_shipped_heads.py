@@ -10,6 +10,7 @@ import pytest
 
 from eagle_jax import heads
 from eagle_jax import models
+from eagle_jax import tokenization
 from eagle_jax import train
 
 PROMPTS = [
@@ -21,13 +22,9 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def default_target():
-    import transformers
-
-    from eagle_jax import generate
-
     target, tokenizer_dir = models.load_target(None, "float32")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    return target, [np.asarray(generate.encode(tokenizer, text, chat=True)) for text in PROMPTS]
+    tokenizer = tokenization.load(tokenizer_dir)
+    return target, [np.asarray(tokenization.encode(tokenizer, text, chat=True)) for text in PROMPTS]
 
 
 @pytest.mark.parametrize("method", [
