@@ -168,15 +168,28 @@ def flat_state(state: nnx.State) -> dict[str, Any]:
     return flat
 
 
-def build_model(factory: Callable[[], nnx.Module], params: dict[str, np.ndarray], dtype) -> nnx.Module:
-    """Creates a module without random initialisation and fills it from Flax-path arrays.
+def abstract_model(factory: Callable[[], nnx.Module]) -> nnx.Module:
+    """The module `factory` builds, with shapes only: nothing is allocated or initialised.
+
+    Building a 30-layer model this way takes about a second on a CPU, so callers build it once
+    and pass it to both `param_shapes` and `build_model`.
+    """
+    return nnx.eval_shape(factory)
+
+
+def param_shapes(abstract: nnx.Module) -> dict[str, Any]:
+    """Flax path -> abstract leaf (with `.shape` and `.dtype`) of every variable of a module."""
+    return flat_state(nnx.split(abstract)[1])
+
+
+def build_model(abstract: nnx.Module, params: dict[str, np.ndarray], dtype) -> nnx.Module:
+    """Fills an abstract module (`abstract_model`) from Flax-path arrays.
 
     Args:
-        factory: builds the module (called under `nnx.eval_shape`, so nothing is allocated).
+        abstract: the module's shapes, from `abstract_model`.
         params: Flax path -> array, covering every parameter.
         dtype: the parameter dtype on device.
     """
-    abstract = nnx.eval_shape(factory)
     graphdef, state = nnx.split(abstract)
     expected = flat_state(state)
     missing = sorted(set(expected) - set(params))

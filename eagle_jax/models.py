@@ -61,7 +61,7 @@ def load_target(path: str | Path | None = None, dtype: str = "float32") -> tuple
     directory = resolve_target_dir(path)
     hf_config = hf_files.load_config(directory)
     cfg = config_lib.LlamaConfig.from_hf_config(hf_config)
-    factory = target_factory(cfg, DTYPES[dtype])
+    abstract = checkpoint.abstract_model(target_factory(cfg, DTYPES[dtype]))
     if (directory / PARAMS_FILE).is_file():
         params = hf_files.load_tensors(directory / PARAMS_FILE)
         if any(name.endswith("self_attn/q_proj/kernel") for name in params):
@@ -69,10 +69,10 @@ def load_target(path: str | Path | None = None, dtype: str = "float32") -> tuple
                 f"{directory} was converted by an older eagle_jax (separate q/k/v projections); "
                 "convert its source again with eagle-jax-convert")
     else:
-        expected = checkpoint.flat_state(nnx.split(nnx.eval_shape(factory))[1])
-        params = checkpoint.map_tensors(hf_files.load_tensors(directory), checkpoint.LLAMA_RULES, expected,
+        params = checkpoint.map_tensors(hf_files.load_tensors(directory), checkpoint.LLAMA_RULES,
+                                        checkpoint.param_shapes(abstract),
                                         ignored=checkpoint.LLAMA_IGNORED, optional=(r"lm_head\.weight",))
-    return checkpoint.build_model(factory, params, DTYPES[dtype]), directory
+    return checkpoint.build_model(abstract, params, DTYPES[dtype]), directory
 
 
 def save_converted(model: llama.Llama, source_dir: Path, out_dir: str | Path, dtype: str = "float32") -> Path:
@@ -150,10 +150,10 @@ def load_head(path: str | Path, target: llama.Llama, dtype: str = "float32"):
     if cfg.method == "eagle3":
         tensors = _check_vocab_map(tensors, cfg, target.config.vocab_size)
     factory = lambda: eagle.make_head(cfg, rngs=nnx.Rngs(0), dtype=DTYPES[dtype], param_dtype=DTYPES[dtype])
-    expected = checkpoint.flat_state(nnx.split(nnx.eval_shape(factory))[1])
+    abstract = checkpoint.abstract_model(factory)
     rules = EAGLE3_RULES if cfg.method == "eagle3" else EAGLE1_RULES
-    params = checkpoint.map_tensors(tensors, rules, expected, ignored=HEAD_IGNORED)
-    return checkpoint.build_model(factory, params, DTYPES[dtype])
+    params = checkpoint.map_tensors(tensors, rules, checkpoint.param_shapes(abstract), ignored=HEAD_IGNORED)
+    return checkpoint.build_model(abstract, params, DTYPES[dtype])
 
 
 def _check_embeddings(embeddings: np.ndarray, target: llama.Llama) -> None:

@@ -88,7 +88,8 @@ def random_module(factory, seed: int = 0) -> nnx.Module:
     """
     rng = np.random.default_rng(seed)
     params = {}
-    for path, leaf in checkpoint.flat_state(nnx.split(nnx.eval_shape(factory))[1]).items():
+    abstract = checkpoint.abstract_model(factory)
+    for path, leaf in checkpoint.param_shapes(abstract).items():
         name, shape = path.rsplit("/", 1)[-1], tuple(leaf.shape)
         if not jnp.issubdtype(leaf.dtype, jnp.floating):
             params[path] = np.zeros(shape, leaf.dtype)
@@ -100,7 +101,7 @@ def random_module(factory, seed: int = 0) -> nnx.Module:
             params[path] = 1 + 0.1 * rng.standard_normal(shape)
         else:
             params[path] = 0.1 * rng.standard_normal(shape)
-    return checkpoint.build_model(factory, params, jnp.float32)
+    return checkpoint.build_model(abstract, params, jnp.float32)
 
 
 @pytest.fixture(scope="session")

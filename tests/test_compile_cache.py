@@ -104,8 +104,9 @@ SCRIPT = textwrap.dedent("""
     factory = lambda: llama.Llama(cfg, rngs=nnx.Rngs(0))
     # numpy weights: jax's random initialisers would compile op by op (seconds per process).
     rng = np.random.default_rng(0)
-    shapes = checkpoint.flat_state(nnx.split(nnx.eval_shape(factory))[1])
-    target = checkpoint.build_model(factory, {path: 0.3 * rng.standard_normal(leaf.shape) for path, leaf in shapes.items()},
+    abstract = checkpoint.abstract_model(factory)
+    shapes = checkpoint.param_shapes(abstract)
+    target = checkpoint.build_model(abstract, {path: 0.3 * rng.standard_normal(leaf.shape) for path, leaf in shapes.items()},
                                     np.float32)
     eng = engine.Engine(target, max_length=64, cache_dir=sys.argv[1])
     [result] = eng.generate([[5, 6, 7, 8]], max_new_tokens=6, ignore_eos=True)
