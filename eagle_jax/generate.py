@@ -1,7 +1,8 @@
 """`python -m eagle_jax.generate`: (speculative) generation from the command line.
 
 With no `--model` it runs the embedded default model, SmolLM2-135M-Instruct, with its shipped
-EAGLE head as the draft (on a CPU without one unless asked: speculation measured slower there). Text streams to the terminal; `--json` prints one object per prompt.
+EAGLE head as the draft (on a CPU without one unless asked: speculation measured slower there).
+Text streams to the terminal; `--json` prints one object per prompt.
 """
 
 from __future__ import annotations
