@@ -121,7 +121,8 @@ def map_tensors(tensors: dict[str, np.ndarray], rules: list[Rule], expected: dic
     return out
 
 
-def _join_parts(target: str, parts: dict, found_rule: tuple[Rule, dict], rules: list[Rule], shape: tuple) -> np.ndarray:
+def _join_parts(target: str, parts: dict, found_rule: tuple[Rule, dict], rules: list[Rule],
+                shape: tuple) -> np.ndarray:
     """One Flax parameter from its HF tensor(s), with the shape checked against the model's."""
     rule, groups = found_rule
     if rule.part is None:
@@ -137,7 +138,9 @@ def _join_parts(target: str, parts: dict, found_rule: tuple[Rule, dict], rules: 
     named = [parts[index] for index in sorted(parts)]
     if any(a.shape[:-1] != shape[:-1] for _, a in named) or sum(a.shape[-1] for _, a in named) != shape[-1]:
         got = ", ".join(f"{name!r} has shape {tuple(a.shape)}" for name, a in named)
-        raise hf_files.CheckpointError(f"tensors do not fit: {got}; joined on the last axis the model expects {shape} at {target!r}")
+        layout = " (shapes as [in, out] kernels)" if rule.transpose else ""
+        raise hf_files.CheckpointError(
+            f"tensors do not fit: {got}{layout}; joined on the last axis the model expects {shape} at {target!r}")
     return np.concatenate([a for _, a in named], axis=-1)
 
 
