@@ -120,7 +120,6 @@ class Engine:
         self.head_config = head.config if head is not None else None
         self.compile_cache = compile_cache_lib.CompileCache(cache_dir)
         self._compiled: dict = {}
-        self._output_shapes: dict = {}  # program key -> its outputs' ShapeDtypeStructs
         self.compile_seconds = 0.0
 
     @property
@@ -159,7 +158,7 @@ class Engine:
                 with jax.disable_jit():
                     return function(*a, **static)
             return op_by_op
-        key = self._program_key(name, width, static)
+        key = (name, width, tuple(sorted(static.items())))
         if key not in self._compiled:
             shapes = jax.tree.map(lambda x: (x.shape, x.dtype) if hasattr(x, "shape") else x, args)
             description = repr((name, shapes, sorted(static.items()), self.config, self.head_config, self.max_length,
@@ -168,13 +167,8 @@ class Engine:
             lowered = jitted.lower(*args, **static)
             module = self.module_name(name, static["opts"])
             self._compiled[key], seconds = self.compile_cache.compile(module, description, lowered)
-            self._output_shapes[key] = lowered.out_info
             self.compile_seconds += seconds
         return self._compiled[key]
-
-    @staticmethod
-    def _program_key(name: str, width: int, static: dict) -> tuple:
-        return name, width, tuple(sorted(static.items()))
 
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 128,
                  sampling: sampling_lib.Sampling = sampling_lib.Sampling(), seed: int = 0, ignore_eos: bool = False,
@@ -225,9 +219,9 @@ class Engine:
         args = (self.target_params, self.head_params, jnp.asarray(tokens), jnp.asarray(lengths), rng)
         compile_before = self.compile_seconds
         start = self._program("start", self._start, args, dict(opts=opts), width)
-        # The step program is lowered for the state that `start` returns: its shapes come from
-        # start's own lowering (tracing the 30-layer prefill again would cost seconds per process).
-        state_shape = None if self.eager else self._output_shapes[self._program_key("start", width, dict(opts=opts))]
+        # The step program is lowered for the state that `start` returns: the compiled prefill
+        # knows its output shapes (tracing the 30-layer prefill again would cost seconds).
+        state_shape = None if self.eager else start.out_info
         run_args = (self.target_params, self.head_params, state_shape)
         # The step program does not depend on the prefill width: one serves every bucket.
         run = self._program("run", self._run, run_args, dict(num_steps=steps_per_call, opts=opts), 0,
