@@ -322,7 +322,17 @@ def save_dataset(arrays: dict[str, np.ndarray], path: str | Path) -> Path:
 
 
 def load_dataset(path: str | Path) -> dict[str, np.ndarray]:
-    """Reads a `save_dataset` file, restoring int32 ids and lengths and a bool mask."""
+    """Reads a `save_dataset` file, restoring int32 ids and lengths and a bool mask.
+
+    A directory is read as the concatenation of its `*.npz` parts, in name order (the
+    part files of `distill.distill_conversations`).
+    """
+    path = Path(path)
+    if path.is_dir():
+        parts = [load_dataset(part) for part in sorted(path.glob("*.npz"))]
+        if not parts:
+            raise FileNotFoundError(f"{path}: no .npz parts")
+        return {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
     with np.load(path) as archive:
         arrays = {name: archive[name] for name in archive.files}
     arrays["input_ids"] = arrays["input_ids"].astype(np.int32)

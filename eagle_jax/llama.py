@@ -53,12 +53,14 @@ class Llama(nnx.Module):
         features = jnp.concatenate([captured[i] for i in capture_layers], axis=-1) if capture_layers else None
         return self.norm(x), cache, features
 
-    def logits(self, hidden: jax.Array) -> jax.Array:
-        """float32 logits [..., V] from final-norm hidden states."""
+    def logits(self, hidden: jax.Array, vocab_ids: jax.Array | None = None) -> jax.Array:
+        """float32 logits [..., V] from final-norm hidden states; [..., len(vocab_ids)] for a subset."""
         if self.config.tie_word_embeddings:
             weight = self.embed_tokens.embedding[...]  # [V, D]
         else:
             weight = self.lm_head.kernel[...].T
+        if vocab_ids is not None:  # gather rows first: a slice of the product costs the full product
+            weight = jnp.take(weight, vocab_ids, axis=0)
         return jnp.einsum("...d,vd->...v", hidden, weight.astype(hidden.dtype), preferred_element_type=jnp.float32)
 
     def init_cache(self, batch_size: int, max_length: int, dtype=None) -> kv_cache_lib.KVCache:

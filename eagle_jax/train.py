@@ -158,8 +158,12 @@ def batches(dataset: dict[str, np.ndarray], batch_size: int, seed: int, start_st
 
 
 def train(target: llama.Llama, dataset: dict[str, np.ndarray], cfg: TrainConfig, output: Path,
-          progress: bool = True, head=None) -> tuple[Trainer, list[dict]]:
-    """Trains (or resumes) a head; returns the trainer and the logged metrics."""
+          progress: bool = True, head=None, max_seconds: float | None = None) -> tuple[Trainer, list[dict]]:
+    """Trains (or resumes) a head; returns the trainer and the logged metrics.
+
+    `max_seconds` stops early (with a checkpoint) once that much wall time has passed, so a
+    run fits a fixed lease; the learning-rate schedule still spans `cfg.steps`.
+    """
     if head is None:
         counts = token_counts(dataset, target.config.vocab_size) if cfg.method == "eagle3" else None
         head = new_head(target.config, cfg, counts, dtype=target.embed_tokens.embedding[...].dtype)
@@ -172,6 +176,10 @@ def train(target: llama.Llama, dataset: dict[str, np.ndarray], cfg: TrainConfig,
     began, tokens_seen = time.perf_counter(), 0
     for tokens, mask in batches(dataset, cfg.batch_size, cfg.seed, trainer.step):
         if trainer.step >= cfg.steps:
+            break
+        if max_seconds is not None and time.perf_counter() - began > max_seconds:
+            print(f"stopping at step {trainer.step}: --max-seconds {max_seconds:g} reached", file=sys.stderr)
+            trainer.save(manager)
             break
         metrics = trainer.train_step(tokens, mask)
         tokens_seen += int(mask.sum())
@@ -202,7 +210,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eagle_jax.train", description=__doc__.splitlines()[0])
     parser.add_argument("--method", choices=["eagle", "eagle3"], default="eagle3")
     parser.add_argument("--model", help="target (HF dir, converted dir or .gguf; default SmolLM2-135M-Instruct)")
-    parser.add_argument("--data", required=True, help="npz from examples/prepare_data.py or eagle_jax.distill")
+    parser.add_argument("--data", required=True, help="npz from examples/prepare_data.py or eagle_jax.distill, "
+                                                      "or a directory of such parts")
     parser.add_argument("--output", required=True, help="run directory: checkpoints/, head/, metrics.json")
     parser.add_argument("--dtype", choices=sorted(models.DTYPES), default="bfloat16")
     parser.add_argument("--steps", type=int, default=2000)
@@ -211,6 +220,7 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup-steps", type=int, default=100)
     parser.add_argument("--unroll", type=int, help="training-time-test steps (default: 1 eagle, 7 eagle3)")
     parser.add_argument("--draft-vocab-size", type=int, default=8192)
+    parser.add_argument("--max-seconds", type=float, help="stop (and checkpoint) after this much training time")
     parser.add_argument("--eval-prompts", type=int, default=80, help="MT-Bench first turns for the final check")
     parser.add_argument("--eval-k", type=int, default=5)
     parser.add_argument("--eval-max-new-tokens", type=int, default=256)
@@ -224,7 +234,7 @@ def main(argv=None) -> int:
                       objective=train_objective.Objective(num_steps=unroll))
     output = Path(args.output)
     began = time.perf_counter()
-    trainer, log = train(target, dataset, cfg, output)
+    trainer, log = train(target, dataset, cfg, output, max_seconds=args.max_seconds)
     seconds = time.perf_counter() - began
     head = trainer.head()
     models.export_head(head, target.config, output / "head")

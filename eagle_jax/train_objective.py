@@ -35,13 +35,18 @@ class Objective:
     distribution_weight: float = 0.1  # EAGLE-1 (EAGLE-3 uses CE alone, weight 1)
 
 
-def target_outputs(target: llama.Llama, tokens: jax.Array, capture_layers: tuple[int, ...]):
-    """Target hidden states [B, T, D], captured features and float32 logits [B, T, V], no gradient."""
+def target_outputs(target: llama.Llama, tokens: jax.Array, capture_layers: tuple[int, ...],
+                   vocab_ids: jax.Array | None = None):
+    """Target hidden states [B, T, D], captured features and float32 logits, no gradient.
+
+    The logits cover `vocab_ids` only when given ([B, T, len(vocab_ids)]; EAGLE-3's draft
+    vocabulary), else the whole vocabulary.
+    """
     batch, length = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
     cache = target.init_cache(batch, length)
     hidden, _, captured = target(tokens, positions, cache, capture_layers)
-    return jax.lax.stop_gradient((hidden, captured, target.logits(hidden)))
+    return jax.lax.stop_gradient((hidden, captured, target.logits(hidden, vocab_ids)))
 
 
 def _shift(array: jax.Array, offset: int, length: int, fill=0) -> jax.Array:
@@ -117,11 +122,11 @@ def loss(head, target: llama.Llama, tokens: jax.Array, loss_mask: jax.Array, rng
     """
     is_eagle3 = isinstance(head, eagle.Eagle3Head)
     capture = head.config.feature_layers if is_eagle3 else ()
-    hidden, captured, target_logits = target_outputs(target, tokens, capture)
+    # EAGLE-3's teacher is the target's distribution restricted to the draft vocabulary.
+    hidden, captured, target_logits = target_outputs(target, tokens, capture, draft_ids if is_eagle3 else None)
     n = tokens.shape[1] - 1
     if is_eagle3:
         features = head.project(captured[:, :n])
-        target_logits = jnp.take(target_logits, draft_ids, axis=-1)  # the draft vocabulary's slice
     else:
         noise = jax.random.uniform(rng, hidden[:, :n].shape, minval=-0.5, maxval=0.5) * objective.feature_noise
         features = hidden[:, :n] + noise.astype(hidden.dtype)

@@ -205,6 +205,7 @@ def main(argv=None) -> int:
             num_compilations=measured["num_compilations"], num_drafts=stats["num_drafts"],
             num_accepted_tokens=stats["num_accepted_tokens"], model=args.model or "SmolLM2-135M-Instruct",
             draft=None if head_path is None else str(head_path), seed=args.seed,
+            dataset=Path(args.dataset).name if args.dataset else "mt_bench",
             steps_per_call=args.steps_per_call, steps_per_check=args.steps_per_check,
         )
         row = {key: value for key, value in row.items() if value is not None}

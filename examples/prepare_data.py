@@ -2,10 +2,16 @@
 
     python examples/prepare_data.py --model-dir HF_DIR --out data/sharegpt.npz \
         --distill-prompts-out data/prompts.jsonl
+    python examples/prepare_data.py --model-dir HF_DIR --distill-turns-out data/turns.npz \
+        --held-out-out data/heldout.jsonl
 
 The npz holds `input_ids`, `loss_mask` and `lengths` (see `eagle_jax.data`);
 the jsonl holds one `{"prompt": ...}` per line, first user turns for the
-target to answer. MT-Bench first turns are held out of both.
+target to answer; the turns npz holds every conversation's user turns as token
+ids (`eagle_jax.distill.pack_turns`) for multi-turn self-distillation. MT-Bench
+first turns are held out of all of them, and `--held-out-out` keeps the last
+`--num-held-out` shuffled conversations out of training as a second evaluation
+set (their first turns, in MT-Bench's question format).
 """
 
 import argparse
@@ -14,9 +20,18 @@ import json
 import logging
 from pathlib import Path
 
-import transformers
+import numpy as np
+import tqdm
+
+try:
+    import eagle_jax  # noqa: F401
+except ModuleNotFoundError:  # run from a checkout without `pip install -e .`
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle_jax import data
+from eagle_jax import distill
+from eagle_jax import tokenization
 
 
 def parse_arguments() -> argparse.Namespace:
@@ -30,9 +45,13 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--distill-prompts-out", help="first user turns for the target to answer (.jsonl)")
     parser.add_argument("--num-distill-prompts", type=int, default=20000)
     parser.add_argument("--max-prompt-tokens", type=int, default=256, help="skip longer prompts")
+    parser.add_argument("--distill-turns-out", help="user turns of every conversation as ids (.npz)")
+    parser.add_argument("--max-turns", type=int, default=3, help="user turns kept per conversation")
+    parser.add_argument("--held-out-out", help="first turns of the held-out conversations (.jsonl, MT-Bench format)")
+    parser.add_argument("--num-held-out", type=int, default=200)
     arguments = parser.parse_args()
-    if not (arguments.out or arguments.distill_prompts_out):
-        parser.error("give --out, --distill-prompts-out or both")
+    if not (arguments.out or arguments.distill_prompts_out or arguments.distill_turns_out):
+        parser.error("give --out, --distill-prompts-out, --distill-turns-out or several")
     return arguments
 
 
@@ -71,10 +90,49 @@ def write_distillation_prompts(tokenizer, conversations, arguments) -> None:
     print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
 
 
+def write_distillation_turns(tokenizer, conversations, arguments) -> None:
+    """Every conversation with a distinct first turn: its first `--max-turns` user turns as ids."""
+    seen, turns, skipped = set(), [], collections.Counter()
+    for messages in tqdm.tqdm(conversations, desc="turns"):
+        key = data.normalise_whitespace(next(m["content"] for m in messages if m["role"] == "user"))
+        if key in seen:
+            skipped["repeated first turn"] += 1
+            continue
+        seen.add(key)
+        try:
+            conversation = distill.conversation_turns(tokenizer, messages, arguments.max_turns)
+        except ValueError:
+            skipped["template mismatch"] += 1
+            continue
+        if len(conversation[0]) > arguments.max_prompt_tokens:
+            skipped["first turn too long"] += 1
+            continue
+        turns.append(conversation)
+    packed = distill.pack_turns(turns, arguments.max_turns)
+    path = Path(arguments.distill_turns_out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as file:
+        np.savez_compressed(file, **packed)
+    per_turn = (packed["turn_lengths"] > 0).sum(axis=0).tolist()
+    print(f"conversations: {len(turns)} (user turns present per round: {per_turn}; skipped {dict(skipped)})")
+    print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
+
+
+def write_held_out(conversations, arguments) -> None:
+    path = Path(arguments.held_out_out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as file:
+        for number, messages in enumerate(conversations, 1):
+            first = next(m["content"] for m in messages if m["role"] == "user")
+            record = {"question_id": number, "category": "sharegpt-held-out", "turns": [first]}
+            file.write(json.dumps(record, ensure_ascii=False) + "\n")
+    print(f"held-out conversations: {len(conversations)} -> {path}")
+
+
 def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     arguments = parse_arguments()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(arguments.model_dir)
+    tokenizer = tokenization.load(arguments.model_dir)
     counts = collections.Counter()
     # Shuffled once: training rows take the head of the order, prompts read on past it as needed.
     conversations = data.load_sharegpt(arguments.sharegpt, seed=arguments.seed, counts=counts)
@@ -83,6 +141,12 @@ def main() -> None:
         f"{counts['held_out']} held out as MT-Bench, {counts['kept']} kept"
         + (" (file truncated; complete records only)" if counts["truncated_file"] else "")
     )
+    if arguments.held_out_out:  # the tail of the shuffled order: never trained on below
+        held_out = conversations[-arguments.num_held_out:]
+        conversations = conversations[:-arguments.num_held_out]
+        write_held_out(held_out, arguments)
+    if arguments.distill_turns_out:
+        write_distillation_turns(tokenizer, conversations, arguments)
     if arguments.out:
         write_training_arrays(tokenizer, conversations[: arguments.num_conversations], arguments)
     if arguments.distill_prompts_out:

@@ -193,3 +193,36 @@ def export_head(head, directory, *, embeddings=None, torch_bin: bool = False):
 def save_head():
     """`save_head(head, directory, embeddings=None, torch_bin=False)` -> directory: see `export_head`."""
     return export_head
+
+
+DEFAULT_SYSTEM = "You are a helpful assistant."
+# ChatML, like SmolLM2's, including its default system prompt.
+CHAT_TEMPLATE = (
+    "{% if messages[0]['role'] != 'system' %}"
+    "<|im_start|>system\n" + DEFAULT_SYSTEM + "<|im_end|>\n"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def chat_tokenizer():
+    """A tiny byte-level fast tokenizer with a ChatML template (SmolLM2-like, default system prompt)."""
+    import tokenizers
+    import transformers
+    from tokenizers import decoders, pre_tokenizers
+
+    # One token per byte plus the two ChatML specials: tiny, yet any text tokenizes.
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab={symbol: i for i, symbol in enumerate(alphabet)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        chat_template=CHAT_TEMPLATE,
+        eos_token="<|im_end|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )

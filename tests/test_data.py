@@ -6,38 +6,15 @@ import json
 
 import numpy as np
 import pytest
-import tokenizers
-import transformers
-from tokenizers import decoders, models, pre_tokenizers
 
 from eagle_jax import data
 
-DEFAULT_SYSTEM = "You are a helpful assistant."
-# ChatML, like SmolLM2's, including its default system prompt.
-CHAT_TEMPLATE = (
-    "{% if messages[0]['role'] != 'system' %}"
-    "<|im_start|>system\n" + DEFAULT_SYSTEM + "<|im_end|>\n"
-    "{% endif %}"
-    "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+DEFAULT_SYSTEM = "You are a helpful assistant."  # the chat_tokenizer fixture's default system prompt
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    # One token per byte plus the two ChatML specials: tiny, yet any text tokenizes.
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    backend = tokenizers.Tokenizer(models.BPE(vocab={symbol: i for i, symbol in enumerate(alphabet)}, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        chat_template=CHAT_TEMPLATE,
-        eos_token="<|im_end|>",
-        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
-    )
+def tokenizer(chat_tokenizer):
+    return chat_tokenizer
 
 
 CONVERSATION = [

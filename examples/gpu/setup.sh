@@ -3,10 +3,12 @@
 #   source examples/gpu/setup.sh
 # Expects, carried in the ignored folders .stage/ and .whl/ (see docs/GPU_RUNS.md):
 #   .stage/gguf.partNN (the SmolLM2 GGUF split so each call's tree stays under 64 MB; parts may
-#   arrive in separate calls and are kept in /root/stage), .stage/tokenizer/, .whl/gguf-*.whl.
+#   arrive in separate calls), .stage/gguf.sha256, .stage/tokenizer/, .whl/gguf-*.whl.
 set -e
+# Whatever each call carries in .stage accumulates in /root/stage, which .stage then points to.
 mkdir -p /root/stage
-cp .stage/gguf.part* /root/stage/ 2>/dev/null || true
+if [ -d .stage ] && [ ! -L .stage ]; then cp -r .stage/. /root/stage/ && rm -rf .stage; fi
+ln -sfn /root/stage .stage
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 export EAGLE_JAX_CACHE_DIR=/root/stage/cache
