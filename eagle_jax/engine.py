@@ -92,7 +92,8 @@ class Engine:
             the whole cache, so a right-sized one is up to 7x faster on CPU.
         batch_size: rows per compiled program; shorter batches are padded with idle rows.
         eager: run the same functions op by op, without jit (for comparison only: slow).
-        cache_dir: persistent compilation cache root; None compiles in memory only.
+        cache_dir: persistent compilation cache root; None compiles in memory only. Compiling
+            raises `compile_cache.CompileCacheError` if others could write to it.
         fixed_shapes: use one prefill width (max_length // 2) and one cache length
             (max_length) for every batch: two programs in all instead of one per bucket.
         steps_per_check: steps between the device loop's "all rows done" tests

@@ -1,15 +1,21 @@
-"""The persistent per-module compilation cache: reuse across engines and processes, damage, concurrency."""
+"""The persistent per-module compilation cache: reuse across engines and processes, damage, concurrency,
+and entries or directories written by someone else."""
 
+import hashlib
 import json
 import os
 import pathlib
+import pickle
 import shutil
 import subprocess
 import sys
 import textwrap
 
+import jax
+import jax.numpy as jnp
 import pytest
 
+from eagle_jax import compile_cache
 from eagle_jax import engine as engine_lib
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -50,10 +56,12 @@ def test_first_engine_compiles_and_saves_one_entry_per_module(filled):
     cache_dir, engine, _ = filled
     assert engine.compile_cache.misses == 2 and engine.compile_cache.hits == 0  # prefill and decode
     assert engine.num_compilations == 2
-    modules = sorted(path.name.rsplit("-", 1)[0] for path in cache_dir.iterdir())
+    modules = sorted(path.name.rsplit("-", 1)[0] for path in cache_dir.iterdir() if path.is_dir())
     assert modules == ["decode", "prefill-plain"]
     assert len(entries(cache_dir)) == 2
-    assert not list(cache_dir.glob("*/.tmp-*"))
+    assert not list(cache_dir.glob("*/.tmp-*")) and not list(cache_dir.glob(".tmp-*"))
+    assert (cache_dir / compile_cache.KEY_NAME).stat().st_mode & 0o777 == 0o600
+    assert all(path.stat().st_mode & 0o777 == 0o700 for path in [cache_dir, *cache_dir.iterdir()] if path.is_dir())
 
 
 def test_second_engine_loads_everything(target, filled, cache_copy):
@@ -141,8 +149,153 @@ def test_fresh_processes_share_the_cache_even_when_filling_it_concurrently(tmp_p
     for run in (first, second):
         assert run["misses"] + run["hits"] == 2 and run["engine_compiles"] == run["misses"]
     assert first["misses"] + second["misses"] >= 2  # every program was compiled by someone
-    assert len(entries(cache_dir)) == 2 and not list(cache_dir.glob("*/.tmp-*"))
+    assert len(entries(cache_dir)) == 2 and not list(cache_dir.glob("*/.tmp-*")) and not list(cache_dir.glob(".tmp-*"))
     # A third, fresh process compiles none of the engine's programs.
     third = finish(start())
     assert third["misses"] == 0 and third["hits"] == 2 and third["engine_compiles"] == 0
     assert first["tokens"] == second["tokens"] == third["tokens"] and len(third["tokens"]) == 6
+
+
+# Entries and directories others could have written. These use one tiny program, not an engine.
+MODULE, KEY = "tiny", "tiny program"
+
+
+def lowered_program():
+    return jax.jit(lambda x: 2 * x + 1).lower(jnp.zeros((3,), jnp.float32))
+
+
+def write_marker(path):
+    """What a crafted entry runs when unpickled (pickle stores it by reference: tests.test_compile_cache)."""
+    pathlib.Path(path).write_text("code from a cache entry ran")
+
+
+class Exploit:
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return write_marker, (self.marker,)
+
+
+@pytest.mark.parametrize("signature", ["sha256", "other key"])
+def test_crafted_entry_is_never_unpickled(tmp_path, signature):
+    marker = tmp_path / "marker"
+    payload = pickle.dumps(Exploit(marker))
+    pickle.loads(payload)  # the payload does run code when unpickled ...
+    assert marker.exists()
+    marker.unlink()
+    lowered = lowered_program()
+    compile_cache.CompileCache(tmp_path / "xla").compile(MODULE, KEY, lowered)
+    [entry] = entries(tmp_path / "xla")
+    # ... and replaces a valid entry, with a check that is right as far as an attacker can make
+    # it: sha256 (all the first format checked), or a MAC under a key other than the cache's.
+    if signature == "sha256":
+        check = hashlib.sha256(payload).hexdigest().encode()
+    else:
+        check = compile_cache._mac(b"k" * compile_cache.KEY_BYTES, compile_cache._entry_name(entry), payload)
+    crafted = compile_cache.MAGIC + check + payload
+    entry.write_bytes(crafted)
+    cache = compile_cache.CompileCache(tmp_path / "xla")
+    with pytest.warns(UserWarning, match="discarding unreadable entry"):
+        compiled, _ = cache.compile(MODULE, KEY, lowered)
+    assert not marker.exists()  # ... but is never unpickled
+    assert cache.misses == 1 and cache.hits == 0
+    assert compiled(jnp.ones(3)).tolist() == [3.0, 3.0, 3.0]
+    assert entry.read_bytes() != crafted  # replaced by the recompiled program's own entry
+
+
+def test_valid_entries_hit_across_instances(tmp_path):
+    first = compile_cache.CompileCache(tmp_path / "xla")
+    first.compile(MODULE, KEY, lowered_program())
+    second = compile_cache.CompileCache(tmp_path / "xla")
+    compiled, _ = second.compile(MODULE, KEY, lowered_program())
+    assert (first.misses, first.hits, second.misses, second.hits) == (1, 0, 0, 1)
+    assert first.secret_key() == second.secret_key()
+    assert compiled(jnp.ones(3)).tolist() == [3.0, 3.0, 3.0]
+
+
+def test_entry_moved_to_another_name_fails_its_mac(tmp_path):
+    cache = compile_cache.CompileCache(tmp_path / "xla")
+    lowered = lowered_program()
+    cache.compile(MODULE, KEY, lowered)
+    entry = cache.entry_path(MODULE, KEY, lowered)
+    moved = cache.entry_path(MODULE, "other settings", lowered)
+    moved.parent.mkdir(mode=0o700)
+    shutil.copy(entry, moved)
+    with pytest.warns(UserWarning, match="MAC mismatch"):
+        cache.compile(MODULE, "other settings", lowered)
+    assert cache.misses == 2
+
+
+@pytest.mark.parametrize("where", ["root", "module"])
+@pytest.mark.parametrize("mode", [0o777, 0o770])
+def test_directory_others_can_write_is_refused(tmp_path, where, mode):
+    cache = compile_cache.CompileCache(tmp_path / "xla")
+    lowered = lowered_program()
+    cache.compile(MODULE, KEY, lowered)
+    directory = cache.root if where == "root" else cache.entry_path(MODULE, KEY, lowered).parent
+    directory.chmod(mode)
+    fresh = compile_cache.CompileCache(tmp_path / "xla")
+    with pytest.raises(compile_cache.CompileCacheError, match="writable by other users"):
+        fresh.compile(MODULE, KEY, lowered)
+    assert fresh.hits == 0
+    assert issubclass(compile_cache.CompileCacheError, ValueError)  # the CLI reports ValueErrors as `error: ...`
+
+
+def test_sticky_directory_of_ours_is_accepted(tmp_path):
+    root = tmp_path / "xla"
+    root.mkdir()
+    root.chmod(0o1777)  # as /tmp: others may add files but not replace ours
+    cache = compile_cache.CompileCache(root)
+    cache.compile(MODULE, KEY, lowered_program())
+    assert cache.misses == 1
+
+
+def test_directory_of_another_user_is_refused(tmp_path, monkeypatch):
+    cache = compile_cache.CompileCache(tmp_path / "xla")
+    monkeypatch.setattr(compile_cache.os, "getuid", lambda: os.stat(tmp_path).st_uid + 1)
+    with pytest.raises(compile_cache.CompileCacheError, match="owned by uid"):
+        cache.compile(MODULE, KEY, lowered_program())
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o660])
+def test_key_file_others_can_access_is_refused(tmp_path, mode):
+    cache = compile_cache.CompileCache(tmp_path / "xla")
+    cache.compile(MODULE, KEY, lowered_program())
+    (cache.root / compile_cache.KEY_NAME).chmod(mode)
+    with pytest.raises(compile_cache.CompileCacheError, match="accessible to other users"):
+        compile_cache.CompileCache(cache.root).compile(MODULE, KEY, lowered_program())
+
+
+@pytest.mark.parametrize("damage", ["short", "symlink"])
+def test_damaged_key_file_is_refused(tmp_path, damage):
+    root = tmp_path / "xla"
+    root.mkdir(mode=0o700)
+    key = root / compile_cache.KEY_NAME
+    if damage == "short":
+        key.write_bytes(b"k" * (compile_cache.KEY_BYTES // 2))
+        key.chmod(0o600)
+    else:
+        (tmp_path / "elsewhere").write_bytes(b"k" * compile_cache.KEY_BYTES)
+        (tmp_path / "elsewhere").chmod(0o600)
+        key.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(compile_cache.CompileCacheError, match="key file"):
+        compile_cache.CompileCache(root).compile(MODULE, KEY, lowered_program())
+
+
+def test_a_key_linked_first_by_another_process_is_used(tmp_path, monkeypatch):
+    """Two processes creating the key at once: the one whose link fails reads the other's key."""
+    root = tmp_path / "xla"
+    root.mkdir(mode=0o700)
+    winner = b"w" * compile_cache.KEY_BYTES
+    real_link = os.link
+
+    def link_after_another_process(source, target):
+        handle = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(handle, winner)
+        os.close(handle)
+        real_link(source, target)  # now fails with FileExistsError, as it would in the race
+
+    monkeypatch.setattr(compile_cache.os, "link", link_after_another_process)
+    assert compile_cache.CompileCache(root).secret_key() == winner
+    assert sorted(path.name for path in root.iterdir()) == [compile_cache.KEY_NAME]  # no temporary left

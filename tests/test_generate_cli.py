@@ -138,6 +138,17 @@ def test_no_compile_cache(model_dir, tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "unused").exists()
 
 
+def test_cache_dir_others_can_write_exits_2(model_dir, tmp_path, capsys):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    code = generate.main(["--model", str(model_dir), "--cache-dir", str(shared), "--prompt", "a",
+                          "--max-new-tokens", "2", "--json"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and "writable by other users" in err
+    assert "Traceback" not in err and list(shared.iterdir()) == []
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--top-p", "0"], "top_p must be in (0, 1]"),
     (["--temperature", "-1"], "temperature must be >= 0"),
