@@ -17,6 +17,7 @@ import ml_dtypes
 import numpy as np
 import tqdm
 
+from eagle_jax import gguf_tokenizer
 from eagle_jax import hf_files
 
 _GLOBAL_NAMES = {
@@ -95,8 +96,7 @@ def gguf_to_hf_dir(gguf_path, out_dir, dtype="float32", progress=True):
         generation = {key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")
                       if key in config}
         _write_json(staging / "generation_config.json", generation)
-        _save_tokenizer(gguf_path, staging, _field(reader, "tokenizer.chat_template"),
-                        config["max_position_embeddings"])
+        _save_tokenizer(reader, staging, config["max_position_embeddings"])
         if out_dir.exists():
             out_dir.rmdir()
         staging.rename(out_dir)
@@ -272,22 +272,9 @@ def _special_tokens(reader):
     return tokens
 
 
-def _save_tokenizer(gguf_path, out_dir, chat_template, max_length):
-    """Saves transformers' tokenizer for the GGUF, keeping its chat template."""
-    import transformers  # Heavy import, needed only when writing a tokenizer.
-
-    tokenizer = transformers.AutoTokenizer.from_pretrained(
-        str(gguf_path.resolve().parent), gguf_file=gguf_path.name)
-    if chat_template and tokenizer.chat_template != chat_template:
-        tokenizer.chat_template = chat_template
-    tokenizer.model_max_length = max_length
-    tokenizer.save_pretrained(out_dir)
-    # transformers 5 records its own "TokenizersBackend" class, which 4.x
-    # cannot load; the generic fast class reads the same tokenizer.json in both.
-    config_path = out_dir / "tokenizer_config.json"
-    tokenizer_config = json.loads(config_path.read_text(encoding="utf-8"))
-    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    _write_json(config_path, tokenizer_config)
+def _save_tokenizer(reader, out_dir, max_length):
+    """Saves the GGUF's tokenizer and chat template as HF tokenizer files (no torch needed)."""
+    gguf_tokenizer.save_tokenizer(reader, out_dir, max_length)
 
 
 def _write_json(path, value):
