@@ -12,10 +12,12 @@ import argparse
 import collections
 import json
 import logging
+import sys
 from pathlib import Path
 
 import transformers
 
+import script_errors  # examples/ is on sys.path when run as a script
 from eagle_jax import data
 
 
@@ -90,4 +92,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(script_errors.run(main))
