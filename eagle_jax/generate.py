@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -51,6 +52,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def check_flags(args) -> None:
+    """Rejects out-of-range numeric flags before anything is loaded.
+
+    Raises:
+        engine_lib.InputError: naming the flag and the value given.
+    """
+    k = args.num_speculative_tokens
+    # Each check states what is valid, so a NaN (false in every comparison) fails it too.
+    checks = [("--num-speculative-tokens", k, k is None or k >= 0, ">= 0"),
+              ("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 1, ">= 1"),
+              ("--max-length", args.max_length, args.max_length >= 1, ">= 1"),
+              ("--batch-size", args.batch_size, args.batch_size >= 1, ">= 1"),
+              ("--temperature", args.temperature, 0 <= args.temperature < math.inf, ">= 0 and finite"),
+              ("--top-p", args.top_p, 0 < args.top_p <= 1, "in (0, 1]")]
+    for flag, value, valid, expected in checks:
+        if not valid:
+            raise engine_lib.InputError(f"{flag} must be {expected}, got {value}")
+
+
 def read_prompts(args) -> list[str]:
     prompts = list(args.prompt)
     if args.prompts_file:
@@ -85,8 +105,7 @@ def load(args):
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        if args.batch_size < 1:
-            raise engine_lib.InputError(f"--batch-size must be >= 1, got {args.batch_size}")
+        check_flags(args)
         sampling = sampling_lib.Sampling(temperature=args.temperature, top_p=args.top_p)
         prompts = read_prompts(args)
         engine, tokenizer, method = load(args)

@@ -225,6 +225,8 @@ def main(argv=None) -> int:
     parser.add_argument("--eval-k", type=int, default=5)
     parser.add_argument("--eval-max-new-tokens", type=int, default=256)
     args = parser.parse_args(argv)
+    # Read before training, so a missing MT-Bench file fails at once rather than after the run.
+    questions = data_lib.load_mtbench()[:args.eval_prompts] if args.eval_prompts else []
 
     target, tokenizer_dir = models.load_target(args.model, args.dtype)
     dataset = data_lib.load_dataset(args.data)
@@ -248,7 +250,6 @@ def main(argv=None) -> int:
         summary["draft_vocab_coverage"] = float(counts[chosen].sum() / counts.sum())
     if args.eval_prompts:
         tokenizer = tokenization.load(tokenizer_dir)
-        questions = data_lib.load_mtbench()[:args.eval_prompts]
         prompts = [np.asarray(tokenization.encode(tokenizer, q["turns"][0], chat=True)) for q in questions]
         exported = models.load_head(output / "head", target, args.dtype)
         summary["eval"] = acceptance_length(target, exported, prompts, args.eval_k, args.eval_max_new_tokens)

