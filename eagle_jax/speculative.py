@@ -37,7 +37,7 @@ class DecodeState:
     done: jax.Array  # [B] bool
     rng: jax.Array
     num_steps: jax.Array  # [B] int32 target forwards after prefill while active
-    accepted_per_position: jax.Array  # [B, max(k, 1)] int32 drafts accepted at each depth
+    accepted_per_position: jax.Array  # [B, max(k, 1)] int32 drafts accepted and emitted at each depth
     draft_cache: kv_cache_lib.KVCache | None = None
     pending_tokens: jax.Array | None = None  # [B, k+1] int32
     pending_features: jax.Array | None = None  # [B, k+1, D]
@@ -204,6 +204,9 @@ def step(target: llama.Llama, head, state: DecodeState, opts: Options) -> Decode
     padded_drafts = jnp.concatenate([draft_ids, jnp.zeros((batch, 1), jnp.int32)], axis=1)
     emitted = jnp.where(index[None] < num_accepted[:, None], padded_drafts, next_token[:, None])
     new = append_tokens(state, emitted, num_accepted + 1, opts)
+    # EOS or the budget may keep fewer tokens than the step produced: a draft counts as accepted
+    # only if it was emitted (a finished row emits nothing, so it counts nothing either).
+    num_emitted_drafts = jnp.minimum(num_accepted, new.num_generated - state.num_generated)
     keep = lambda fresh, old: jnp.where(active.reshape((-1,) + (1,) * (fresh.ndim - 1)), fresh, old)
     new = new.replace(
         cache=cache.replace(lengths=keep(committed + num_accepted + 1, committed)),
@@ -211,7 +214,7 @@ def step(target: llama.Llama, head, state: DecodeState, opts: Options) -> Decode
         rng=rng,
         num_steps=state.num_steps + active,
         accepted_per_position=state.accepted_per_position
-        + (active[:, None] & (index[None, : max(k, 1)] < num_accepted[:, None])).astype(jnp.int32),
+        + (index[None, : max(k, 1)] < num_emitted_drafts[:, None]).astype(jnp.int32),
     )
     if not k:
         return new
@@ -252,7 +255,13 @@ def run_steps(target: llama.Llama, head, state: DecodeState, num_steps: int, opt
 
 
 def stats(state: DecodeState, k: int) -> list[dict[str, Any]]:
-    """Per-row acceptance counters (host numbers) in vLLM's conventions."""
+    """Per-row acceptance counters (host numbers) in vLLM's conventions.
+
+    `num_drafts` counts the steps a row ran while active; a draft counts as accepted only if it
+    was also emitted (EOS or the budget may cut a step's accepted drafts). So a row's tokens
+    number 1 + num_drafts + num_accepted_tokens, or one fewer when its last step was cut before
+    the correction or bonus token.
+    """
     steps = jax.device_get(state.num_steps)
     per_position = jax.device_get(state.accepted_per_position)[:, :k]
     rows = []

@@ -27,7 +27,6 @@ import tqdm
 try:
     import eagle_jax  # noqa: F401
 except ModuleNotFoundError:  # run from a checkout without `pip install -e .`
-    import sys
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import script_errors  # examples/ is on sys.path when run as a script

@@ -226,3 +226,96 @@ def chat_tokenizer():
         eos_token="<|im_end|>",
         additional_special_tokens=["<|im_start|>", "<|im_end|>"],
     )
+
+
+# ---- A target whose next token is predictable, and heads that agree with it partly -------------
+
+def _get(module: nnx.Module, path: str):
+    for part in path.split("/"):
+        module = getattr(module, part)
+    return module[...]
+
+
+@pytest.fixture(scope="session")
+def aligned_target(random_target):
+    """Factory: `aligned_target(seed=14, **config overrides)` -> a random Llama whose next token is
+    close to argmax(lm_head(embed(t))): embedding rows have RMS 1, the final norm is 1 and the
+    residual branches (o_proj, down_proj) are scaled down by 10."""
+
+    def make(seed: int = 14, **overrides):
+        model = random_target(seed=seed, **overrides)
+        embeddings = np.asarray(model.embed_tokens.embedding[...])
+        _set(model, "embed_tokens/embedding", embeddings / np.sqrt(np.mean(embeddings ** 2, -1, keepdims=True)))
+        _set(model, "norm/weight", np.ones(model.config.hidden_size))
+        for index, layer in enumerate(model.layers):
+            for name in ("self_attn/o_proj/kernel", "mlp/down_proj/kernel"):
+                _set(model, f"layers/{index}/{name}", 0.1 * np.asarray(_get(layer, name)))
+        return model
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def agreeing_head(random_head):
+    """Factory: `agreeing_head(target_cfg, noise, residual=0.0, fc_bias=False, seed=0)` -> EAGLE-1 head.
+
+    fc = [I; 0] and zeroed attention and MLP outputs compute exactly lm_head(embed(t)), which an
+    `aligned_target` mostly agrees with. `noise` perturbs fc; `residual` > 0 keeps that fraction of
+    the attention and MLP outputs, so drafts depend on the draft cache too.
+    """
+
+    def make(target_cfg, noise: float, residual: float = 0.0, fc_bias: bool = False, seed: int = 0):
+        head = random_head(target_cfg, "eagle", seed=seed, fc_bias=fc_bias)
+        hidden = target_cfg.hidden_size
+        fc = np.concatenate([np.eye(hidden), np.zeros((hidden, hidden))])
+        fc = fc + noise * np.random.default_rng(seed).standard_normal(fc.shape) / np.sqrt(2 * hidden)
+        _set(head, "fc/kernel", fc)
+        for name in ("self_attn/o_proj/kernel", "mlp/down_proj/kernel"):
+            _set(head, name, residual * np.asarray(_get(head, name)))
+        return head
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def biased_eagle3_head(random_head):
+    """Factory: `biased_eagle3_head(target_cfg, frequent, draft_vocab_size, seed=0)` -> EAGLE-3 head.
+
+    The draft (nearly) always drafts draft id 0 or 1, by the sign of its normalised output's first
+    component (which depends on the features and the draft cache); d2t maps those two ids to the
+    target ids `frequent` (two of the target's most frequent outputs). Drafts are then accepted now
+    and then, and only if d2t is applied in the right direction.
+    """
+
+    def make(target_cfg, frequent, draft_vocab_size: int, seed: int = 0):
+        head = random_head(target_cfg, "eagle3", seed=seed, draft_vocab_size=draft_vocab_size,
+                           feature_layers=tuple(range(min(3, target_cfg.num_layers))))
+        norm = np.full(target_cfg.hidden_size, 0.1)
+        norm[0] = 3.0
+        _set(head, "norm/weight", norm)
+        lm_head = np.array(_get(head, "lm_head/kernel"))
+        lm_head[0, :2] = [4.0, -4.0]
+        _set(head, "lm_head/kernel", lm_head)
+        targets = np.arange(draft_vocab_size) + np.asarray(head.d2t[...])
+        rest = [t for t in targets if t not in frequent]
+        targets = np.concatenate([np.asarray(frequent), rest[:draft_vocab_size - 2]])
+        head.d2t[...] = jnp.asarray(targets - np.arange(draft_vocab_size), jnp.int32)
+        return head
+
+    return make
+
+
+def with_dtype(module: nnx.Module, dtype) -> nnx.Module:
+    """The same target or head with parameters and computation in `dtype` (integer tables kept)."""
+    if isinstance(module, llama.Llama):
+        factory = models.target_factory(module.config, dtype)
+    else:
+        factory = lambda: eagle.make_head(module.config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype)
+    params = {path: np.asarray(leaf) for path, leaf in checkpoint.flat_state(nnx.split(module)[1]).items()}
+    return checkpoint.build_model(checkpoint.abstract_model(factory), params, dtype)
+
+
+@pytest.fixture(scope="session")
+def cast_module():
+    """`cast_module(target_or_head, jnp.bfloat16)`: see `with_dtype`."""
+    return with_dtype
