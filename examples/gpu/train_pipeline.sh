@@ -9,8 +9,8 @@ set -x
 run=${1:?run directory}; method=${2:-eagle3}; steps=${3:-2600}
 r=${RESULTS:-docs/results}; mkdir -p "$run" "$r"
 export EAGLE_JAX_MTBENCH=.stage/mtbench_question.jsonl
-python3 -m eagle_jax.distill --turns .stage/turns.npz --out "$run/distill" --rounds 3 --temperatures 0,0.8,1.0 \
-  --max-prompt-tokens 384 --max-new-tokens 256 --batch-size 1024 --max-seconds "${DISTILL_SECONDS:-330}"
+python3 -m eagle_jax.distill --turns .stage/turns.npz --out "$run/distill" --rounds 3 --temperatures 0,0.8,1.0,0.7,0.9 \
+  --max-prompt-tokens 384 --max-new-tokens 256 --batch-size 1024 --max-seconds "${DISTILL_SECONDS:-420}"
 python3 -m eagle_jax.train --method "$method" --data "$run/distill" --output "$run/$method" --steps "$steps" \
   --batch-size 64 --warmup-steps 100 --max-seconds "${TRAIN_SECONDS:-480}" --eval-prompts 0
 cp "$run/$method/metrics.json" "$r/${method}_metrics.json"
