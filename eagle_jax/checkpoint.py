@@ -114,11 +114,22 @@ def map_tensors(tensors: dict[str, np.ndarray], rules: list[Rule], expected: dic
         rule_of[target] = (rule, match.groupdict())
     missing = sorted(set(expected) - set(found))
     if missing:
-        raise hf_files.CheckpointError(f"checkpoint lacks {len(missing)} tensors, first: {missing[:5]}")
+        names = [name for target in missing for name in _hf_names(target, rules)]
+        raise hf_files.CheckpointError(f"checkpoint lacks {len(names)} tensors, first: {names[:5]}")
     out = {}
     for target, parts in found.items():
         out[target] = _join_parts(target, parts, rule_of[target], rules, tuple(expected[target].shape))
     return out
+
+
+def _hf_names(target: str, rules: list[Rule]) -> list[str]:
+    """The HF key(s) that fill Flax path `target` (every part of a fused one), or the path itself."""
+    names = []
+    for rule in sorted(rules, key=lambda rule: rule.part or 0):
+        match = re.fullmatch(re.sub(r"\{(\w+)\}", r"(?P<\1>\\d+)", rule.target), target)
+        if match:
+            names.append(hf_name(rule, match.groupdict()))
+    return names or [target]
 
 
 def _join_parts(target: str, parts: dict, found_rule: tuple[Rule, dict], rules: list[Rule],

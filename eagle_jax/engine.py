@@ -181,14 +181,7 @@ class Engine:
             on_tokens: called as `on_tokens(prompt_index, new_ids)` after each device call,
                 for streaming. Smaller `steps_per_call` streams more smoothly.
         """
-        if max_new_tokens < 1:
-            raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        prompts = [as_token_ids(p, self.config.vocab_size) for p in prompts]
-        for index, prompt in enumerate(prompts):
-            needed = len(prompt) + max_new_tokens + self.k + 1
-            if needed > self.max_length:
-                raise InputError(f"prompt {index} has {len(prompt)} tokens; with {max_new_tokens} new tokens and k={self.k} "
-                                 f"it needs {needed} cache slots, more than max_length={self.max_length}")
+        prompts = self.check_prompts(prompts, max_new_tokens)
         eos = () if ignore_eos else tuple(self.config.eos_token_ids if eos_ids is None else eos_ids)
         opts = speculative.Options(k=self.k, sampling=sampling, eos_ids=eos, max_new_tokens=max_new_tokens)
         extra = max_new_tokens + self.k + 1
@@ -203,6 +196,22 @@ class Engine:
             batch_opts = dataclasses.replace(opts, cache_length=cache_length)
             results += self._generate_batch(batch, batch_rng, batch_opts, steps_per_call, emit)
         return results
+
+    def check_prompts(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[np.ndarray]:
+        """The prompts as int32 arrays, once each is checked to be in the vocabulary and to fit the cache.
+
+        Raises:
+            InputError: naming the first bad prompt or token id.
+        """
+        if max_new_tokens < 1:
+            raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        prompts = [as_token_ids(p, self.config.vocab_size) for p in prompts]
+        for index, prompt in enumerate(prompts):
+            needed = len(prompt) + max_new_tokens + self.k + 1
+            if needed > self.max_length:
+                raise InputError(f"prompt {index} has {len(prompt)} tokens; with {max_new_tokens} new tokens and k={self.k} "
+                                 f"it needs {needed} cache slots, more than max_length={self.max_length}")
+        return prompts
 
     def _generate_batch(self, prompts, rng, opts, steps_per_call, emit) -> list[Result]:
         longest = max(len(p) for p in prompts)

@@ -110,6 +110,7 @@ def main(argv=None) -> int:
         prompts = read_prompts(args)
         engine, tokenizer, method = load(args)
         token_ids = [tokenization.encode(tokenizer, text, not args.no_chat) for text in prompts]
+        engine.check_prompts(token_ids, args.max_new_tokens)  # all of them, before anything streams
         stream = not args.json and args.batch_size == 1
         streamed = {}
 

@@ -123,14 +123,14 @@ def head_config(hf_config: dict, tensor_names: set[str], target: config_lib.Llam
     layer = config_lib.LlamaConfig.from_hf_config(layer_hf)
     checks = [("hidden_size", layer.hidden_size, target.hidden_size), ("vocab_size", layer.vocab_size, target.vocab_size)]
     if is_eagle3:
-        feature_layers = tuple(hf_config.get("eagle_aux_hidden_state_layer_ids")
-                               or eagle.default_feature_layers(target.num_layers))
-        cfg = eagle.EagleConfig(method="eagle3", layer=layer, draft_vocab_size=int(hf_config["draft_vocab_size"]),
+        if hf_config.get("norm_before_residual"):
+            # vLLM's variant keeps hidden_norm(g), not g, as the residual: other math, same keys.
+            raise hf_files.CheckpointError("head sets norm_before_residual, an EAGLE-3 variant not implemented here")
+        cfg = eagle.EagleConfig(method="eagle3", layer=layer,
+                                draft_vocab_size=int(hf_config.get("draft_vocab_size") or layer.vocab_size),
                                 target_hidden_size=int(hf_config.get("target_hidden_size") or target.hidden_size),
-                                feature_layers=feature_layers)
+                                feature_layers=feature_layers(hf_config, target.num_layers))
         checks.append(("target_hidden_size", cfg.target_hidden_size, target.hidden_size))
-        if max(feature_layers) >= target.num_layers:
-            raise hf_files.CheckpointError(f"head captures target layer {max(feature_layers)}, target has {target.num_layers}")
     else:
         cfg = eagle.EagleConfig(method="eagle", layer=layer, fc_bias="fc.bias" in tensor_names or bool(hf_config.get("bias")))
         checks.append(("head_dim", layer.head_dim, target.head_dim))
@@ -138,6 +138,29 @@ def head_config(hf_config: dict, tensor_names: set[str], target: config_lib.Llam
         if head_value != target_value:
             raise hf_files.CheckpointError(f"head does not fit target: head {name}={head_value}, target {name}={target_value}")
     return cfg
+
+
+def feature_layers(hf_config: dict, num_target_layers: int) -> tuple[int, ...]:
+    """The target layers whose inputs an EAGLE-3 head reads, from its config.
+
+    Two spellings count differently: vLLM's top-level `eagle_aux_hidden_state_layer_ids` names
+    layer inputs (id j = input of layer j, as here); SGLang's and SpecForge's
+    `eagle_config.eagle_aux_hidden_state_layer_ids` names layer outputs (id i = output of layer
+    i = input of layer i + 1). Neither: vLLM's and SGLang's default, inputs of (2, L//2, L-3).
+    """
+    top = hf_config.get("eagle_aux_hidden_state_layer_ids")
+    nested = (hf_config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    from_nested = tuple(int(i) + 1 for i in nested) if nested else None
+    if top and from_nested and tuple(int(i) for i in top) != from_nested:
+        raise hf_files.CheckpointError(
+            f"head config names two sets of feature layers: eagle_aux_hidden_state_layer_ids={list(top)} (layer "
+            f"inputs) and eagle_config.eagle_aux_hidden_state_layer_ids={list(nested)} (layer outputs)")
+    layers_read = tuple(int(i) for i in top) if top else from_nested or eagle.default_feature_layers(num_target_layers)
+    outside = [index for index in layers_read if not 0 <= index < num_target_layers]
+    if outside:
+        raise hf_files.CheckpointError(f"head captures the input of target layer {outside[0]}, "
+                                       f"target has layers 0..{num_target_layers - 1}")
+    return layers_read
 
 
 def load_head(path: str | Path, target: llama.Llama, dtype: str = "float32"):
@@ -167,16 +190,38 @@ def _check_embeddings(embeddings: np.ndarray, target: llama.Llama) -> None:
 
 
 def _check_vocab_map(tensors: dict, cfg: eagle.EagleConfig, vocab_size: int) -> dict:
+    """Checks d2t (and t2d, when saved) against the vocabularies; returns the tensors with an int32 d2t."""
     if "d2t" not in tensors:
-        raise hf_files.CheckpointError("EAGLE-3 head lacks its d2t tensor")
-    d2t = np.asarray(tensors["d2t"]).astype(np.int64)
+        if cfg.draft_vocab_size != vocab_size:
+            raise hf_files.CheckpointError(
+                f"EAGLE-3 head lacks its d2t tensor (draft_vocab_size={cfg.draft_vocab_size}, vocab_size={vocab_size})")
+        # SafeAILab drops d2t and t2d when the draft vocabulary is the whole one: the identity map.
+        tensors = dict(tensors, d2t=np.zeros((vocab_size,), np.int64))
+    d2t = np.asarray(tensors["d2t"])
+    if not np.issubdtype(d2t.dtype, np.integer):
+        raise hf_files.CheckpointError(f"head d2t has dtype {d2t.dtype}, expected integer offsets")
+    d2t = d2t.astype(np.int64)
     if d2t.shape != (cfg.draft_vocab_size,):
         raise hf_files.CheckpointError(f"head d2t has shape {d2t.shape}, head draft_vocab_size={cfg.draft_vocab_size}")
     mapped = np.arange(len(d2t)) + d2t
-    if mapped.min() < 0 or mapped.max() >= vocab_size:
-        raise hf_files.CheckpointError(f"head d2t maps to target id {mapped.max()}, target vocab_size={vocab_size}")
-    if "t2d" in tensors and np.asarray(tensors["t2d"]).shape != (vocab_size,):
-        raise hf_files.CheckpointError(f"head t2d has length {np.asarray(tensors['t2d']).shape[0]}, target vocab_size={vocab_size}")
+    outside = np.flatnonzero((mapped < 0) | (mapped >= vocab_size))
+    if outside.size:
+        draft_id = int(outside[0])
+        raise hf_files.CheckpointError(f"head d2t maps draft id {draft_id} to target id {int(mapped[draft_id])}, "
+                                       f"outside the target vocabulary [0, {vocab_size})")
+    if len(np.unique(mapped)) != len(mapped):
+        raise hf_files.CheckpointError("head d2t maps two draft ids to the same target id")
+    if "t2d" in tensors:
+        t2d = np.asarray(tensors["t2d"])
+        if t2d.shape != (vocab_size,):
+            raise hf_files.CheckpointError(f"head t2d has shape {t2d.shape}, target vocab_size={vocab_size}")
+        expected = np.zeros((vocab_size,), bool)
+        expected[mapped] = True
+        wrong = np.flatnonzero(t2d.astype(bool) != expected)
+        if wrong.size:
+            raise hf_files.CheckpointError(
+                f"head t2d disagrees with d2t: t2d[{int(wrong[0])}]={bool(t2d[wrong[0]])}, but d2t "
+                f"{'maps a draft id to' if expected[wrong[0]] else 'maps no draft id to'} target id {int(wrong[0])}")
     return dict(tensors, d2t=d2t.astype(np.int32))
 
 
@@ -184,7 +229,9 @@ def export_head(head, target_config: config_lib.LlamaConfig, out_dir: str | Path
     """Writes a head in its public HF layout (config.json + model.safetensors), the inverse of `load_head`.
 
     The key names and config fields follow yuhuili/EAGLE-LLaMA3.1-Instruct-8B (EAGLE-1) and
-    yuhuili/EAGLE3-LLaMA3.1-Instruct-8B (EAGLE-3), so vLLM and SGLang load the result too.
+    yuhuili/EAGLE3-LLaMA3.1-Instruct-8B (EAGLE-3), so vLLM and SGLang load the result too. One
+    difference: EAGLE-1 files there also hold a frozen copy of the target's `embed_tokens.weight`;
+    it is not written here, as the head uses the target's (and those loaders take it when absent).
     """
     cfg = head.config
     params = checkpoint.flat_state(nnx.state(head))

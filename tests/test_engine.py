@@ -50,6 +50,21 @@ def test_bad_token_ids(engine, ids, message):
         engine.generate([ids], max_new_tokens=MAX_NEW)
 
 
+@pytest.mark.parametrize("ids, bad", [
+    (np.array([3, 2**31 + 3], np.int64), 2**31 + 3),  # int32 would read -2147483645
+    (np.array([2**32 + 3, 4], np.int64), 2**32 + 3),  # int32 would read 3: a valid, wrong token
+    ([5, 2**40 + 7], 2**40 + 7),  # a Python list becomes int64 too
+    (np.array([2**63 + 5], np.uint64), 2**63 + 5),  # int32 would read 5
+    (np.array([2**31], np.uint32), 2**31),
+])
+def test_ids_that_int32_would_wrap_are_refused(engine, ids, bad):
+    """The int64 -> int32 wrap (vLLM's gibberish bug): such ids are refused with their true value, never cast."""
+    with pytest.raises(engine_lib.InputError, match=f"token id {bad} is outside the vocabulary"):
+        engine.generate([ids], max_new_tokens=MAX_NEW)
+    with pytest.raises(engine_lib.InputError, match=f"token id {bad} is outside"):
+        engine_lib.as_token_ids(ids, 101)
+
+
 def test_prompt_too_long_for_max_length(engine):
     with pytest.raises(engine_lib.InputError, match=r"prompt 1 has 60 tokens.*more than max_length=64"):
         engine.generate([prompt(3), prompt(60)], max_new_tokens=MAX_NEW)

@@ -185,3 +185,43 @@ def test_bad_numeric_flag_exits_2_before_loading(tmp_path, capsys, argv, message
     out, err = capsys.readouterr()
     assert code == 2
     assert err == f"error: {message}\n" and out == ""
+
+
+def test_prompt_longer_than_the_cache_exits_2(model_dir, tmp_path, capsys):
+    long_prompt = " ".join(WORDS * 3)
+    code = generate.main(["--model", str(model_dir), "--no-compile-cache", "--max-length", "16",
+                          "--prompt", long_prompt, "--max-new-tokens", "4"])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert err.startswith("error: prompt 0 has ") and "more than max_length=16" in err and "Traceback" not in err
+
+
+def test_token_ids_outside_the_model_vocabulary_exit_2(model_dir, tmp_path, capsys):
+    """A tokenizer larger than the model's vocabulary yields ids the model has no row for."""
+    import shutil
+
+    bigger = tmp_path / "model"
+    shutil.copytree(model_dir, bigger)
+    tokenizer = save_tokenizer(bigger, 110)
+    bad_id = tokenizer.convert_tokens_to_ids("w90")
+    assert bad_id >= 101
+    code = generate.main(["--model", str(bigger), "--no-compile-cache", "--no-chat", "--prompt", "the sea w90"])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert err == f"error: token id {bad_id} is outside the vocabulary [0, 101)\n"
+
+
+@pytest.mark.parametrize("other, message", [
+    (dict(hidden_size=48, head_dim=12), "head does not fit target: head hidden_size=48, target hidden_size=32"),
+    (dict(vocab_size=120), "head does not fit target: head vocab_size=120, target vocab_size=101"),
+])
+def test_head_for_another_target_exits_2(model_dir, random_target, tmp_path, capsys, other, message):
+    # A well-formed EAGLE-1 head in its published layout, made for a target of another shape.
+    from test_public_layouts import eagle1_checkpoint, write_checkpoint
+
+    head_dir = write_checkpoint(tmp_path / "head", *eagle1_checkpoint(random_target(seed=3, **other)))
+    code = generate.main(["--model", str(model_dir), "--no-compile-cache", "--draft", str(head_dir),
+                          "--num-speculative-tokens", "2", "--prompt", "the sea"])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert err == f"error: {message}\n"

@@ -51,12 +51,12 @@ def llama_cpp_rope_factors(head_dim, base, factor, low, high, old_context):
     return np.array(factors, dtype=np.float32)
 
 
-def hf_reference():
+def hf_reference(ffn=FFN):
     """Random HF-layout tensors and their GGUF name and type."""
     rng = np.random.default_rng(0)
     shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * HEAD_DIM, HIDDEN),
               "attn_v": (KV_HEADS * HEAD_DIM, HIDDEN), "attn_output": (HIDDEN, HIDDEN),
-              "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN), "ffn_down": (HIDDEN, FFN),
+              "ffn_gate": (ffn, HIDDEN), "ffn_up": (ffn, HIDDEN), "ffn_down": (HIDDEN, ffn),
               "attn_norm": (HIDDEN,), "ffn_norm": (HIDDEN,)}
     reference = {"model.embed_tokens.weight": ("token_embd.weight", (VOCAB, HIDDEN)),
                  "model.norm.weight": ("output_norm.weight", (HIDDEN,)),
@@ -67,13 +67,16 @@ def hf_reference():
     return {hf: (name, rng.standard_normal(shape).astype(np.float32)) for hf, (name, shape) in reference.items()}
 
 
-def write_gguf(path, reference, architecture="llama", extra=None, tokenizer=False):
-    """Writes `reference` as llama.cpp would: permuted q/k rows, quantized."""
+def write_gguf(path, reference, architecture="llama", extra=None, tokenizer=False, ffn=FFN, encoded=None):
+    """Writes `reference` as llama.cpp would: permuted q/k rows, quantized.
+
+    `encoded` maps GGUF tensor names to (raw blocks, type) written instead of quantizing the reference.
+    """
     writer = gguf.GGUFWriter(str(path), architecture)
     writer.add_block_count(LAYERS)
     writer.add_context_length(256)
     writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(FFN)
+    writer.add_feed_forward_length(ffn)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
     writer.add_rope_freq_base(500000.0)
@@ -90,6 +93,10 @@ def write_gguf(path, reference, architecture="llama", extra=None, tokenizer=Fals
         writer.add_token_merges(["h e"])
         writer.add_chat_template(CHAT_TEMPLATE)
     for name, weight in reference.values():
+        if name in (encoded or {}):
+            blocks, kind = encoded[name]
+            writer.add_tensor(name, blocks, raw_dtype=kind)
+            continue
         short = name.split(".")[-2]
         if short == "attn_q":
             weight = llama_cpp_permute(weight, HEADS)
@@ -123,6 +130,143 @@ def test_read_gguf_recovers_hf_tensors_and_config(tmp_path):
         "rope_scaling": None, "attention_bias": False, "mlp_bias": False,
         "tie_word_embeddings": False, "vocab_size": VOCAB, "bos_token_id": 1, "eos_token_id": 2,
     }
+
+
+# ---- K-quants, which gguf.quants can read but not write: blocks built here from llama.cpp's spec ----
+# ggml-common.h / ggml-quants.c (quantize_row_q4_K_ref, quantize_row_q6_K_ref, dequantize_row_q*_K):
+#   block_q4_K (144 bytes per 256 values): f16 d, f16 dmin, 12 bytes of 6-bit scales and mins for the
+#     eight 32-value sub-blocks (get_scale_min_k4), 128 bytes of 4-bit quants; y = d*sc*q - dmin*m.
+#   block_q6_K (210 bytes per 256 values): 128 bytes low 4 bits, 64 bytes high 2 bits, 16 int8 scales
+#     (one per 16 values), f16 d; y = d*sc*(q - 32).
+QK_K = 256
+
+
+def _f16(value):
+    return np.float32(np.float16(value))
+
+
+def encode_q4_k(weights):
+    """[rows, n*256] float32 -> [rows, n*144] uint8 Q4_K blocks (a plain min/max quantizer)."""
+    out = []
+    for block in weights.reshape(-1, QK_K):
+        subs = block.reshape(8, 32)
+        mins = np.minimum(subs.min(1), 0.0)  # stored as the positive dmin*m, as llama.cpp does
+        scales = (subs.max(1) - mins) / 15
+        d, dmin = _f16(scales.max() / 63), _f16(-mins.min() / 63)
+        sc = np.clip(np.rint(scales / d), 0, 63).astype(np.uint8)
+        m = np.clip(np.rint(-mins / dmin), 0, 63).astype(np.uint8) if dmin > 0 else np.zeros(8, np.uint8)
+        packed = np.zeros(12, np.uint8)
+        for j in range(8):
+            if j < 4:
+                packed[j], packed[j + 4] = sc[j], m[j]
+            else:
+                packed[j + 4] = (sc[j] & 0xF) | ((m[j] & 0xF) << 4)
+                packed[j - 4] |= (sc[j] >> 4) << 6
+                packed[j] |= (m[j] >> 4) << 6
+        levels = np.zeros((8, 32), np.uint8)
+        for j in range(8):
+            step = d * np.float32(sc[j])
+            if step:
+                levels[j] = np.clip(np.rint((subs[j] + dmin * np.float32(m[j])) / step), 0, 15)
+        levels = levels.reshape(-1)
+        quants = np.concatenate([levels[j:j + 32] | (levels[j + 32:j + 64] << 4) for j in range(0, QK_K, 64)])
+        out.append(np.concatenate([np.float16([d, dmin]).view(np.uint8), packed, quants.astype(np.uint8)]))
+    return np.stack(out).reshape(weights.shape[0], -1)
+
+
+def decode_q4_k(blocks):
+    """dequantize_row_q4_K, loop for loop."""
+    values = []
+    for block in blocks.reshape(-1, 144):
+        d, dmin = block[:4].view(np.float16).astype(np.float32)
+        scales, quants = block[4:16], block[16:]
+        for j in range(8):
+            if j < 4:
+                sc, m = scales[j] & 63, scales[j + 4] & 63
+            else:
+                sc = (scales[j + 4] & 0xF) | ((scales[j - 4] >> 6) << 4)
+                m = (scales[j + 4] >> 4) | ((scales[j] >> 6) << 4)
+            q = quants[32 * (j // 2):32 * (j // 2) + 32]
+            q = q & 0xF if j % 2 == 0 else q >> 4
+            values.append(d * np.float32(sc) * q.astype(np.float32) - dmin * np.float32(m))
+    return np.concatenate(values).reshape(blocks.shape[0], -1)
+
+
+def encode_q6_k(weights):
+    """[rows, n*256] float32 -> [rows, n*210] uint8 Q6_K blocks (a negative d, as llama.cpp writes)."""
+    out = []
+    for block in weights.reshape(-1, QK_K):
+        subs = block.reshape(16, 16)
+        scales = np.abs(subs).max(1) / 31
+        d = _f16(-scales.max() / 128)
+        sc = np.clip(np.rint(scales / d), -128, 127).astype(np.int8)
+        levels = np.full((16, 16), 32, np.uint8)
+        for j in range(16):
+            step = d * np.float32(sc[j])
+            if step:
+                levels[j] = np.clip(np.rint(subs[j] / step), -32, 31) + 32
+        levels = levels.reshape(-1)
+        low, high = np.zeros(128, np.uint8), np.zeros(64, np.uint8)
+        for half in range(2):
+            n, part = 128 * half, levels[128 * half:128 * half + 128]
+            for l in range(32):
+                low[64 * half + l] = (part[l] & 0xF) | ((part[l + 64] & 0xF) << 4)
+                low[64 * half + l + 32] = (part[l + 32] & 0xF) | ((part[l + 96] & 0xF) << 4)
+                high[32 * half + l] = ((part[l] >> 4) | ((part[l + 32] >> 4) << 2) | ((part[l + 64] >> 4) << 4)
+                                       | ((part[l + 96] >> 4) << 6))
+        out.append(np.concatenate([low, high, sc.view(np.uint8), np.float16([d]).view(np.uint8)]))
+    return np.stack(out).reshape(weights.shape[0], -1)
+
+
+def decode_q6_k(blocks):
+    """dequantize_row_q6_K, loop for loop."""
+    values = []
+    for block in blocks.reshape(-1, 210):
+        low, high, sc = block[:128], block[128:192], block[192:208].view(np.int8)
+        d = block[208:].view(np.float16).astype(np.float32)[0]
+        y = np.zeros(QK_K, np.float32)
+        for half in range(2):
+            ql, qh, scale = low[64 * half:], high[32 * half:], sc[8 * half:]
+            for l in range(32):
+                s = l // 16
+                q1 = int((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32
+                q2 = int((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32
+                q3 = int((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32
+                q4 = int((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32
+                for offset, q, index in ((0, q1, s), (32, q2, s + 2), (64, q3, s + 4), (96, q4, s + 6)):
+                    y[128 * half + l + offset] = d * np.float32(scale[index]) * np.float32(q)
+        values.append(y)
+    return np.concatenate(values).reshape(blocks.shape[0], -1)
+
+
+@pytest.mark.parametrize("kind, encode, decode, tolerance", [
+    (Q.Q4_K, encode_q4_k, decode_q4_k, 0.1),  # 4 bits over each sub-block's range, 6-bit scales
+    (Q.Q6_K, encode_q6_k, decode_q6_k, 0.03),  # 6 bits, 8-bit scales
+])
+def test_k_quants_dequantize_as_llama_cpp_does(tmp_path, kind, encode, decode, tolerance):
+    # K-quant blocks span 256 values of a row: ffn_down rows (FFN wide) become two blocks each.
+    ffn = 2 * QK_K
+    reference = hf_reference(ffn=ffn)
+    encoded, expected = {}, {}
+    for layer in range(LAYERS):
+        hf_name = f"model.layers.{layer}.mlp.down_proj.weight"
+        name, weight = reference[hf_name]
+        weight = weight * np.linspace(0.1, 3.0, weight.shape[1], dtype=np.float32)  # sub-blocks of many scales
+        reference[hf_name] = (name, weight)
+        blocks = encode(weight)
+        assert blocks.nbytes == weight.size // QK_K * gguf.GGML_QUANT_SIZES[kind][1]
+        encoded[name], expected[hf_name] = (blocks, kind), decode(blocks)
+        # The encoding is meaningful: the spec's decoding is close to the weights.
+        assert np.abs(expected[hf_name] - weight).max() <= tolerance * np.abs(weight).max()
+    if kind == Q.Q4_K:  # the packed high bits of 6-bit scales and mins are exercised
+        scales = encoded["blk.0.ffn_down.weight"][0].reshape(-1, 144)[:, 4:16]
+        assert (scales[:, :8] >> 6).any()
+    path = write_gguf(tmp_path / "k.gguf", reference, ffn=ffn, encoded=encoded)
+    config, tensors = gguf_file.read_gguf(path, progress=False)
+    assert config["intermediate_size"] == ffn
+    for hf_name, values in expected.items():
+        assert tensors[hf_name].shape == values.shape
+        np.testing.assert_allclose(tensors[hf_name], values, rtol=1e-6, atol=1e-7)
 
 
 def test_missing_output_means_tied_embeddings(tmp_path):

@@ -152,7 +152,7 @@ def _no_head_tensors(tensors, config):
 
 @pytest.mark.parametrize("edit, message", [
     (_d2t_too_long, rf"head d2t has shape \({DRAFT_VOCAB + 1},\), head draft_vocab_size={DRAFT_VOCAB}"),
-    (_d2t_outside_vocab, "head d2t maps to target id 101, target vocab_size=101"),
+    (_d2t_outside_vocab, r"head d2t maps draft id 39 to target id 101, outside the target vocabulary \[0, 101\)"),
     (_unknown_key, "unexpected tensor 'midlayer.extra.weight'"),
     (_missing_key, r"checkpoint lacks tensor 'midlayer.mlp.up_proj.weight' \(part 2 of 'midlayer/mlp/gate_up_proj/kernel'\)"),
     (_wrong_shape, "tensor 'fc.weight' has shape"),

@@ -53,6 +53,28 @@ def test_checkpoint_resume_round_trip(target_and_data, tmp_path):
     assert continued.step == 8 and [row["step"] for row in log] == [8]  # no step-1 row: it resumed
 
 
+@pytest.mark.parametrize("method, unroll", [("eagle", 1), ("eagle3", 2)])
+def test_resumed_training_continues_identically(target_and_data, tmp_path, method, unroll):
+    """6 steps straight == 3 steps, checkpoint, a fresh Trainer restoring it, 3 more: params and optimizer state."""
+    target, dataset, _ = target_and_data
+    cfg = train.TrainConfig(method=method, steps=6, batch_size=4, warmup_steps=2, checkpoint_every=3,
+                            draft_vocab_size=40, objective=train_objective.Objective(num_steps=unroll))
+    straight, straight_log = train.train(target, dataset, cfg, tmp_path, progress=False)
+    manager = straight.checkpoint_manager(tmp_path / "checkpoints")
+    assert manager.all_steps() == [3, 6]
+    manager.delete(6)  # as if the run had stopped after step 3
+    manager.close()
+    resumed, resumed_log = train.train(target, dataset, cfg, tmp_path, progress=False)  # a new Trainer, new head
+    # It restored step 3 (a fresh start would log step 1 too) and trained steps 4..6.
+    assert resumed.step == 6 and [row["step"] for row in resumed_log] == [6]
+    assert resumed_log[0]["loss"] == pytest.approx(straight_log[-1]["loss"], rel=1e-6)
+    for name in ("params", "opt_state"):
+        expected, actual = jax_leaves(getattr(straight, name)), jax_leaves(getattr(resumed, name))
+        assert len(expected) == len(actual) > 0
+        for want, got in zip(expected, actual):
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7, err_msg=name)
+
+
 def jax_leaves(tree):
     import jax
 
