@@ -6,8 +6,6 @@ our reader, name table, permutation undo and model together. Enable with EAGLE_J
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 
@@ -15,8 +13,7 @@ from eagle_jax import default_model
 from eagle_jax import engine
 from eagle_jax import models
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(os.environ.get("EAGLE_JAX_SLOW") != "1", reason="set EAGLE_JAX_SLOW=1")]
+pytestmark = pytest.mark.slow  # skipped unless EAGLE_JAX_SLOW=1 (conftest.py)
 
 
 def test_default_model_matches_hf_transformers_on_the_same_gguf():

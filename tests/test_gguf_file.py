@@ -347,13 +347,18 @@ def test_cache_root_and_override(tmp_path, monkeypatch):
     path = write_gguf(tmp_path / "m.gguf", hf_reference(), tokenizer=True)
     monkeypatch.setenv("EAGLE_JAX_DEFAULT_GGUF", str(path))
     assert default_model.default_gguf_path() == path
+    conversions = []
+    convert = gguf_file.gguf_to_hf_dir
+    monkeypatch.setattr(gguf_file, "gguf_to_hf_dir", lambda *a, **kw: conversions.append(a) or convert(*a, **kw))
     out_dir = default_model.default_model_dir()
-    assert out_dir.parent == tmp_path / "cache" / "models"
-    assert default_model.default_model_dir() == out_dir  # reused, not converted again
+    assert out_dir.parent == tmp_path / "cache" / "models" and len(conversions) == 1
+    written = {name: (out_dir / name).stat().st_mtime_ns for name in os.listdir(out_dir)}
+    assert default_model.default_model_dir() == out_dir
+    assert len(conversions) == 1  # reused, not converted again
+    assert {name: (out_dir / name).stat().st_mtime_ns for name in os.listdir(out_dir)} == written
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("EAGLE_JAX_SLOW") != "1", reason="set EAGLE_JAX_SLOW=1")
 def test_default_model_converts():
     import transformers
 

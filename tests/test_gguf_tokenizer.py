@@ -1,7 +1,6 @@
 """Tests for eagle_jax.gguf_tokenizer: tiny hand-written GGUFs, and the default model against transformers."""
 
 import json
-import os
 import sys
 
 import gguf
@@ -141,7 +140,6 @@ KNOWN_IDS = {"Hello, we can use": [19556, 28, 392, 416, 722],
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("EAGLE_JAX_SLOW") != "1", reason="set EAGLE_JAX_SLOW=1")
 def test_default_model_tokenizer_matches_transformers(tmp_path):
     """Ours against transformers' GGUF tokenizer on the same file (transformers needs torch to read it).
 
