@@ -356,3 +356,53 @@ def with_dtype(module: nnx.Module, dtype) -> nnx.Module:
 def cast_module():
     """`cast_module(target_or_head, jnp.bfloat16)`: see `with_dtype`."""
     return with_dtype
+
+
+# ---- Goodness of fit for the sampling tests ------------------------------------------------------
+
+def chi_square_p_value(observed, probabilities, min_expected: float = 5.0) -> float:
+    """Pearson's chi-square test of token counts against exact probabilities; returns the p-value.
+
+    Each row of `observed` [G, C] (or a single row [C]) is one multinomial sample with its own
+    probabilities [G, C]; the statistic is summed over rows (independent given the row totals).
+    A count where the probability is exactly 0 fails at once: no sample size excuses it. Cells
+    expected fewer than `min_expected` times are pooled, per row, so the chi-square
+    approximation holds; jax's chi2.sf saves a scipy dependency.
+    """
+    import jax.scipy.stats
+
+    observed = np.atleast_2d(np.asarray(observed, np.float64))
+    probabilities = np.atleast_2d(np.asarray(probabilities, np.float64))
+    assert observed.shape == probabilities.shape, (observed.shape, probabilities.shape)
+    impossible = probabilities <= 0
+    assert not observed[impossible].any(), f"{int(observed[impossible].sum())} samples where the probability is 0"
+    statistic, dof = 0.0, 0
+    for counts, probs, zero in zip(observed, probabilities, impossible):
+        if counts.sum() == 0:
+            continue
+        expected = probs / probs.sum() * counts.sum()
+        small = ~zero & (expected < min_expected)
+        big = ~zero & ~small
+        cells_observed = list(counts[big])
+        cells_expected = list(expected[big])
+        if small.any():
+            cells_observed.append(counts[small].sum())
+            cells_expected.append(expected[small].sum())
+            if cells_expected[-1] < min_expected and len(cells_expected) > 1:
+                # Still too small: merge the pool into the smallest other cell.
+                smallest = int(np.argmin(cells_expected[:-1]))
+                cells_observed[smallest] += cells_observed.pop()
+                cells_expected[smallest] += cells_expected.pop()
+        cells_observed, cells_expected = np.asarray(cells_observed), np.asarray(cells_expected)
+        statistic += float(np.sum((cells_observed - cells_expected) ** 2 / cells_expected))
+        dof += len(cells_expected) - 1
+    if dof == 0:
+        return 1.0
+    return float(jax.scipy.stats.chi2.sf(statistic, dof))
+
+
+@pytest.fixture(scope="session")
+def chi_square():
+    """`chi_square(observed counts [G, C] or [C], probabilities of the same shape)` -> p-value: see
+    `chi_square_p_value`."""
+    return chi_square_p_value
