@@ -5,6 +5,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -125,3 +126,18 @@ def test_step_trace_part_on_cpu(method, random_target, random_head, tmp_path):
     assert 0 < len(row["top_kernels"]) <= 10 and row["top_kernels"][0]["us_per_step"] > 0
     assert Path(row["trace_file"]).is_file()
     json.dumps(row)  # a JSON row
+
+
+def test_train_step_profile_on_cpu(random_target):
+    import profile_train  # noqa: E402 (examples/ is on sys.path above)
+    from eagle_jax import train, train_objective
+
+    target = random_target(seed=2, vocab_size=61, num_layers=4)  # EAGLE-3 reads layers (2, 2, 1)
+    cfg = train.TrainConfig(method="eagle3", batch_size=2, draft_vocab_size=40,
+                            objective=train_objective.Objective(num_steps=2))
+    head = train.new_head(target.config, cfg, np.ones((61,), np.int64))
+    row = profile_train.profile(train.Trainer(target, head, cfg), 61, batch_size=2, length=16, timed_steps=1,
+                                traced_steps=2)
+    assert row["step_ms"] > 0 and row["trained_tokens_per_second"] > 0
+    assert row["trace_device"] == "cpu" and row["kernels_per_step"] > 10 and row["busy_us_per_step"] > 0
+    assert any("dot" in kind["name"] or "fusion" in kind["name"] for kind in row["top_kinds"])
