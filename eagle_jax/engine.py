@@ -8,6 +8,7 @@ int32 arrays of fixed shapes, and turns the final state into per-prompt results.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Callable, Sequence
 
@@ -19,6 +20,7 @@ from flax import nnx
 from eagle_jax import compile_cache as compile_cache_lib
 from eagle_jax import llama
 from eagle_jax import sampling as sampling_lib
+from eagle_jax import scheduler as scheduler_lib
 from eagle_jax import speculative
 
 MIN_BUCKET = 16
@@ -56,7 +58,7 @@ class Result:
     """One prompt's generation."""
 
     token_ids: list[int]
-    seconds: float  # wall time of its batch, excluding load and compilation
+    seconds: float  # wall time of its batch (continuous: from its prefill to its harvest), excluding compilation
     compile_seconds: float
     stats: dict
 
@@ -119,11 +121,15 @@ class Engine:
             (max_length) for every batch: two programs in all instead of one per bucket.
         steps_per_check: steps between the device loop's "all rows done" tests
             (`speculative.run_steps`); 1 tests after every step.
+        scheduler: "static" runs batches of `batch_size` prompts until each batch's longest row
+            ends; "continuous" keeps `batch_size` decode slots and refills a slot as soon as its
+            row finishes (`scheduler`), with one prefill width (max_length // 2) and one cache
+            length (max_length), so nothing recompiles across prompts or budgets.
     """
 
     def __init__(self, target: llama.Llama, head=None, *, num_speculative_tokens: int = 0, max_length: int = 2048,
                  batch_size: int = 1, eager: bool = False, cache_dir=None, fixed_shapes: bool = False,
-                 steps_per_check: int = 1):
+                 steps_per_check: int = 1, scheduler: str = "static"):
         if num_speculative_tokens < 0:
             raise InputError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
         if num_speculative_tokens and head is None:
@@ -137,6 +143,9 @@ class Engine:
         if steps_per_check < 1:
             raise InputError(f"steps_per_check must be >= 1, got {steps_per_check}")
         self.steps_per_check = steps_per_check
+        if scheduler not in ("static", "continuous"):
+            raise InputError(f"scheduler must be 'static' or 'continuous', got {scheduler!r}")
+        self.scheduler = scheduler
         self._target_def, self.target_params = nnx.split(target)
         self._head_def, self.head_params = nnx.split(head) if head is not None else (None, None)
         self.head_config = head.config if head is not None else None
@@ -149,9 +158,11 @@ class Engine:
         """XLA compilations this engine ran (persistent-cache hits excluded)."""
         return self.compile_cache.misses
 
-    def module_name(self, program: str, opts: speculative.Options) -> str:
+    def module_name(self, program: str, opts: speculative.Options | None) -> str:
+        if opts is None:
+            return program
         method = self.head_config.method if self.head_config is not None and opts.k else "plain"
-        if program == "start":
+        if program in ("start", "prefill-row"):
             return f"prefill-{method}"
         return f"speculative-{method}-k{opts.k}" if opts.k else "decode"
 
@@ -164,6 +175,10 @@ class Engine:
     def _start(self, target_params, head_params, tokens, lengths, rng, opts):
         target, head = self._modules(target_params, head_params)
         return speculative.start(target, head, tokens, lengths, rng, opts)
+
+    def _start_rows(self, target_params, head_params, tokens, lengths, budgets, rng, opts):
+        target, head = self._modules(target_params, head_params)
+        return speculative.start(target, head, tokens, lengths, rng, opts, budgets)
 
     def _run(self, target_params, head_params, state, num_steps, opts):
         target, head = self._modules(target_params, head_params)
@@ -187,23 +202,28 @@ class Engine:
                                 self.steps_per_check))
             jitted = jax.jit(function, static_argnames=tuple(static), donate_argnames=donate)
             lowered = jitted.lower(*args, **static)
-            module = self.module_name(name, static["opts"])
+            module = self.module_name(name, static.get("opts"))
             self._compiled[key], seconds = self.compile_cache.compile(module, description, lowered)
             self.compile_seconds += seconds
         return self._compiled[key]
 
-    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 128,
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequence[int] = 128,
                  sampling: sampling_lib.Sampling = sampling_lib.Sampling(), seed: int = 0, ignore_eos: bool = False,
                  eos_ids: Sequence[int] | None = None, steps_per_call: int = 64,
                  on_tokens: Callable[[int, list[int]], None] | None = None) -> list[Result]:
         """Generates for each prompt (lists or arrays of token ids, any integer dtype).
 
         Args:
+            max_new_tokens: one budget for all prompts, or (continuous scheduler only) one per prompt.
             on_tokens: called as `on_tokens(prompt_index, new_ids)` after each device call,
                 for streaming. Smaller `steps_per_call` streams more smoothly.
         """
-        prompts = self.check_prompts(prompts, max_new_tokens)
         eos = () if ignore_eos else tuple(self.config.eos_token_ids if eos_ids is None else eos_ids)
+        if self.scheduler == "continuous":
+            return self._generate_continuous(prompts, max_new_tokens, sampling, seed, eos, steps_per_call, on_tokens)
+        if not isinstance(max_new_tokens, (int, np.integer)):
+            raise InputError("per-prompt max_new_tokens needs scheduler='continuous'")
+        prompts = self.check_prompts(prompts, max_new_tokens)
         opts = speculative.Options(k=self.k, sampling=sampling, eos_ids=eos, max_new_tokens=max_new_tokens)
         extra = max_new_tokens + self.k + 1
         results: list[Result] = []
@@ -218,21 +238,81 @@ class Engine:
             results += self._generate_batch(batch, batch_rng, batch_opts, steps_per_call, emit)
         return results
 
-    def check_prompts(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[np.ndarray]:
+    def check_prompts(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int]) -> list[np.ndarray]:
         """The prompts as int32 arrays, once each is checked to be in the vocabulary and to fit the cache.
+
+        Args:
+            max_new_tokens: one budget, or one per prompt.
 
         Raises:
             InputError: naming the first bad prompt or token id.
         """
-        if max_new_tokens < 1:
-            raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        budgets = self._budgets(max_new_tokens, len(prompts))
         prompts = [as_token_ids(p, self.config.vocab_size) for p in prompts]
-        for index, prompt in enumerate(prompts):
+        for index, (prompt, max_new_tokens) in enumerate(zip(prompts, budgets)):
             needed = len(prompt) + max_new_tokens + self.k + 1
             if needed > self.max_length:
                 raise InputError(f"prompt {index} has {len(prompt)} tokens; with {max_new_tokens} new tokens and k={self.k} "
                                  f"it needs {needed} cache slots, more than max_length={self.max_length}")
         return prompts
+
+    @staticmethod
+    def _budgets(max_new_tokens: int | Sequence[int], num_prompts: int) -> list[int]:
+        if isinstance(max_new_tokens, (int, np.integer)):
+            budgets = [int(max_new_tokens)] * num_prompts
+        else:
+            budgets = [int(b) for b in max_new_tokens]
+            if len(budgets) != num_prompts:
+                raise InputError(f"{len(budgets)} max_new_tokens values for {num_prompts} prompts")
+        for budget in budgets:
+            if budget < 1:
+                raise InputError(f"max_new_tokens must be >= 1, got {budget}")
+        return budgets
+
+    def _generate_continuous(self, prompts, max_new_tokens, sampling, seed, eos, steps_per_call,
+                             on_tokens) -> list[Result]:
+        budgets = self._budgets(max_new_tokens, len(prompts))
+        prompts = self.check_prompts(prompts, budgets)
+        compile_before = self.compile_seconds
+        programs = self.slot_programs(sampling, eos, steps_per_call)
+        width = programs.width
+        for index, prompt in enumerate(prompts):
+            if len(prompt) > width:
+                raise InputError(f"prompt {index} has {len(prompt)} tokens; the continuous scheduler takes up to "
+                                 f"max_length // 2 = {width}")
+        finished = scheduler_lib.generate(programs, prompts, budgets, jax.random.key(seed), self.k, on_tokens)
+        compile_seconds = self.compile_seconds - compile_before
+        return [Result(token_ids=f.token_ids, seconds=f.seconds, compile_seconds=compile_seconds, stats=f.stats)
+                for f in finished]
+
+    def slot_programs(self, sampling: sampling_lib.Sampling, eos_ids: tuple[int, ...],
+                      steps_per_call: int) -> scheduler_lib.SlotPrograms:
+        """Compiles (once per engine and settings) the continuous scheduler's prefill, insert and run.
+
+        Shapes depend on the engine alone: prefill width max_length // 2, cache length max_length,
+        an output buffer for the largest budget any prompt could have; budgets are per row.
+        """
+        width = self.max_length // 2
+        opts = speculative.Options(k=self.k, sampling=sampling, eos_ids=eos_ids,
+                                   max_new_tokens=self.max_length - self.k - 2, cache_length=self.max_length)
+        compile_before = self.compile_seconds
+        params = (self.target_params, self.head_params)
+        args = params + (np.zeros((1, width), np.int32), np.ones((1,), np.int32), np.ones((1,), np.int32),
+                         jax.random.key(0))
+        prefill = self._program("prefill-row", self._start_rows, args, dict(opts=opts), width)
+        if self.eager:
+            row_shape = jax.eval_shape(functools.partial(self._start_rows, opts=opts), *args)
+        else:
+            row_shape = prefill.out_info
+        empty = lambda rng: scheduler_lib.empty_state(row_shape, self.batch_size, rng)
+        state_shape = jax.eval_shape(empty, jax.random.key(0))
+        insert = self._program("insert", scheduler_lib.insert, (state_shape, row_shape, np.int32(0)), {}, 0,
+                               donate=("state",))
+        run = self._program("run", self._run, params + (state_shape,), dict(num_steps=steps_per_call, opts=opts), 0,
+                            donate=("state",))
+        return scheduler_lib.SlotPrograms(
+            prefill=lambda *inputs: prefill(*params, *inputs), insert=insert, run=lambda state: run(*params, state),
+            empty=empty, batch_size=self.batch_size, width=width, compile_seconds=self.compile_seconds - compile_before)
 
     def batch_programs(self, prompts: Sequence[np.ndarray], rng: jax.Array, opts: speculative.Options,
                        steps_per_call: int) -> BatchPrograms:

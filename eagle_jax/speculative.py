@@ -38,6 +38,7 @@ class DecodeState:
     rng: jax.Array
     num_steps: jax.Array  # [B] int32 target forwards after prefill while active
     accepted_per_position: jax.Array  # [B, max(k, 1)] int32 drafts accepted and emitted at each depth
+    max_new_tokens: jax.Array  # [B] int32 each row's budget, <= Options.max_new_tokens
     draft_cache: kv_cache_lib.KVCache | None = None
     pending_tokens: jax.Array | None = None  # [B, k+1] int32
     pending_features: jax.Array | None = None  # [B, k+1, D]
@@ -51,7 +52,7 @@ class Options:
     k: int = struct.field(pytree_node=False, default=0)
     sampling: sampling_lib.Sampling = struct.field(pytree_node=False, default=sampling_lib.Sampling())
     eos_ids: tuple[int, ...] = struct.field(pytree_node=False, default=())
-    max_new_tokens: int = struct.field(pytree_node=False, default=128)
+    max_new_tokens: int = struct.field(pytree_node=False, default=128)  # output capacity; rows may budget fewer
     cache_length: int = struct.field(pytree_node=False, default=256)
 
 
@@ -78,22 +79,24 @@ def append_tokens(state: DecodeState, tokens: jax.Array, counts: jax.Array, opts
         counts = jnp.where(hit_eos, first_eos + 1, counts)
     else:
         hit_eos = jnp.zeros_like(state.done)
-    room = opts.max_new_tokens - state.num_generated
+    room = state.max_new_tokens - state.num_generated
     counts = jnp.where(state.done, 0, jnp.minimum(counts, room))
     write = jax.vmap(lambda row, new, start: jax.lax.dynamic_update_slice_in_dim(row, new, start, axis=0))
     output = write(state.output, tokens, state.num_generated)
     num_generated = state.num_generated + counts
-    done = state.done | hit_eos | (num_generated >= opts.max_new_tokens)
+    done = state.done | hit_eos | (num_generated >= state.max_new_tokens)
     return state.replace(output=output, num_generated=num_generated, done=done)
 
 
 def start(target: llama.Llama, head, tokens: jax.Array, lengths: jax.Array, rng: jax.Array,
-          opts: Options) -> DecodeState:
+          opts: Options, max_new_tokens: jax.Array | None = None) -> DecodeState:
     """Prefills target (and head) with right-padded prompts and emits the first token.
 
     Args:
         tokens: [B, T] int32 prompts, right-padded to a bucket T.
         lengths: [B] int32 true prompt lengths (>= 1).
+        max_new_tokens: [B] int32 per-row budgets in [1, opts.max_new_tokens]; None gives every
+            row opts.max_new_tokens.
     """
     batch, width = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
@@ -112,6 +115,8 @@ def start(target: llama.Llama, head, tokens: jax.Array, lengths: jax.Array, rng:
         rng=rng,
         num_steps=jnp.zeros((batch,), jnp.int32),
         accepted_per_position=jnp.zeros((batch, max(k, 1)), jnp.int32),
+        max_new_tokens=(jnp.full((batch,), opts.max_new_tokens, jnp.int32) if max_new_tokens is None
+                        else jnp.minimum(max_new_tokens.astype(jnp.int32), opts.max_new_tokens)),
     )
     state = append_tokens(state, first[:, None], jnp.ones((batch,), jnp.int32), opts)
     if head is None or k == 0:

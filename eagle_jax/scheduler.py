@@ -1,0 +1,127 @@
+"""Continuous batching over fixed decode slots: rows refill from a queue as they finish.
+
+JetStream's prefill / insert / generate split. The device holds one `DecodeState` of
+`batch_size` rows (slots) with one cache length, so no program recompiles across prompts:
+
+* prefill: the ordinary `speculative.start` on one prompt (batch 1, one fixed width), with
+  the prompt's own budget of new tokens;
+* insert: writes that batch-1 state into a free slot of the big state (donated);
+* run: the ordinary `speculative.run_steps` on all slots; idle slots are `done` and change
+  nothing.
+
+The host loop alternates run calls with harvesting finished rows and refilling their slots.
+The engine compiles the programs (`Engine.slot_programs`); this module owns the slot logic.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Callable, Sequence
+
+import jax
+import numpy as np
+
+from eagle_jax import speculative
+
+
+def insert(state: speculative.DecodeState, row: speculative.DecodeState, slot: jax.Array) -> speculative.DecodeState:
+    """Writes the batch-1 state `row` into slot `slot` of `state`.
+
+    Every leaf but `rng` has batch as axis 0 (the caches' per-layer keys and values and their
+    lengths, the per-row counters, outputs, budgets and pending draft pairs), so one tree map
+    covers them all. `rng` is one key for the whole batch: the big state's is kept.
+    """
+    put = lambda big, small: jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), slot, axis=0)
+    merged = jax.tree.map(put, state.replace(rng=None), row.replace(rng=None))
+    return merged.replace(rng=state.rng)
+
+
+def empty_state(row_shape: speculative.DecodeState, batch_size: int, rng: jax.Array) -> speculative.DecodeState:
+    """`batch_size` idle slots shaped like a batch-1 state (arrays or ShapeDtypeStructs).
+
+    Built from host zeros (no device program): idle rows are `done`, so steps leave them as
+    they are; `pending_count` is 1 so an idle row's draft reads a real pending slot.
+    """
+    zeros = lambda leaf: np.zeros((batch_size,) + tuple(leaf.shape[1:]), leaf.dtype)
+    state = jax.tree.map(zeros, row_shape.replace(rng=None))
+    state = state.replace(done=np.ones((batch_size,), bool))
+    if state.pending_count is not None:
+        state = state.replace(pending_count=np.ones((batch_size,), np.int32))
+    return jax.device_put(state).replace(rng=rng)
+
+
+@dataclasses.dataclass
+class SlotPrograms:
+    """The compiled programs of one slot layout (see `Engine.slot_programs`)."""
+
+    prefill: Callable  # prefill(tokens [1, width], lengths [1], budgets [1], rng) -> batch-1 DecodeState
+    insert: Callable  # insert(state, row, slot) -> state; `state` is donated
+    run: Callable  # run(state) -> state after up to steps_per_call steps; `state` is donated
+    empty: Callable  # empty(rng) -> a state of idle slots
+    batch_size: int
+    width: int  # the prefill width: the longest prompt a slot takes
+    compile_seconds: float
+
+
+@dataclasses.dataclass
+class Finished:
+    """One prompt's generation, as harvested from its slot."""
+
+    token_ids: list[int]
+    seconds: float  # from its prefill to its harvest
+    stats: dict
+
+
+def generate(programs: SlotPrograms, prompts: Sequence[np.ndarray], budgets: Sequence[int], rng: jax.Array, k: int,
+             on_tokens: Callable[[int, list[int]], None] | None = None) -> list[Finished]:
+    """Generates for every prompt through the slots; results in input order.
+
+    Args:
+        prompts: int32 prompts, each at most `programs.width` tokens.
+        budgets: each prompt's max_new_tokens.
+        rng: the seed key. Prompt i's prefill uses `fold_in(prefill key, i)`; the steps share
+            the state's key, so sampled outputs are reproducible for a seed, batch size and
+            steps_per_call (greedy outputs do not depend on them).
+        on_tokens: called as `on_tokens(prompt_index, new_ids)` after each device call.
+    """
+    state_rng, prefill_rng = jax.random.split(rng)
+    state = programs.empty(state_rng)
+    queue = collections.deque(range(len(prompts)))
+    owner: list[int | None] = [None] * programs.batch_size  # prompt index held by each slot
+    began = [0.0] * programs.batch_size
+    shown = np.zeros(programs.batch_size, np.int64)
+    finished: list[Finished | None] = [None] * len(prompts)
+    while True:
+        for slot in range(programs.batch_size):
+            if owner[slot] is None and queue:
+                index = queue.popleft()
+                began[slot] = time.perf_counter()
+                row = programs.prefill(*_prefill_inputs(prompts[index], budgets[index], programs.width),
+                                       jax.random.fold_in(prefill_rng, index))
+                state = programs.insert(state, row, np.int32(slot))
+                owner[slot], shown[slot] = index, 0
+        if all(index is None for index in owner):
+            return finished
+        state = programs.run(state)
+        output, counts, done = jax.device_get((state.output, state.num_generated, state.done))
+        harvest = [slot for slot, index in enumerate(owner) if index is not None and done[slot]]
+        if on_tokens is not None:
+            for slot, index in enumerate(owner):
+                if index is not None and counts[slot] > shown[slot]:
+                    on_tokens(index, output[slot, shown[slot]:counts[slot]].tolist())
+                    shown[slot] = counts[slot]
+        if harvest:
+            stats = speculative.stats(state, k)
+            now = time.perf_counter()
+            for slot in harvest:
+                finished[owner[slot]] = Finished(token_ids=output[slot, :counts[slot]].tolist(),
+                                                 seconds=now - began[slot], stats=stats[slot])
+                owner[slot] = None
+
+
+def _prefill_inputs(prompt: np.ndarray, budget: int, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    tokens = np.zeros((1, width), np.int32)
+    tokens[0, :len(prompt)] = prompt
+    return tokens, np.array([len(prompt)], np.int32), np.array([budget], np.int32)

@@ -1,0 +1,162 @@
+"""Continuous batching (`scheduler`): more prompts than slots, ragged lengths, budgets and EOS.
+
+Every prompt's output must equal its own batch-1 static generation (float32 greedy), for plain
+decoding and for EAGLE-1 and EAGLE-3 speculative decoding, and nothing may recompile as prompts
+enter and leave slots.
+"""
+
+import collections
+import contextlib
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from eagle_jax import engine as engine_lib
+from eagle_jax import sampling as sampling_lib
+
+MAX_LENGTH = 64  # prompts up to 32 tokens (one 32-wide prefill), one 64-slot cache
+PROMPT_LENGTHS = (3, 17, 1, 9, 26, 6, 12)  # 7 prompts through 3 slots
+BUDGETS = (14, 5, 9, 1, 11, 16, 7)
+SLOTS = 3
+DRAFT_VOCAB = 64
+K = {"plain": 0, "eagle": 3, "eagle3": 4}
+
+
+@pytest.fixture(scope="module")
+def target(aligned_target):
+    return aligned_target(seed=14, num_layers=3, head_dim=16)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return [np.random.default_rng(100 + length).integers(0, 101, length).tolist() for length in PROMPT_LENGTHS]
+
+
+@contextlib.contextmanager
+def xla_compilations():
+    """Every XLA compilation in the process inside the block, the engine's or not (as test_engine)."""
+    compiled = []
+
+    def listen(event: str, seconds: float, **kwargs) -> None:
+        if "backend_compile" in event:
+            compiled.append(kwargs.get("fun_name", "?"))
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield compiled
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+
+
+def static(target, head, k, prompts, budgets, eos_ids):
+    """Each prompt alone: plain `Engine.generate`, batch 1."""
+    engine = engine_lib.Engine(target, head, num_speculative_tokens=k, max_length=MAX_LENGTH)
+    return [engine.generate([p], max_new_tokens=b, eos_ids=eos_ids)[0].token_ids for p, b in zip(prompts, budgets)]
+
+
+@pytest.fixture(scope="module")
+def eos_id(target, prompts):
+    """A token that greedy decoding emits at different steps for several prompts (and never for others)."""
+    free = static(target, None, 0, prompts, [16] * len(prompts), eos_ids=[])
+    firsts = collections.defaultdict(dict)
+    for row, tokens in enumerate(free):
+        for index, token in enumerate(tokens):
+            firsts[token].setdefault(row, index)
+    # Most distinct first positions among rows, hit by at least two rows but not all.
+    candidates = [t for t, rows in firsts.items() if 2 <= len(rows) < len(prompts)]
+    return max(candidates, key=lambda t: (len(set(firsts[t].values())), -t))
+
+
+@pytest.fixture(scope="module")
+def heads(target, prompts, agreeing_head, biased_eagle3_head):
+    free = static(target, None, 0, prompts, [16] * len(prompts), eos_ids=[])
+    frequent = np.argsort(-np.bincount(np.concatenate(free), minlength=target.config.vocab_size))[:2]
+    return {"plain": None, "eagle": agreeing_head(target.config, 0.3, residual=1.0, seed=1),
+            "eagle3": biased_eagle3_head(target.config, frequent, DRAFT_VOCAB, seed=3)}
+
+
+@pytest.fixture(scope="module")
+def reference(target, prompts, heads, eos_id):
+    return functools.cache(lambda kind: static(target, heads[kind], K[kind], prompts, BUDGETS, [eos_id]))
+
+
+@pytest.mark.parametrize("kind", ["plain", "eagle", "eagle3"])
+def test_continuous_equals_batch_one(target, prompts, heads, eos_id, reference, kind):
+    expected = reference(kind)
+    lengths = [len(t) for t in expected]
+    # The test is only interesting if rows end at different steps, some by EOS, some by budget.
+    assert len(set(lengths)) >= 4, lengths
+    assert any(t[-1] == eos_id for t in expected) and any(len(t) == b for t, b in zip(expected, BUDGETS)), expected
+    engine = engine_lib.Engine(target, heads[kind], num_speculative_tokens=K[kind], max_length=MAX_LENGTH,
+                               batch_size=SLOTS, scheduler="continuous")
+    streamed = collections.defaultdict(list)
+
+    def on_tokens(index, ids):
+        streamed[index] += ids
+
+    results = engine.generate(prompts, max_new_tokens=list(BUDGETS), eos_ids=[eos_id], steps_per_call=2,
+                              on_tokens=on_tokens)
+    assert [r.token_ids for r in results] == expected
+    assert [streamed[i] for i in range(len(prompts))] == expected
+    # Prefill, insert and run: compiled once, for the first prompt; the other six compile nothing,
+    # nor does a second call with other budgets.
+    assert engine.num_compilations == 3
+    with xla_compilations() as compiled:
+        again = engine.generate(prompts[::-1], max_new_tokens=list(BUDGETS[::-1]), eos_ids=[eos_id],
+                                steps_per_call=2)
+    assert [r.token_ids for r in again] == expected[::-1]
+    assert engine.num_compilations == 3
+    assert compiled == []  # nor anything else on the host path
+    for result in results + again:
+        stats = result.stats
+        if K[kind]:
+            # One token from prefill, then per active step its accepted drafts and one more token;
+            # EOS or the budget may cut the last step's extra token.
+            spare = result.num_tokens - 1 - stats["num_accepted_tokens"]
+            assert spare in (stats["num_drafts"] - 1, stats["num_drafts"]), stats
+        else:
+            assert stats["num_drafts"] == 0 and stats["num_accepted_tokens"] == 0
+    if kind == "eagle":
+        assert sum(r.stats["num_accepted_tokens"] for r in results) > 0  # drafts were accepted
+
+
+def test_one_slot_and_idle_slots(target, prompts, eos_id, reference):
+    """One slot (pure queue) and more slots than prompts (idle slots) give the same outputs."""
+    expected = reference("plain")
+    for slots, count in ((1, 3), (5, 2)):
+        engine = engine_lib.Engine(target, max_length=MAX_LENGTH, batch_size=slots, scheduler="continuous")
+        results = engine.generate(prompts[:count], max_new_tokens=list(BUDGETS[:count]), eos_ids=[eos_id])
+        assert [r.token_ids for r in results] == expected[:count]
+
+
+def test_input_errors(target):
+    engine = engine_lib.Engine(target, max_length=MAX_LENGTH, batch_size=2, scheduler="continuous")
+    with pytest.raises(engine_lib.InputError, match="takes up to max_length // 2 = 32"):
+        engine.generate([[1] * 33], max_new_tokens=4)
+    with pytest.raises(engine_lib.InputError, match="2 max_new_tokens values for 1 prompts"):
+        engine.generate([[1, 2]], max_new_tokens=[3, 4])
+    with pytest.raises(engine_lib.InputError, match="max_new_tokens must be >= 1"):
+        engine.generate([[1, 2], [3]], max_new_tokens=[3, 0])
+    with pytest.raises(engine_lib.InputError, match="needs scheduler='continuous'"):
+        engine_lib.Engine(target, max_length=MAX_LENGTH).generate([[1, 2]], max_new_tokens=[3])
+    with pytest.raises(engine_lib.InputError, match="scheduler must be"):
+        engine_lib.Engine(target, scheduler="dynamic")
+
+
+def test_sampling_is_reproducible_for_a_seed(target, prompts):
+    engine = engine_lib.Engine(target, max_length=MAX_LENGTH, batch_size=SLOTS, scheduler="continuous")
+    sampling = sampling_lib.Sampling(temperature=1.0, top_p=0.9)
+    runs = [[r.token_ids for r in engine.generate(prompts, max_new_tokens=list(BUDGETS), sampling=sampling,
+                                                  seed=seed, ignore_eos=True)] for seed in (7, 7, 8)]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+    assert [len(t) for t in runs[0]] == list(BUDGETS)
+
+
+def test_eager_equals_compiled(target, prompts, eos_id, reference):
+    engine = engine_lib.Engine(target, max_length=MAX_LENGTH, batch_size=2, scheduler="continuous", eager=True)
+    results = engine.generate(prompts[:3], max_new_tokens=list(BUDGETS[:3]), eos_ids=[eos_id], steps_per_call=4)
+    assert engine.num_compilations == 0
+    assert [r.token_ids for r in results] == reference("plain")[:3]
