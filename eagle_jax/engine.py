@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 from typing import Callable, Sequence
 
 import jax
@@ -80,27 +79,6 @@ def pooled_stats(results: Sequence[Result], k: int) -> dict:
         per_position += np.asarray(result.stats["acceptance_rate_per_position"][:k], float) * result.stats["num_drafts"]
     return dict(acceptance_length=1 + accepted / drafts if drafts else 1.0, num_drafts=drafts,
                 num_accepted_tokens=accepted, acceptance_rate_per_position=(per_position / max(drafts, 1)).tolist())
-
-
-@dataclasses.dataclass
-class BatchPrograms:
-    """One batch's compiled programs and the prefill's inputs (see `Engine.batch_programs`)."""
-
-    start: Callable  # start(*start_args) -> DecodeState
-    run: Callable  # run(target_params, head_params, state) -> state after up to steps_per_call steps
-    start_args: tuple  # (target_params, head_params, tokens [B, W], lengths [B], rng)
-    idle: np.ndarray  # [B] bool: padding rows, marked done after prefill
-    compile_seconds: float
-
-    def prefill(self) -> speculative.DecodeState:
-        state = self.start(*self.start_args)
-        if self.idle.any():
-            state = state.replace(done=jnp.asarray(np.asarray(state.done) | self.idle))
-        return state
-
-    def step(self, state: speculative.DecodeState) -> speculative.DecodeState:
-        """Up to steps_per_call steps; `state` is donated."""
-        return self.run(self.start_args[0], self.start_args[1], state)
 
 
 class Engine:
@@ -315,7 +293,7 @@ class Engine:
             empty=empty, batch_size=self.batch_size, width=width, compile_seconds=self.compile_seconds - compile_before)
 
     def batch_programs(self, prompts: Sequence[np.ndarray], rng: jax.Array, opts: speculative.Options,
-                       steps_per_call: int) -> BatchPrograms:
+                       steps_per_call: int) -> scheduler_lib.BatchPrograms:
         """Compiles (once) the prefill and step programs for one batch of validated int32 prompts.
 
         `opts.cache_length` must already be set. Profiling uses this to run the exact programs
@@ -342,31 +320,12 @@ class Engine:
         # The step program does not depend on the prefill width: one serves every bucket.
         run = self._program("run", self._run, run_args, dict(num_steps=steps_per_call, opts=opts), 0,
                             donate=("state",))
-        return BatchPrograms(start=start, run=run, start_args=args, idle=np.arange(self.batch_size) >= len(prompts),
-                             compile_seconds=self.compile_seconds - compile_before)
+        return scheduler_lib.BatchPrograms(start=start, run=run, start_args=args,
+                                           idle=np.arange(self.batch_size) >= len(prompts),
+                                           compile_seconds=self.compile_seconds - compile_before)
 
     def _generate_batch(self, prompts, rng, opts, steps_per_call, emit) -> list[Result]:
         programs = self.batch_programs(prompts, rng, opts, steps_per_call)
-        began = time.perf_counter()
-        state = programs.prefill()
-        shown = np.zeros(len(prompts), np.int64)
-        while True:
-            if emit is not None:
-                shown = self._emit(state, shown, emit)
-            if np.all(jax.device_get(state.done)):
-                break
-            state = programs.step(state)
-        output, counts = jax.device_get((state.output, state.num_generated))
-        seconds = time.perf_counter() - began
-        stats = speculative.stats(state, self.k)
-        return [Result(token_ids=output[row, :counts[row]].tolist(), seconds=seconds,
-                       compile_seconds=programs.compile_seconds, stats=stats[row]) for row in range(len(prompts))]
-
-    @staticmethod
-    def _emit(state, shown, emit):
-        output, counts = jax.device_get((state.output, state.num_generated))
-        for row in range(len(shown)):
-            if counts[row] > shown[row]:
-                emit(row, output[row, shown[row]:counts[row]].tolist())
-                shown[row] = counts[row]
-        return shown
+        finished = scheduler_lib.generate_static(programs, len(prompts), self.k, emit)
+        return [Result(token_ids=f.token_ids, seconds=f.seconds, compile_seconds=programs.compile_seconds,
+                       stats=f.stats) for f in finished]

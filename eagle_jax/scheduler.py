@@ -1,6 +1,9 @@
-"""Continuous batching over fixed decode slots: rows refill from a queue as they finish.
+"""Batching on the host: static batches, or continuous batching over fixed decode slots.
 
-JetStream's prefill / insert / generate split. The device holds one `DecodeState` of
+Static (`generate_static`): one batch decodes until its longest row finishes.
+
+Continuous (`generate`): rows refill from a queue as they finish, after JetStream's
+prefill / insert / generate split. The device holds one `DecodeState` of
 `batch_size` rows (slots) with one cache length, so no program recompiles across prompts:
 
 * prefill: the ordinary `speculative.start` on one prompt (batch 1, one fixed width), with
@@ -10,7 +13,8 @@ JetStream's prefill / insert / generate split. The device holds one `DecodeState
   nothing.
 
 The host loop alternates run calls with harvesting finished rows and refilling their slots.
-The engine compiles the programs (`Engine.slot_programs`); this module owns the slot logic.
+The engine compiles the programs (`Engine.batch_programs`, `Engine.slot_programs`); this module
+owns the host loops.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import time
 from typing import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from eagle_jax import speculative
@@ -53,6 +58,27 @@ def empty_state(row_shape: speculative.DecodeState, batch_size: int, rng: jax.Ar
 
 
 @dataclasses.dataclass
+class BatchPrograms:
+    """One batch's compiled programs and the prefill's inputs (see `Engine.batch_programs`), static batching."""
+
+    start: Callable  # start(*start_args) -> DecodeState
+    run: Callable  # run(target_params, head_params, state) -> state after up to steps_per_call steps
+    start_args: tuple  # (target_params, head_params, tokens [B, W], lengths [B], rng)
+    idle: np.ndarray  # [B] bool: padding rows, marked done after prefill
+    compile_seconds: float
+
+    def prefill(self) -> speculative.DecodeState:
+        state = self.start(*self.start_args)
+        if self.idle.any():
+            state = state.replace(done=jnp.asarray(np.asarray(state.done) | self.idle))
+        return state
+
+    def step(self, state: speculative.DecodeState) -> speculative.DecodeState:
+        """Up to steps_per_call steps; `state` is donated."""
+        return self.run(self.start_args[0], self.start_args[1], state)
+
+
+@dataclasses.dataclass
 class SlotPrograms:
     """The compiled programs of one slot layout (see `Engine.slot_programs`)."""
 
@@ -70,7 +96,7 @@ class Finished:
     """One prompt's generation, as harvested from its slot."""
 
     token_ids: list[int]
-    seconds: float  # from its prefill to its harvest
+    seconds: float  # static: its batch's wall time; continuous: from its prefill to its harvest
     stats: dict
 
 
@@ -108,10 +134,7 @@ def generate(programs: SlotPrograms, prompts: Sequence[np.ndarray], budgets: Seq
         output, counts, done = jax.device_get((state.output, state.num_generated, state.done))
         harvest = [slot for slot, index in enumerate(owner) if index is not None and done[slot]]
         if on_tokens is not None:
-            for slot, index in enumerate(owner):
-                if index is not None and counts[slot] > shown[slot]:
-                    on_tokens(index, output[slot, shown[slot]:counts[slot]].tolist())
-                    shown[slot] = counts[slot]
+            _stream(output, counts, shown, owner, on_tokens)
         if harvest:
             stats = speculative.stats(state, k)
             now = time.perf_counter()
@@ -119,6 +142,40 @@ def generate(programs: SlotPrograms, prompts: Sequence[np.ndarray], budgets: Seq
                 finished[owner[slot]] = Finished(token_ids=output[slot, :counts[slot]].tolist(),
                                                  seconds=now - began[slot], stats=stats[slot])
                 owner[slot] = None
+
+
+def generate_static(programs: BatchPrograms, num_rows: int, k: int,
+                    on_tokens: Callable[[int, list[int]], None] | None = None) -> list[Finished]:
+    """One static batch: prefill, then step (donating the state) until every row is done.
+
+    Args:
+        num_rows: the batch's prompts (its first rows); the rest are idle padding.
+        on_tokens: called as `on_tokens(row, new_ids)` after prefill and each device call.
+    """
+    began = time.perf_counter()
+    state = programs.prefill()
+    shown = np.zeros(num_rows, np.int64)
+    while True:
+        if on_tokens is not None:
+            output, counts = jax.device_get((state.output, state.num_generated))
+            _stream(output, counts, shown, list(range(num_rows)), on_tokens)
+        if np.all(jax.device_get(state.done)):
+            break
+        state = programs.step(state)
+    output, counts = jax.device_get((state.output, state.num_generated))
+    seconds = time.perf_counter() - began
+    stats = speculative.stats(state, k)
+    return [Finished(token_ids=output[row, :counts[row]].tolist(), seconds=seconds, stats=stats[row])
+            for row in range(num_rows)]
+
+
+def _stream(output: np.ndarray, counts: np.ndarray, shown: np.ndarray, owner: Sequence[int | None],
+            on_tokens: Callable[[int, list[int]], None]) -> None:
+    """Sends each owned row's tokens past `shown` to `on_tokens(owner[row], ids)`; advances `shown`."""
+    for row, index in enumerate(owner):
+        if index is not None and counts[row] > shown[row]:
+            on_tokens(index, output[row, shown[row]:counts[row]].tolist())
+            shown[row] = counts[row]
 
 
 def _prefill_inputs(prompt: np.ndarray, budget: int, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
