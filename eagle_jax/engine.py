@@ -1,8 +1,9 @@
-"""Host side of generation: input checks, batching, prefill buckets, compilation, streaming.
+"""Host side of generation: input checks, prefill buckets, compilation, results.
 
 The device programs live in `speculative`; this module compiles them ahead of time (so
 generation timings exclude compilation and compile counts are observable), feeds them
-int32 arrays of fixed shapes, and turns the final state into per-prompt results.
+int32 arrays of fixed shapes, and turns the final state into per-prompt results. The host
+loops (static batches, continuous batching over decode slots) live in `scheduler`.
 """
 
 from __future__ import annotations
@@ -286,8 +287,10 @@ class Engine:
         state_shape = jax.eval_shape(empty, jax.random.key(0))
         insert = self._program("insert", scheduler_lib.insert, (state_shape, row_shape, np.int32(0)), {}, 0,
                                donate=("state",))
-        run = self._program("run", self._run, params + (state_shape,), dict(num_steps=steps_per_call, opts=opts), 0,
-                            donate=("state",))
+        # Its own name: a static batch with the same options would lower the same step, but for
+        # the prefill's output types rather than these (weak types may differ).
+        run = self._program("slots-run", self._run, params + (state_shape,),
+                            dict(num_steps=steps_per_call, opts=opts), 0, donate=("state",))
         return scheduler_lib.SlotPrograms(
             prefill=lambda *inputs: prefill(*params, *inputs), insert=insert, run=lambda state: run(*params, state),
             empty=empty, batch_size=self.batch_size, width=width, compile_seconds=self.compile_seconds - compile_before)
