@@ -168,3 +168,14 @@ def test_eager_equals_compiled(target, prompts, eos_id, reference):
     results = engine.generate(prompts[:3], max_new_tokens=list(BUDGETS[:3]), eos_ids=[eos_id], steps_per_call=4)
     assert engine.num_compilations == 0
     assert [r.token_ids for r in results] == [r.token_ids for r in reference("plain")[:3]]
+
+
+def test_persistent_cache_holds_the_slot_programs(target, prompts, tmp_path):
+    """A second engine on the same cache directory loads prefill, insert and run: it compiles nothing."""
+    outputs = []
+    for _ in range(2):
+        engine = engine_lib.Engine(target, max_length=MAX_LENGTH, batch_size=SLOTS, scheduler="continuous",
+                                   cache_dir=tmp_path)
+        outputs.append([r.token_ids for r in engine.generate(prompts[:4], max_new_tokens=list(BUDGETS[:4]))])
+    assert engine.num_compilations == 0 and engine.compile_cache.hits == 3
+    assert outputs[0] == outputs[1]
