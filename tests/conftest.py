@@ -406,3 +406,29 @@ def chi_square():
     """`chi_square(observed counts [G, C] or [C], probabilities of the same shape)` -> p-value: see
     `chi_square_p_value`."""
     return chi_square_p_value
+
+
+@pytest.fixture(scope="session")
+def xla_compilations():
+    """Context manager factory: `with xla_compilations() as compiled:` lists every XLA compilation in
+    the process inside the block (jax reports each as a '/jax/core/compile/backend_compile_duration'
+    event), the engine's or not."""
+    import contextlib
+
+    import jax
+
+    @contextlib.contextmanager
+    def listening():
+        compiled = []
+
+        def listen(event: str, seconds: float, **kwargs) -> None:
+            if "backend_compile" in event:
+                compiled.append(kwargs.get("fun_name", "?"))
+
+        jax.monitoring.register_event_duration_secs_listener(listen)
+        try:
+            yield compiled
+        finally:
+            jax.monitoring.unregister_event_duration_listener(listen)
+
+    return listening

@@ -1,9 +1,7 @@
 """The host side of generation: input checks, dtypes, compile counts, streaming, EOS, sampling."""
 
 import collections
-import contextlib
 
-import jax
 import numpy as np
 import pytest
 
@@ -25,23 +23,6 @@ def engine(target):
 
 def prompt(length: int, seed: int = 0) -> list[int]:
     return np.random.default_rng(seed).integers(0, 101, length).tolist()
-
-
-@contextlib.contextmanager
-def xla_compilations():
-    """Counts every XLA compilation in the process inside the block (jax reports each as a
-    '/jax/core/compile/backend_compile_duration' event), the engine's or not."""
-    compiled = []
-
-    def listen(event: str, seconds: float, **kwargs) -> None:
-        if "backend_compile" in event:
-            compiled.append(kwargs.get("fun_name", "?"))
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
-        yield compiled
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
 
 
 @pytest.mark.parametrize("ids, message", [
@@ -92,7 +73,7 @@ def test_int64_ids_give_the_same_output_as_int32(engine):
     assert wide.token_ids == narrow.token_ids and len(wide.token_ids) == MAX_NEW
 
 
-def test_compile_count_stays_flat_within_buckets(target):
+def test_compile_count_stays_flat_within_buckets(target, xla_compilations):
     # A fresh engine (no persistent cache: every program it needs is compiled, and counted there).
     # Prompts of 17..23 tokens share the 32-wide prefill bucket and (+ 8 new + 1) the 32-slot cache.
     engine = engine_lib.Engine(target, max_length=64)

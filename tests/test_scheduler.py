@@ -6,10 +6,8 @@ enter and leave slots.
 """
 
 import collections
-import contextlib
 import functools
 
-import jax
 import numpy as np
 import pytest
 
@@ -32,22 +30,6 @@ def target(aligned_target):
 @pytest.fixture(scope="module")
 def prompts():
     return [np.random.default_rng(100 + length).integers(0, 101, length).tolist() for length in PROMPT_LENGTHS]
-
-
-@contextlib.contextmanager
-def xla_compilations():
-    """Every XLA compilation in the process inside the block, the engine's or not (as test_engine)."""
-    compiled = []
-
-    def listen(event: str, seconds: float, **kwargs) -> None:
-        if "backend_compile" in event:
-            compiled.append(kwargs.get("fun_name", "?"))
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
-        yield compiled
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
 
 
 def static_results(target, head, k, prompts, budgets, eos_ids):
@@ -88,7 +70,7 @@ def reference(target, prompts, heads, eos_id):
 
 
 @pytest.mark.parametrize("kind", ["plain", "eagle", "eagle3"])
-def test_continuous_equals_batch_one(target, prompts, heads, eos_id, reference, kind):
+def test_continuous_equals_batch_one(target, prompts, heads, eos_id, reference, kind, xla_compilations):
     expected = [r.token_ids for r in reference(kind)]
     lengths = [len(t) for t in expected]
     # The test is only interesting if rows end at different steps, some by EOS, some by budget.
