@@ -316,8 +316,12 @@ def save_dataset(arrays: dict[str, np.ndarray], path: str | Path) -> Path:
         arrays["input_ids"] = input_ids.astype(np.uint16)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as file:
+    # Written beside and renamed into place: a run killed mid-write leaves no half file that a
+    # resumed run (which skips parts that exist) or a concurrent reader would take as whole.
+    partial = path.with_name(path.name + ".partial")
+    with open(partial, "wb") as file:
         np.savez_compressed(file, **arrays)
+    partial.replace(path)
     return path
 
 

@@ -117,19 +117,24 @@ class Attention(nnx.Module):
         inv_freq = rope_inverse_frequencies(*self.rope)
         return apply_rotary(q, positions, inv_freq), apply_rotary(k, positions, inv_freq), v
 
-    def __call__(self, x: jax.Array, positions: jax.Array, keys: jax.Array, values: jax.Array):
+    def __call__(self, x: jax.Array, positions: jax.Array, keys: jax.Array | None, values: jax.Array | None,
+                 implementation: str = "xla"):
         """Attends T new tokens to the cache after writing their keys and values into it.
 
         Args:
             x: [B, T, input_size] inputs.
             positions: [B, T] int32 positions, contiguous per row; they are also the cache slots.
-            keys, values: [B, S, K, H] this layer's cache.
+            keys, values: [B, S, K, H] this layer's cache, or None for cache-free causal
+                self-attention among the inputs (then None is returned for both).
+            implementation: of the cache-free attention (`causal_attention`).
 
         Returns:
             ([B, T, D] output, updated keys, updated values). Slot s is visible to a query at
             position p iff s <= p, so stale entries past a row's cursor are never read.
         """
         q, k, v = self.project(x, positions)
+        if keys is None:  # no cache: causal self-attention over the T inputs (training features)
+            return self.output(causal_attention(q, k, v, implementation)), None, None
         keys = write_rows(keys, k, positions[:, 0])
         values = write_rows(values, v, positions[:, 0])
         slots = jnp.arange(keys.shape[1], dtype=jnp.int32)
@@ -160,6 +165,69 @@ def grouped_attention(q: jax.Array, keys: jax.Array, values: jax.Array, visible:
     return out.reshape(batch, length, num_heads, head_dim)
 
 
+def causal_attention(q: jax.Array, keys: jax.Array, values: jax.Array, implementation: str = "xla",
+                     extra_keys: tuple[jax.Array, ...] = (), extra_values: tuple[jax.Array, ...] = ()) -> jax.Array:
+    """Causal self-attention of T queries over their own T keys, plus optional per-query extras.
+
+    Args:
+        q: [B, T, N, H]; keys, values: [B, T, K, H] (query t sees keys 0..t).
+        implementation: "xla" (`grouped_attention`, the reference) or "cudnn" (fused flash
+            attention; GPU, bf16/fp16 only).
+        extra_keys, extra_values: J arrays [B, T, K, H]: query t also sees extra_keys[j][:, t]
+            (the training-time test's "diagonal": a query's own earlier draft steps).
+    Returns:
+        [B, T, N, H] attended values.
+    """
+    batch, length = q.shape[:2]
+    causal = jnp.tril(jnp.ones((length, length), bool))
+    if implementation == "xla":
+        if not extra_keys:
+            return grouped_attention(q, keys, values, jnp.broadcast_to(causal, (batch, length, length)))
+        return _grouped_attention_with_extras(q, keys, values, causal, extra_keys, extra_values)
+    if implementation != "cudnn":
+        raise ValueError(f"unknown attention implementation {implementation!r} (xla, cudnn)")
+    if not extra_keys:
+        return jax.nn.dot_product_attention(q, keys, values, is_causal=True, implementation="cudnn")
+    return _masked_attention_with_extras(q, keys, values, extra_keys, extra_values, "cudnn")
+
+
+def _masked_attention_with_extras(q, keys, values, extra_keys, extra_values, implementation: str):
+    """One `jax.nn.dot_product_attention` call over [keys; extra_0; ...] with a static block mask.
+
+    The mask is causal in the first block and the diagonal in each extra block. cuDNN wants even
+    lengths when it trains with a mask, so an odd T is padded by one position (its output dropped).
+    """
+    length = q.shape[1]
+    padded = length + length % 2
+    pad = lambda x: jnp.pad(x, [(0, 0), (0, padded - length), (0, 0), (0, 0)])
+    q, keys, values = pad(q), pad(keys), pad(values)
+    extra_keys, extra_values = tuple(map(pad, extra_keys)), tuple(map(pad, extra_values))
+    causal = jnp.tril(jnp.ones((padded, padded), bool))
+    eye = jnp.eye(padded, dtype=bool)
+    mask = jnp.concatenate([causal] + [eye] * len(extra_keys), axis=1)[None, None]  # [1, 1, T, (1+J)T]
+    all_keys = jnp.concatenate((keys,) + extra_keys, axis=1)
+    all_values = jnp.concatenate((values,) + extra_values, axis=1)
+    out = jax.nn.dot_product_attention(q, all_keys, all_values, mask=mask, implementation=implementation)
+    return out[:, :length]
+
+
+def _grouped_attention_with_extras(q, keys, values, causal, extra_keys, extra_values):
+    """XLA reference of `causal_attention` with extras: one softmax over the causal keys and the extras."""
+    batch, length, num_heads, head_dim = q.shape
+    num_kv_heads = keys.shape[2]
+    q = q.reshape(batch, length, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scale = 1.0 / math.sqrt(head_dim)
+    scores0 = jnp.einsum("btkgh,bskh->bkgts", q, keys, preferred_element_type=jnp.float32) * scale
+    scores0 = jnp.where(causal[None, None, None], scores0, MASK_VALUE)
+    extra_k = jnp.stack(extra_keys, axis=-2)  # [B, T, K, J, H]
+    extra_v = jnp.stack(extra_values, axis=-2)
+    scores_e = jnp.einsum("btkgh,btkjh->bkgtj", q, extra_k, preferred_element_type=jnp.float32) * scale
+    probs = jax.nn.softmax(jnp.concatenate([scores0, scores_e], axis=-1), axis=-1).astype(q.dtype)
+    probs0, probs_e = probs[..., :length], probs[..., length:]
+    out = jnp.einsum("bkgts,bskh->btkgh", probs0, values) + jnp.einsum("bkgtj,btkjh->btkgh", probs_e, extra_v)
+    return out.reshape(batch, length, num_heads, head_dim)
+
+
 class MLP(nnx.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
 
@@ -183,8 +251,8 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.mlp = MLP(cfg, rngs=rngs, **kw)
 
-    def __call__(self, x, positions, keys, values):
-        attended, keys, values = self.self_attn(self.input_layernorm(x), positions, keys, values)
+    def __call__(self, x, positions, keys, values, implementation: str = "xla"):
+        attended, keys, values = self.self_attn(self.input_layernorm(x), positions, keys, values, implementation)
         x = x + attended
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, keys, values

@@ -28,14 +28,16 @@ class Llama(nnx.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = nnx.Linear(cfg.hidden_size, cfg.vocab_size, use_bias=False, rngs=rngs, **kw)
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array, cache: kv_cache_lib.KVCache,
-                 capture_layers: tuple[int, ...] = ()):
+    def __call__(self, tokens: jax.Array, positions: jax.Array, cache: kv_cache_lib.KVCache | None,
+                 capture_layers: tuple[int, ...] = (), implementation: str = "xla"):
         """Runs T tokens per row, writing their keys and values at `positions`.
 
         Args:
             tokens: [B, T] int32 token ids.
             positions: [B, T] int32 positions (contiguous per row; also the cache slots).
-            cache: the KV cache; `cache.lengths` is left for the caller to advance.
+            cache: the KV cache; `cache.lengths` is left for the caller to advance. None runs
+                causal self-attention among the T tokens without a cache (training features),
+                with `implementation` "xla" or "cudnn" (`layers.causal_attention`).
             capture_layers: layer indices whose *inputs* (the residual stream) are returned,
                 concatenated, for EAGLE-3 features.
 
@@ -43,12 +45,15 @@ class Llama(nnx.Module):
             (hidden [B, T, D] after the final norm, updated cache, captured [B, T, C*D] or None).
         """
         x = self.embed_tokens(tokens)
-        keys, values, captured = list(cache.keys), list(cache.values), {}
+        num_layers = len(self.layers)
+        keys, values = (list(cache.keys), list(cache.values)) if cache is not None else ([None] * num_layers,) * 2
+        captured = {}
         for index, layer in enumerate(self.layers):
             if index in capture_layers:
                 captured[index] = x
-            x, keys[index], values[index] = layer(x, positions, keys[index], values[index])
-        cache = cache.replace(keys=tuple(keys), values=tuple(values))
+            x, keys[index], values[index] = layer(x, positions, keys[index], values[index], implementation)
+        if cache is not None:
+            cache = cache.replace(keys=tuple(keys), values=tuple(values))
         # In the requested order, repeats allowed (tiny targets give EAGLE-3 defaults like (2, 2, 1)).
         features = jnp.concatenate([captured[i] for i in capture_layers], axis=-1) if capture_layers else None
         return self.norm(x), cache, features

@@ -220,6 +220,8 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup-steps", type=int, default=100)
     parser.add_argument("--unroll", type=int, help="training-time-test steps (default: 1 eagle, 7 eagle3)")
     parser.add_argument("--draft-vocab-size", type=int, default=8192)
+    parser.add_argument("--attention", choices=["xla", "cudnn"], default="xla",
+                        help="attention of the train step: XLA einsums, or cuDNN's fused kernel (GPU, bf16)")
     parser.add_argument("--max-seconds", type=float, help="stop (and checkpoint) after this much training time")
     parser.add_argument("--eval-prompts", type=int, default=80, help="MT-Bench first turns for the final check")
     parser.add_argument("--eval-k", type=int, default=5)
@@ -233,7 +235,7 @@ def main(argv=None) -> int:
     unroll = args.unroll or (1 if args.method == "eagle" else 7)
     cfg = TrainConfig(method=args.method, steps=args.steps, batch_size=args.batch_size, learning_rate=args.learning_rate,
                       warmup_steps=args.warmup_steps, draft_vocab_size=args.draft_vocab_size,
-                      objective=train_objective.Objective(num_steps=unroll))
+                      objective=train_objective.Objective(num_steps=unroll, attention=args.attention))
     output = Path(args.output)
     began = time.perf_counter()
     trainer, log = train(target, dataset, cfg, output, max_seconds=args.max_seconds)

@@ -33,19 +33,19 @@ class Objective:
     feature_noise: float = 0.2  # EAGLE-1: width of the uniform noise added to target features
     regression_weight: float = 1.0  # EAGLE-1
     distribution_weight: float = 0.1  # EAGLE-1 (EAGLE-3 uses CE alone, weight 1)
+    attention: str = "xla"  # target and head attention: "xla" or "cudnn" (`layers.causal_attention`)
 
 
 def target_outputs(target: llama.Llama, tokens: jax.Array, capture_layers: tuple[int, ...],
-                   vocab_ids: jax.Array | None = None):
+                   vocab_ids: jax.Array | None = None, implementation: str = "xla"):
     """Target hidden states [B, T, D], captured features and float32 logits, no gradient.
 
     The logits cover `vocab_ids` only when given ([B, T, len(vocab_ids)]; EAGLE-3's draft
-    vocabulary), else the whole vocabulary.
+    vocabulary), else the whole vocabulary. No KV cache: plain causal attention.
     """
     batch, length = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-    cache = target.init_cache(batch, length)
-    hidden, _, captured = target(tokens, positions, cache, capture_layers)
+    hidden, _, captured = target(tokens, positions, None, capture_layers, implementation)
     return jax.lax.stop_gradient((hidden, captured, target.logits(hidden, vocab_ids)))
 
 
@@ -57,38 +57,19 @@ def _shift(array: jax.Array, offset: int, length: int, fill=0) -> jax.Array:
     return jnp.pad(part, pad, constant_values=fill)
 
 
-def _diagonal_attention(q, keys0, values0, causal, diagonal_keys, diagonal_values):
-    """Softmax over step-0 keys (causal) plus, per query, its own earlier steps' keys.
-
-    q: [B, T, N, H]; keys0/values0: [B, T, K, H]; causal: [T, T]; diagonal_*: lists of [B, T, K, H].
-    """
-    batch, length, num_heads, head_dim = q.shape
-    num_kv_heads = keys0.shape[2]
-    q = q.reshape(batch, length, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scale = 1.0 / jnp.sqrt(jnp.float32(head_dim))
-    scores0 = jnp.einsum("btkgh,bskh->bkgts", q, keys0, preferred_element_type=jnp.float32) * scale
-    scores0 = jnp.where(causal[None, None, None], scores0, layers.MASK_VALUE)
-    diagonal_k = jnp.stack(diagonal_keys, axis=-2)  # [B, T, K, J, H]
-    diagonal_v = jnp.stack(diagonal_values, axis=-2)
-    scores_d = jnp.einsum("btkgh,btkjh->bkgtj", q, diagonal_k, preferred_element_type=jnp.float32) * scale
-    probs = jax.nn.softmax(jnp.concatenate([scores0, scores_d], axis=-1), axis=-1).astype(q.dtype)
-    probs0, probs_d = probs[..., :length], probs[..., length:]
-    out = jnp.einsum("bkgts,bskh->btkgh", probs0, values0) + jnp.einsum("bkgtj,btkjh->btkgh", probs_d, diagonal_v)
-    return out.reshape(batch, length, num_heads, head_dim)
-
-
-def unrolled_head(head, target: llama.Llama, tokens: jax.Array, features: jax.Array, num_steps: int):
+def unrolled_head(head, target: llama.Llama, tokens: jax.Array, features: jax.Array, num_steps: int,
+                  implementation: str = "xla"):
     """Runs the head `num_steps` times on its own outputs.
 
     Args:
         tokens: [B, T] the full token sequences.
         features: [B, n] head-space features of positions 0..n-1 (n = T - 1).
+        implementation: of the attention (`layers.causal_attention`).
     Returns:
         list over steps of (out [B, n, D], logits [B, n, V_draft]).
     """
     batch, n = features.shape[:2]
     positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (batch, n))
-    causal = jnp.tril(jnp.ones((n, n), bool))
     attention = head.attention
     results, diagonal_keys, diagonal_values = [], [], []
     keys0 = values0 = None
@@ -98,11 +79,11 @@ def unrolled_head(head, target: llama.Llama, tokens: jax.Array, features: jax.Ar
         q, k, v = attention.project(x, positions + step)
         if step == 0:
             keys0, values0 = k, v
-            attended = layers.grouped_attention(q, k, v, jnp.broadcast_to(causal, (batch, n, n)))
         else:
             diagonal_keys.append(k)
             diagonal_values.append(v)
-            attended = _diagonal_attention(q, keys0, values0, causal, diagonal_keys, diagonal_values)
+        attended = layers.causal_attention(q, keys0, values0, implementation, tuple(diagonal_keys),
+                                           tuple(diagonal_values))
         out = head.finish(attention.output(attended), residual)
         results.append((out, head.logits(out, target)))
         features = out
@@ -123,7 +104,8 @@ def loss(head, target: llama.Llama, tokens: jax.Array, loss_mask: jax.Array, rng
     is_eagle3 = isinstance(head, eagle.Eagle3Head)
     capture = head.config.feature_layers if is_eagle3 else ()
     # EAGLE-3's teacher is the target's distribution restricted to the draft vocabulary.
-    hidden, captured, target_logits = target_outputs(target, tokens, capture, draft_ids if is_eagle3 else None)
+    hidden, captured, target_logits = target_outputs(target, tokens, capture, draft_ids if is_eagle3 else None,
+                                                     objective.attention)
     n = tokens.shape[1] - 1
     if is_eagle3:
         features = head.project(captured[:, :n])
@@ -131,7 +113,8 @@ def loss(head, target: llama.Llama, tokens: jax.Array, loss_mask: jax.Array, rng
         noise = jax.random.uniform(rng, hidden[:, :n].shape, minval=-0.5, maxval=0.5) * objective.feature_noise
         features = hidden[:, :n] + noise.astype(hidden.dtype)
     total, weights, metrics = 0.0, 0.0, {}
-    for step, (out, logits) in enumerate(unrolled_head(head, target, tokens, features, objective.num_steps)):
+    steps = unrolled_head(head, target, tokens, features, objective.num_steps, objective.attention)
+    for step, (out, logits) in enumerate(steps):
         valid = _shift(loss_mask, 2 + step, n, fill=False).astype(jnp.float32)  # predicted token is t_{i+2+step}
         count = jnp.maximum(valid.sum(), 1.0)
         teacher = _shift(target_logits, 1 + step, n)

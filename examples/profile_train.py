@@ -73,6 +73,7 @@ def main(argv=None) -> int:
     parser.add_argument("--sequence-length", type=int, default=640)
     parser.add_argument("--unroll", type=int, help="training-time-test steps (default: 1 eagle, 7 eagle3)")
     parser.add_argument("--draft-vocab-size", type=int, default=8192)
+    parser.add_argument("--attention", choices=["xla", "cudnn"], default="xla", help="train step attention")
     parser.add_argument("--timed-steps", type=int, default=10)
     parser.add_argument("--steps", type=int, default=5, help="traced steps")
     parser.add_argument("--trace-device", choices=step_trace.DEVICES, default="auto")
@@ -82,7 +83,7 @@ def main(argv=None) -> int:
     target, _ = models.load_target(args.model, args.dtype)
     unroll = args.unroll or (1 if args.method == "eagle" else 7)
     cfg = train.TrainConfig(method=args.method, batch_size=args.batch_size, draft_vocab_size=args.draft_vocab_size,
-                            objective=train_objective.Objective(num_steps=unroll))
+                            objective=train_objective.Objective(num_steps=unroll, attention=args.attention))
     counts = np.ones((target.config.vocab_size,), np.int64)  # any draft vocabulary costs the same
     head = train.new_head(target.config, cfg, counts, dtype=target.embed_tokens.embedding[...].dtype)
     measured = profile(train.Trainer(target, head, cfg), target.config.vocab_size, args.batch_size, args.sequence_length, args.timed_steps,
@@ -90,11 +91,12 @@ def main(argv=None) -> int:
     device = jax.devices()[0]
     row = dict(kind="train_trace", method=args.method, unroll=unroll, batch_size=args.batch_size,
                sequence_length=args.sequence_length, draft_vocab_size=args.draft_vocab_size, dtype=args.dtype,
+               attention=args.attention,
                label=args.label, **measured, device=device.device_kind, platform=device.platform,
                jax_version=jax.__version__, command="python " + shlex.join(sys.argv),
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     append_rows(args.out, [{key: value for key, value in row.items() if value is not None}])
-    print(f"{args.method} unroll {unroll}, {args.batch_size} x {args.sequence_length}: {row['step_ms']} ms a step, "
+    print(f"{args.method} ({args.attention}) unroll {unroll}, {args.batch_size} x {args.sequence_length}: {row['step_ms']} ms a step, "
           f"{row['trained_tokens_per_second']:.0f} trained tokens/s; {row['kernels_per_step']:.0f} kernels, "
           f"busy {row['busy_us_per_step'] / 1e3:.1f} ms a step")
     for kind in row["top_kinds"][:8]:

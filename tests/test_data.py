@@ -97,6 +97,25 @@ def test_save_load_round_trip(tokenizer, tmp_path):
         np.testing.assert_array_equal(loaded[name], array)
 
 
+def test_save_leaves_no_partial_file_behind(tmp_path, monkeypatch):
+    arrays = {"input_ids": np.array([[5, 1]], np.int32), "loss_mask": np.array([[True, False]]),
+              "lengths": np.array([2], np.int32)}
+    path = tmp_path / "part.npz"
+
+    def interrupted(file, **_):
+        file.write(b"half an archive")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(np, "savez_compressed", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        data.save_dataset(arrays, path)
+    assert not path.exists()  # a resumed distillation redoes this part instead of skipping it
+    monkeypatch.undo()
+    data.save_dataset(arrays, path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["part.npz"]  # the stale partial was replaced
+    np.testing.assert_array_equal(data.load_dataset(path)["input_ids"], arrays["input_ids"])
+
+
 def test_save_keeps_wide_ids(tmp_path):
     arrays = {
         "input_ids": np.array([[70000, 1]], dtype=np.int32),

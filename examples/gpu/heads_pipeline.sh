@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# One lease's head pipeline over every GPU of the machine (one or two): profile the train step,
+# distil, train EAGLE-3 (and EAGLE-1 on a second GPU), evaluate. Stages write as they go; a rerun
+# reuses distilled parts and resumes training from its orbax checkpoint.
+# From the repo root, after `source examples/gpu/setup.sh`, with .stage/turns.npz,
+# .stage/heldout.jsonl and .stage/mtbench_question.jsonl:
+#   RESULTS=DIR bash examples/gpu/heads_pipeline.sh RUN_DIR
+# Budgets (seconds): DISTILL_SECONDS (no new part starts after it), TRAIN_SECONDS (the step
+# count is set from the profiled step time so that the cosine schedule ends inside it).
+set -x
+run=${1:?run directory}; r=${RESULTS:-docs/results}; mkdir -p "$run" "$r"
+export EAGLE_JAX_MTBENCH=.stage/mtbench_question.jsonl
+gpus=$(nvidia-smi -L | wc -l)
+train_seconds=${TRAIN_SECONDS:-540}
+
+distill() {  # distill GPU OUT_DIR ARGS...: greedy rounds need --rounds 3 --temperatures 0,...
+  CUDA_VISIBLE_DEVICES=$1 python3 -m eagle_jax.distill --turns .stage/turns.npz --out "$2" --max-prompt-tokens 384 \
+    --max-new-tokens 256 --batch-size 1024 --max-seconds "${DISTILL_SECONDS:-240}" "${@:3}"
+}
+profile() {  # profile GPU METHOD ATTENTION [UNROLL]: one train_trace row in $r/profile.json
+  CUDA_VISIBLE_DEVICES=$1 python3 examples/profile_train.py --method "$2" --attention "$3" ${4:+--unroll $4} \
+    --batch-size 64 --sequence-length 640 --timed-steps 10 --steps 3 --label "heads_pipeline" --out "$r/profile.json"
+}
+fastest() {  # fastest METHOD: "attention step_ms" of the quickest profiled train step of METHOD
+  python3 - "$r/profile.json" "$1" <<'EOF'
+import json, sys
+rows = [row for row in json.load(open(sys.argv[1])) if row.get("kind") == "train_trace" and row["method"] == sys.argv[2]
+        and row.get("label") == "heads_pipeline"]
+best = min(rows, key=lambda row: row["step_ms"])
+print(best.get("attention", "xla"), best["step_ms"])
+EOF
+}
+train() {  # train GPU METHOD UNROLL: steps sized to $train_seconds from the profiled step time
+  read -r attention step_ms <<< "$(fastest "$2")"
+  steps=$(python3 -c "print(int($train_seconds * 1000 / $step_ms * 0.92))")
+  CUDA_VISIBLE_DEVICES=$1 python3 -m eagle_jax.train --method "$2" --unroll "$3" --attention "$attention" \
+    --data "$run/distill" --output "$run/$2" --steps "$steps" --batch-size 64 --warmup-steps 200 \
+    --max-seconds "$train_seconds" --eval-prompts 0 && cp "$run/$2/metrics.json" "$r/$2_metrics.json"
+}
+evaluate() {  # evaluate GPU METHOD: held-out ShareGPT at k = 5, MT-Bench at k = 1..7
+  m="--method $2 --draft $run/$2/head --max_num_seqs 1 --num_prompts 80 --max_new_tokens 256"
+  CUDA_VISIBLE_DEVICES=$1 python3 examples/eagle.py $m --num_spec_tokens 5 --dataset .stage/heldout.jsonl \
+    --out "$r/heldout_$2.json"
+  CUDA_VISIBLE_DEVICES=$1 python3 examples/eagle.py $m --num_spec_tokens 5,1,3,7,2,4,6 --out "$r/mtbench_$2.json"
+}
+trace_steps() {  # trace_steps GPU: issue 10's step_trace rows (plain and EAGLE-3 k = 5 at batch 1, the distil step)
+  t="CUDA_VISIBLE_DEVICES=$1 python3 examples/profile_step.py --parts step_trace --out $r/profile.json"
+  eval "$t --method none --cache-length 512 --label baseline"
+  eval "$t --method eagle3 --k 5 --cache-length 512 --label baseline"
+  eval "$t --method none --batch-size 1024 --cache-length 768 --trace-steps 8 --steps-per-call 8 --label distill-step"
+}
+
+# Greedy rounds 0-2 then T = 0.7 on GPU 0; sampled first turns on the other GPU (its own
+# directory: nobody reads a part while another process writes it).
+if [ "$gpus" -ge 2 ]; then
+  distill 0 "$run/distill" --rounds 3 --temperatures 0,0.7 &
+  ( profile 1 eagle3 xla; profile 1 eagle3 cudnn; profile 1 eagle cudnn 3 || profile 1 eagle xla 3
+    distill 1 "$run/distill-sampled" --rounds 1 --temperatures 0.8,1.0,0.9,0.6 ) &
+  wait
+  mv "$run"/distill-sampled/*.npz "$run/distill/" 2>/dev/null
+  train 0 eagle3 7 & train 1 eagle 3 & wait
+  evaluate 0 eagle3 & ( evaluate 1 eagle; trace_steps 1 ) & wait
+else
+  profile 0 eagle3 xla; profile 0 eagle3 cudnn
+  distill 0 "$run/distill" --rounds 3 --temperatures 0,0.8,1.0,0.7
+  train 0 eagle3 7
+  evaluate 0 eagle3
+  trace_steps 0
+fi
+ls -la "$run/distill"
