@@ -4,8 +4,9 @@ Both heads share one interface, so the speculative loop and the trainer do not c
   * `project(target_features)`: target features -> the head's feature space [.., D].
   * `attention_input(embedded, features)` -> (attention input, residual); `attention`, the
     layer's `layers.Attention`; `finish(attended, residual)` -> next features; `logits(out, target)`.
-  * `__call__(tokens, features, positions, cache, target)`: those four with a KV cache;
-    returns (next features [B, T, D], logits [B, T, V_draft], cache).
+  * `__call__(tokens, features, positions, cache, target, mask=None)`: those four with a KV
+    cache (`mask`: `layers.SlotMask` for tree drafting); returns (next features [B, T, D],
+    logits [B, T, V_draft], cache).
   * `to_target_ids(draft_ids)`: draft vocabulary -> target vocabulary.
 The split lets training run the same layer under its own attention pattern (training-time test).
 """
@@ -75,8 +76,9 @@ class Eagle1Head(nnx.Module):
     def logits(self, out, target: llama.Llama):
         return target.logits(out)
 
-    def __call__(self, tokens, features, positions, cache: kv_cache_lib.KVCache, target: llama.Llama):
-        return _cached_forward(self, tokens, features, positions, cache, target)
+    def __call__(self, tokens, features, positions, cache: kv_cache_lib.KVCache, target: llama.Llama,
+                 mask: layers.SlotMask | None = None):
+        return _cached_forward(self, tokens, features, positions, cache, target, mask)
 
     def to_target_ids(self, draft_ids: jax.Array) -> jax.Array:
         return draft_ids
@@ -117,8 +119,9 @@ class Eagle3Head(nnx.Module):
         return jnp.einsum("...d,dv->...v", self.norm(out), self.lm_head.kernel[...].astype(out.dtype),
                           preferred_element_type=jnp.float32)
 
-    def __call__(self, tokens, features, positions, cache: kv_cache_lib.KVCache, target: llama.Llama):
-        return _cached_forward(self, tokens, features, positions, cache, target)
+    def __call__(self, tokens, features, positions, cache: kv_cache_lib.KVCache, target: llama.Llama,
+                 mask: layers.SlotMask | None = None):
+        return _cached_forward(self, tokens, features, positions, cache, target, mask)
 
     def to_target_ids(self, draft_ids: jax.Array) -> jax.Array:
         return (draft_ids + self.d2t[...][draft_ids]).astype(jnp.int32)
@@ -141,10 +144,11 @@ class Eagle3Midlayer(nnx.Module):
         self.mlp = layers.MLP(cfg.layer, rngs=rngs, **kw)
 
 
-def _cached_forward(head, tokens, features, positions, cache: kv_cache_lib.KVCache, target: llama.Llama):
+def _cached_forward(head, tokens, features, positions, cache: kv_cache_lib.KVCache, target: llama.Llama,
+                    mask: layers.SlotMask | None = None):
     """One draft forward over T (token, feature) pairs with the head's one-layer KV cache."""
     x, residual = head.attention_input(target.embed_tokens(tokens), features)
-    attended, keys, values = head.attention(x, positions, cache.keys[0], cache.values[0])
+    attended, keys, values = head.attention(x, positions, cache.keys[0], cache.values[0], mask=mask)
     out = head.finish(attended, residual)
     return out, head.logits(out, target), cache.replace(keys=(keys,), values=(values,))
 

@@ -22,6 +22,7 @@ from eagle_jax import llama
 from eagle_jax import sampling as sampling_lib
 from eagle_jax import scheduler as scheduler_lib
 from eagle_jax import speculative
+from eagle_jax import tree as tree_lib
 
 MIN_BUCKET = 16
 
@@ -88,8 +89,11 @@ class Engine:
     Args:
         target: the Llama target.
         head: an EAGLE head, or None for plain decoding.
-        num_speculative_tokens: k; 0 means plain decoding.
-        max_length: the largest KV cache (prompt + new tokens + k + 1 must fit). Each batch
+        num_speculative_tokens: k, a chain of k drafts per step; 0 means plain decoding.
+        tree: draft an EAGLE-2 tree per step instead of a chain (`tree.TreeOptions`: topk,
+            num_steps, num_draft_tokens); excludes num_speculative_tokens.
+        max_length: the largest KV cache (prompt + new tokens + the step's headroom, k + 1 for a
+            chain, `TreeOptions.cache_headroom` for a tree, must fit). Each batch
             uses the power-of-two cache length its request needs, up to this: attention reads
             the whole cache, so a right-sized one is up to 7x faster on CPU.
         batch_size: rows per compiled program; shorter batches are padded with idle rows.
@@ -106,15 +110,19 @@ class Engine:
             length (max_length), so nothing recompiles across prompts or budgets.
     """
 
-    def __init__(self, target: llama.Llama, head=None, *, num_speculative_tokens: int = 0, max_length: int = 2048,
-                 batch_size: int = 1, eager: bool = False, cache_dir=None, fixed_shapes: bool = False,
-                 steps_per_check: int = 1, scheduler: str = "static"):
+    def __init__(self, target: llama.Llama, head=None, *, num_speculative_tokens: int = 0,
+                 tree: tree_lib.TreeOptions | None = None, max_length: int = 2048, batch_size: int = 1,
+                 eager: bool = False, cache_dir=None, fixed_shapes: bool = False, steps_per_check: int = 1,
+                 scheduler: str = "static"):
         if num_speculative_tokens < 0:
             raise InputError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
-        if num_speculative_tokens and head is None:
-            raise InputError("num_speculative_tokens > 0 needs a draft head")
+        if (num_speculative_tokens or tree is not None) and head is None:
+            raise InputError("num_speculative_tokens > 0 or a tree needs a draft head")
+        if num_speculative_tokens and tree is not None:
+            raise InputError("num_speculative_tokens (a chain) and tree exclude each other")
         self.config = target.config
-        self.k = num_speculative_tokens if head is not None else 0
+        self.tree = tree
+        self.k = tree.num_steps if tree is not None else (num_speculative_tokens if head is not None else 0)
         self.max_length = min(max_length, self.config.max_position_embeddings)
         self.batch_size = batch_size
         self.eager = eager
@@ -132,6 +140,15 @@ class Engine:
         self._compiled: dict = {}
         self.compile_seconds = 0.0
 
+    def options(self, **settings) -> speculative.Options:
+        """The step options for these settings (sampling, eos_ids, ...), with this engine's drafting."""
+        return speculative.Options(k=self.k, tree=self.tree, **settings)
+
+    @property
+    def headroom(self) -> int:
+        """Cache slots past a row's committed length that one step may write."""
+        return self.options().cache_headroom
+
     @property
     def num_compilations(self) -> int:
         """XLA compilations this engine ran (persistent-cache hits excluded)."""
@@ -143,6 +160,9 @@ class Engine:
         method = self.head_config.method if self.head_config is not None and opts.k else "plain"
         if program in ("start", "prefill-row"):
             return f"prefill-{method}"
+        if opts.tree is not None:
+            tree = opts.tree
+            return f"speculative-{method}-topk{tree.topk}-steps{tree.num_steps}-draft{tree.num_draft_tokens}"
         return f"speculative-{method}-k{opts.k}" if opts.k else "decode"
 
     # Pure functions of (params, inputs): the jit boundary merges modules inside.
@@ -203,8 +223,8 @@ class Engine:
         if not isinstance(max_new_tokens, (int, np.integer)):
             raise InputError("per-prompt max_new_tokens needs scheduler='continuous'")
         prompts = self.check_prompts(prompts, max_new_tokens)
-        opts = speculative.Options(k=self.k, sampling=sampling, eos_ids=eos, max_new_tokens=max_new_tokens)
-        extra = max_new_tokens + self.k + 1
+        opts = self.options(sampling=sampling, eos_ids=eos, max_new_tokens=max_new_tokens)
+        extra = max_new_tokens + self.headroom
         results: list[Result] = []
         rng = jax.random.key(seed)
         for first in range(0, len(prompts), self.batch_size):
@@ -229,9 +249,10 @@ class Engine:
         budgets = self._budgets(max_new_tokens, len(prompts))
         prompts = [as_token_ids(p, self.config.vocab_size) for p in prompts]
         for index, (prompt, max_new_tokens) in enumerate(zip(prompts, budgets)):
-            needed = len(prompt) + max_new_tokens + self.k + 1
+            needed = len(prompt) + max_new_tokens + self.headroom
             if needed > self.max_length:
-                raise InputError(f"prompt {index} has {len(prompt)} tokens; with {max_new_tokens} new tokens and k={self.k} "
+                drafting = f"k={self.k}" if self.tree is None else f"a {self.headroom}-slot tree step"
+                raise InputError(f"prompt {index} has {len(prompt)} tokens; with {max_new_tokens} new tokens and {drafting} "
                                  f"it needs {needed} cache slots, more than max_length={self.max_length}")
         return prompts
 
@@ -259,7 +280,7 @@ class Engine:
             if len(prompt) > width:
                 raise InputError(f"prompt {index} has {len(prompt)} tokens; the continuous scheduler takes up to "
                                  f"max_length // 2 = {width}")
-        finished = scheduler_lib.generate(programs, prompts, budgets, jax.random.key(seed), self.k, on_tokens)
+        finished = scheduler_lib.generate(programs, prompts, budgets, jax.random.key(seed), on_tokens)
         compile_seconds = self.compile_seconds - compile_before
         return [Result(token_ids=f.token_ids, seconds=f.seconds, compile_seconds=compile_seconds, stats=f.stats)
                 for f in finished]
@@ -272,8 +293,8 @@ class Engine:
         an output buffer for the largest budget any prompt could have; budgets are per row.
         """
         width = self.max_length // 2
-        opts = speculative.Options(k=self.k, sampling=sampling, eos_ids=eos_ids,
-                                   max_new_tokens=self.max_length - self.k - 2, cache_length=self.max_length)
+        opts = self.options(sampling=sampling, eos_ids=eos_ids, max_new_tokens=self.max_length - self.headroom - 1,
+                            cache_length=self.max_length)
         compile_before = self.compile_seconds
         params = (self.target_params, self.head_params)
         args = params + (np.zeros((1, width), np.int32), np.ones((1,), np.int32), np.ones((1,), np.int32),
@@ -293,7 +314,8 @@ class Engine:
                             dict(num_steps=steps_per_call, opts=opts), 0, donate=("state",))
         return scheduler_lib.SlotPrograms(
             prefill=lambda *inputs: prefill(*params, *inputs), insert=insert, run=lambda state: run(*params, state),
-            empty=empty, batch_size=self.batch_size, width=width, compile_seconds=self.compile_seconds - compile_before)
+            empty=empty, batch_size=self.batch_size, width=width, compile_seconds=self.compile_seconds - compile_before,
+            opts=opts)
 
     def batch_programs(self, prompts: Sequence[np.ndarray], rng: jax.Array, opts: speculative.Options,
                        steps_per_call: int) -> scheduler_lib.BatchPrograms:
@@ -325,10 +347,10 @@ class Engine:
                             donate=("state",))
         return scheduler_lib.BatchPrograms(start=start, run=run, start_args=args,
                                            idle=np.arange(self.batch_size) >= len(prompts),
-                                           compile_seconds=self.compile_seconds - compile_before)
+                                           compile_seconds=self.compile_seconds - compile_before, opts=opts)
 
     def _generate_batch(self, prompts, rng, opts, steps_per_call, emit) -> list[Result]:
         programs = self.batch_programs(prompts, rng, opts, steps_per_call)
-        finished = scheduler_lib.generate_static(programs, len(prompts), self.k, emit)
+        finished = scheduler_lib.generate_static(programs, len(prompts), emit)
         return [Result(token_ids=f.token_ids, seconds=f.seconds, compile_seconds=programs.compile_seconds,
                        stats=f.stats) for f in finished]

@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from eagle_jax import layers
+
 
 @struct.dataclass
 class KVCache:
@@ -39,3 +41,19 @@ class KVCache:
         shape = (batch_size, max_length, num_kv_heads, head_dim)
         zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
         return cls(keys=zeros(), values=zeros(), lengths=jnp.zeros((batch_size,), jnp.int32))
+
+
+def compact(cache: KVCache, start: jax.Array, sources: jax.Array) -> KVCache:
+    """Moves, in every layer, the entry at slot start + sources[b, m] to slot start + m.
+
+    After a tree verify the accepted path's keys and values sit at scattered node slots; the
+    path must occupy consecutive slots from the committed length on, as if decoded one by one.
+    All sources are read before anything is written, so overlapping moves are safe.
+
+    Args:
+        start: [B] int32 the committed length of each row.
+        sources: [B, M] int32 offsets from `start` of the entries to keep, in their new order.
+    """
+    slots = (start[:, None] + sources)[:, :, None, None]  # [B, M, 1, 1]
+    move = lambda array: layers.write_rows(array, jnp.take_along_axis(array, slots, axis=1), start)
+    return cache.replace(keys=tuple(map(move, cache.keys)), values=tuple(map(move, cache.values)))

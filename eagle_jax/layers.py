@@ -10,6 +10,7 @@ H head dim, F feed-forward.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -72,6 +73,21 @@ def apply_rotary(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> ja
     return (x32 * cos + rotated * sin).astype(x.dtype)
 
 
+class SlotMask(NamedTuple):
+    """A cache layout other than "position p lives in slot p, sees slots <= p": tree attention.
+
+    A tree's nodes share positions (siblings sit at the same depth), so a node's slot can no
+    longer be its position, nor can causality follow from slot order.
+
+    Attributes:
+        start: [B] int32 slot where the T new keys and values are written, consecutively.
+        visible: [B, T, S] bool: the cache slots each new query attends to (itself included).
+    """
+
+    start: jax.Array
+    visible: jax.Array
+
+
 def write_rows(cache: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Array:
     """Writes `new` [B, T, ...] into `cache` [B, S, ...] at a per-row start index [B]."""
 
@@ -118,7 +134,7 @@ class Attention(nnx.Module):
         return apply_rotary(q, positions, inv_freq), apply_rotary(k, positions, inv_freq), v
 
     def __call__(self, x: jax.Array, positions: jax.Array, keys: jax.Array | None, values: jax.Array | None,
-                 implementation: str = "xla"):
+                 implementation: str = "xla", mask: SlotMask | None = None):
         """Attends T new tokens to the cache after writing their keys and values into it.
 
         Args:
@@ -127,18 +143,23 @@ class Attention(nnx.Module):
             keys, values: [B, S, K, H] this layer's cache, or None for cache-free causal
                 self-attention among the inputs (then None is returned for both).
             implementation: of the cache-free attention (`causal_attention`).
+            mask: where to write and what to see when positions are not slots (a tree's nodes).
 
         Returns:
-            ([B, T, D] output, updated keys, updated values). Slot s is visible to a query at
-            position p iff s <= p, so stale entries past a row's cursor are never read.
+            ([B, T, D] output, updated keys, updated values). Without a mask, slot s is visible
+            to a query at position p iff s <= p, so stale entries past a row's cursor are never read.
         """
         q, k, v = self.project(x, positions)
         if keys is None:  # no cache: causal self-attention over the T inputs (training features)
             return self.output(causal_attention(q, k, v, implementation)), None, None
-        keys = write_rows(keys, k, positions[:, 0])
-        values = write_rows(values, v, positions[:, 0])
-        slots = jnp.arange(keys.shape[1], dtype=jnp.int32)
-        visible = slots[None, None, :] <= positions[:, :, None]  # [B, T, S]
+        start = positions[:, 0] if mask is None else mask.start
+        keys = write_rows(keys, k, start)
+        values = write_rows(values, v, start)
+        if mask is None:
+            slots = jnp.arange(keys.shape[1], dtype=jnp.int32)
+            visible = slots[None, None, :] <= positions[:, :, None]  # [B, T, S]
+        else:
+            visible = mask.visible
         return self.output(grouped_attention(q, keys, values, visible)), keys, values
 
     def output(self, attended: jax.Array) -> jax.Array:
@@ -251,8 +272,8 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.mlp = MLP(cfg, rngs=rngs, **kw)
 
-    def __call__(self, x, positions, keys, values, implementation: str = "xla"):
-        attended, keys, values = self.self_attn(self.input_layernorm(x), positions, keys, values, implementation)
+    def __call__(self, x, positions, keys, values, implementation: str = "xla", mask: SlotMask | None = None):
+        attended, keys, values = self.self_attn(self.input_layernorm(x), positions, keys, values, implementation, mask)
         x = x + attended
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, keys, values

@@ -29,7 +29,8 @@ class Llama(nnx.Module):
             self.lm_head = nnx.Linear(cfg.hidden_size, cfg.vocab_size, use_bias=False, rngs=rngs, **kw)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, cache: kv_cache_lib.KVCache | None,
-                 capture_layers: tuple[int, ...] = (), implementation: str = "xla"):
+                 capture_layers: tuple[int, ...] = (), implementation: str = "xla",
+                 mask: layers.SlotMask | None = None):
         """Runs T tokens per row, writing their keys and values at `positions`.
 
         Args:
@@ -40,6 +41,7 @@ class Llama(nnx.Module):
                 with `implementation` "xla" or "cudnn" (`layers.causal_attention`).
             capture_layers: layer indices whose *inputs* (the residual stream) are returned,
                 concatenated, for EAGLE-3 features.
+            mask: cache slots and visibility when positions are not slots (tree verification).
 
         Returns:
             (hidden [B, T, D] after the final norm, updated cache, captured [B, T, C*D] or None).
@@ -51,7 +53,7 @@ class Llama(nnx.Module):
         for index, layer in enumerate(self.layers):
             if index in capture_layers:
                 captured[index] = x
-            x, keys[index], values[index] = layer(x, positions, keys[index], values[index], implementation)
+            x, keys[index], values[index] = layer(x, positions, keys[index], values[index], implementation, mask)
         if cache is not None:
             cache = cache.replace(keys=tuple(keys), values=tuple(values))
         # In the requested order, repeats allowed (tiny targets give EAGLE-3 defaults like (2, 2, 1)).

@@ -66,6 +66,7 @@ class BatchPrograms:
     start_args: tuple  # (target_params, head_params, tokens [B, W], lengths [B], rng)
     idle: np.ndarray  # [B] bool: padding rows, marked done after prefill
     compile_seconds: float
+    opts: speculative.Options  # what the programs were compiled for
 
     def prefill(self) -> speculative.DecodeState:
         state = self.start(*self.start_args)
@@ -89,6 +90,7 @@ class SlotPrograms:
     batch_size: int
     width: int  # the prefill width: the longest prompt a slot takes
     compile_seconds: float
+    opts: speculative.Options  # what the programs were compiled for
 
 
 @dataclasses.dataclass
@@ -100,7 +102,7 @@ class Finished:
     stats: dict
 
 
-def generate(programs: SlotPrograms, prompts: Sequence[np.ndarray], budgets: Sequence[int], rng: jax.Array, k: int,
+def generate(programs: SlotPrograms, prompts: Sequence[np.ndarray], budgets: Sequence[int], rng: jax.Array,
              on_tokens: Callable[[int, list[int]], None] | None = None) -> list[Finished]:
     """Generates for every prompt through the slots; results in input order.
 
@@ -136,7 +138,7 @@ def generate(programs: SlotPrograms, prompts: Sequence[np.ndarray], budgets: Seq
         if on_tokens is not None:
             _stream(output, counts, shown, owner, on_tokens)
         if harvest:
-            stats = speculative.stats(state, k)
+            stats = speculative.stats(state, programs.opts)
             now = time.perf_counter()
             for slot in harvest:
                 finished[owner[slot]] = Finished(token_ids=output[slot, :counts[slot]].tolist(),
@@ -144,7 +146,7 @@ def generate(programs: SlotPrograms, prompts: Sequence[np.ndarray], budgets: Seq
                 owner[slot] = None
 
 
-def generate_static(programs: BatchPrograms, num_rows: int, k: int,
+def generate_static(programs: BatchPrograms, num_rows: int,
                     on_tokens: Callable[[int, list[int]], None] | None = None) -> list[Finished]:
     """One static batch: prefill, then step (donating the state) until every row is done.
 
@@ -164,7 +166,7 @@ def generate_static(programs: BatchPrograms, num_rows: int, k: int,
         state = programs.step(state)
     output, counts = jax.device_get((state.output, state.num_generated))
     seconds = time.perf_counter() - began
-    stats = speculative.stats(state, k)
+    stats = speculative.stats(state, programs.opts)
     return [Finished(token_ids=output[row, :counts[row]].tolist(), seconds=seconds, stats=stats[row])
             for row in range(num_rows)]
 

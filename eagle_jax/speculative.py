@@ -2,7 +2,11 @@
 
 One step drafts k tokens with a `lax.fori_loop` over the EAGLE head, verifies the k+1
 positions with one target forward, accepts, and commits, all in one program. With no head
-(k = 0) the same step is plain decoding: the verify of one token is a decode step.
+(k = 0) the same step is plain decoding: the verify of one token is a decode step. With
+`Options.tree` the step drafts an EAGLE-2 tree instead (`tree_draft`), verifies its N+1 nodes
+with a tree mask, accepts the longest agreeing path (`tree.accept`), moves that path's target
+keys and values into consecutive slots, and commits exactly as the chain does, k being the
+tree's depth.
 
 Positions. The target cache holds committed tokens t_0..t_{L-1}; `next_token` is t_L, already
 emitted, not yet in the cache. Draft slot i holds the pair (t_{i+1}, f_i), f_i being the target
@@ -22,8 +26,11 @@ from flax import struct
 from eagle_jax import acceptance
 from eagle_jax import eagle
 from eagle_jax import kv_cache as kv_cache_lib
+from eagle_jax import layers
 from eagle_jax import llama
 from eagle_jax import sampling as sampling_lib
+from eagle_jax import tree as tree_lib
+from eagle_jax import tree_draft
 
 
 @struct.dataclass
@@ -47,13 +54,27 @@ class DecodeState:
 
 @struct.dataclass
 class Options:
-    """Static settings of one compiled program (hashable; part of the jit cache key)."""
+    """Static settings of one compiled program (hashable; part of the jit cache key).
+
+    With a tree, k is its depth (num_steps): the most drafts one step can accept.
+    """
 
     k: int = struct.field(pytree_node=False, default=0)
+    tree: tree_lib.TreeOptions | None = struct.field(pytree_node=False, default=None)
     sampling: sampling_lib.Sampling = struct.field(pytree_node=False, default=sampling_lib.Sampling())
     eos_ids: tuple[int, ...] = struct.field(pytree_node=False, default=())
     max_new_tokens: int = struct.field(pytree_node=False, default=128)  # output capacity; rows may budget fewer
     cache_length: int = struct.field(pytree_node=False, default=256)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Drafts verified per step."""
+        return self.tree.num_draft_tokens if self.tree is not None else self.k
+
+    @property
+    def cache_headroom(self) -> int:
+        """Cache slots past a row's committed length that one step may write."""
+        return self.tree.cache_headroom if self.tree is not None else self.k + 1
 
 
 def _target_features(head, hidden, captured):
@@ -149,6 +170,21 @@ def _draft_choice(logits, head, opts: Options, rng, vocab_size: int):
     return head.to_target_ids(draft_ids), probs
 
 
+def _read_pending(target: llama.Llama, head, state: DecodeState):
+    """The head's forward over the pending pairs, which refreshes the draft cache with true features.
+
+    Returns:
+        (the last pair's output feature [B, D], its logits [B, V_draft]: the first draft's
+        distribution, the updated draft cache).
+    """
+    rows = jnp.arange(state.next_token.shape[0])
+    first_slot = state.draft_cache.lengths  # == committed length - pending count
+    positions = first_slot[:, None] + jnp.arange(state.pending_tokens.shape[1], dtype=jnp.int32)
+    features, logits, cache = head(state.pending_tokens, state.pending_features, positions, state.draft_cache, target)
+    last = state.pending_count - 1
+    return features[rows, last], logits[rows, last], cache
+
+
 def draft(target: llama.Llama, head, state: DecodeState, opts: Options, rng: jax.Array):
     """Drafts k tokens: one wide forward over the pending pairs, then k-1 single-token steps.
 
@@ -156,16 +192,11 @@ def draft(target: llama.Llama, head, state: DecodeState, opts: Options, rng: jax
         (draft ids [B, k] int32, draft probs [B, k, V] or None, updated draft cache).
     """
     batch, k, vocab = state.next_token.shape[0], opts.k, target.config.vocab_size
-    rows = jnp.arange(batch)
-    first_slot = state.draft_cache.lengths  # == committed length - pending count
-    positions = first_slot[:, None] + jnp.arange(k + 1, dtype=jnp.int32)
-    features, logits, cache = head(state.pending_tokens, state.pending_features, positions, state.draft_cache, target)
-    last = state.pending_count - 1
+    feature, logits, cache = _read_pending(target, head, state)
     rngs = jax.random.split(rng, k)
-    token, probs = _draft_choice(logits[rows, last], head, opts, rngs[0], vocab)
+    token, probs = _draft_choice(logits, head, opts, rngs[0], vocab)
     ids = jnp.zeros((batch, k), jnp.int32).at[:, 0].set(token)
     all_probs = None if probs is None else jnp.zeros((batch, k, vocab), probs.dtype).at[:, 0].set(probs)
-    feature = features[rows, last]
     position = state.cache.lengths  # slot of the first drafted token
 
     def body(j, carry):
@@ -183,14 +214,15 @@ def draft(target: llama.Llama, head, state: DecodeState, opts: Options, rng: jax
 
 
 def step(target: llama.Llama, head, state: DecodeState, opts: Options) -> DecodeState:
-    """One speculative step (or one plain decode step when k == 0)."""
+    """One speculative step (or one plain decode step when k == 0), chain or tree."""
+    if opts.tree is not None:
+        return _tree_step(target, head, state, opts)
     k, batch = opts.k, state.next_token.shape[0]
-    active = ~state.done
     rng, draft_rng, accept_rng = jax.random.split(state.rng, 3)
     if k:
         draft_ids, draft_probs, draft_cache = draft(target, head, state, opts, draft_rng)
     else:
-        draft_ids, draft_probs = jnp.zeros((batch, 0), jnp.int32), None
+        draft_ids, draft_probs, draft_cache = jnp.zeros((batch, 0), jnp.int32), None, None
     committed = state.cache.lengths
     verify_tokens = jnp.concatenate([state.next_token[:, None], draft_ids], axis=1)  # [B, k+1]
     positions = committed[:, None] + jnp.arange(k + 1, dtype=jnp.int32)
@@ -204,9 +236,56 @@ def step(target: llama.Llama, head, state: DecodeState, opts: Options) -> Decode
     else:
         num_accepted = jnp.zeros((batch,), jnp.int32)
         next_token = sampling_lib.select(logits[:, 0], opts.sampling, accept_rng)
+    features = _target_features(head, hidden, captured) if k else None
+    return _commit(state, opts, rng, cache, draft_ids, num_accepted, next_token, draft_cache, features)
+
+
+def draft_tree(target: llama.Llama, head, state: DecodeState, opts: Options):
+    """Drafts this step's EAGLE-2 tree: the pending pairs first, then `tree_draft.draft`.
+
+    Returns:
+        (the `tree.Tree`, the updated draft cache).
+    """
+    feature, logits, draft_cache = _read_pending(target, head, state)
+    return tree_draft.draft(target, head, draft_cache, feature, logits, state.next_token, state.cache.lengths,
+                            opts.tree, opts.sampling)
+
+
+def _tree_step(target: llama.Llama, head, state: DecodeState, opts: Options) -> DecodeState:
+    """One EAGLE-2 step: draft a tree, verify its N+1 nodes in one forward, accept, compact, commit."""
+    rng, accept_rng = jax.random.split(state.rng)
+    committed = state.cache.lengths
+    nodes, draft_cache = draft_tree(target, head, state, opts)
+    # Node i is written to slot L + i at position L + depth; it sees the context and its ancestors.
+    mask = layers.SlotMask(committed, tree_lib.visible_slots(committed, nodes.ancestors, state.cache.max_length))
+    hidden, cache, captured = target(nodes.tokens, committed[:, None] + nodes.depths, state.cache,
+                                     _capture_layers(head), mask=mask)
+    choices = sampling_lib.select(target.logits(hidden), opts.sampling, accept_rng)  # [B, N+1]: one draw per node
+    num_accepted, next_token, path = tree_lib.accept(nodes, choices, opts.k)
+    cache = kv_cache_lib.compact(cache, committed, path)  # the path's entries to slots L..L+k
+    on_path = lambda x: None if x is None else jnp.take_along_axis(x, path[..., None], axis=1)
+    drafts = jnp.take_along_axis(nodes.tokens, path[:, 1:], axis=1)
+    return _commit(state, opts, rng, cache, drafts, num_accepted, next_token, draft_cache,
+                   _target_features(head, on_path(hidden), on_path(captured)))
+
+
+def _commit(state: DecodeState, opts: Options, rng: jax.Array, cache: kv_cache_lib.KVCache, drafts: jax.Array,
+            num_accepted: jax.Array, next_token: jax.Array, draft_cache: kv_cache_lib.KVCache | None,
+            features: jax.Array | None) -> DecodeState:
+    """Emits the accepted drafts and the next token, advances the cursors, queues the pending pairs.
+
+    Args:
+        cache: the target cache after the verify, the accepted positions at slots L..L+num_accepted.
+        drafts: [B, k] the drafts along the accepted path (those past num_accepted are not used).
+        draft_cache: the head's cache after drafting (None without a head).
+        features: [B, k+1, D] the head-space target features at the path's positions, root first.
+    """
+    k, batch = opts.k, state.next_token.shape[0]
+    active = ~state.done
+    committed = state.cache.lengths
     # Emitted this step: the accepted drafts, then the correction or bonus token.
     index = jnp.arange(k + 1, dtype=jnp.int32)
-    padded_drafts = jnp.concatenate([draft_ids, jnp.zeros((batch, 1), jnp.int32)], axis=1)
+    padded_drafts = jnp.concatenate([drafts, jnp.zeros((batch, 1), jnp.int32)], axis=1)
     emitted = jnp.where(index[None] < num_accepted[:, None], padded_drafts, next_token[:, None])
     new = append_tokens(state, emitted, num_accepted + 1, opts)
     # EOS or the budget may keep fewer tokens than the step produced: a draft counts as accepted
@@ -221,11 +300,10 @@ def step(target: llama.Llama, head, state: DecodeState, opts: Options) -> Decode
         accepted_per_position=state.accepted_per_position
         + (index[None, : max(k, 1)] < num_emitted_drafts[:, None]).astype(jnp.int32),
     )
-    if not k:
+    if draft_cache is None:
         return new
     # The verified positions' true features become the next step's pending pairs; the draft
     # cache rolls back to the committed length, so rejected slots are simply overwritten.
-    features = _target_features(head, hidden, captured)
     return new.replace(
         draft_cache=draft_cache.replace(lengths=keep(committed, state.draft_cache.lengths)),
         pending_tokens=keep(emitted, state.pending_tokens),
@@ -259,7 +337,7 @@ def run_steps(target: llama.Llama, head, state: DecodeState, num_steps: int, opt
     return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
 
 
-def stats(state: DecodeState, k: int) -> list[dict[str, Any]]:
+def stats(state: DecodeState, opts: Options) -> list[dict[str, Any]]:
     """Per-row acceptance counters (host numbers) in vLLM's conventions.
 
     `num_drafts` counts the steps a row ran while active; a draft counts as accepted only if it
@@ -267,6 +345,7 @@ def stats(state: DecodeState, k: int) -> list[dict[str, Any]]:
     number 1 + num_drafts + num_accepted_tokens, or one fewer when its last step was cut before
     the correction or bonus token.
     """
+    k = opts.k
     steps = jax.device_get(state.num_steps)
     per_position = jax.device_get(state.accepted_per_position)[:, :k]
     rows = []
@@ -274,7 +353,7 @@ def stats(state: DecodeState, k: int) -> list[dict[str, Any]]:
         drafts, accepted = int(row_steps), int(row_accepted.sum())
         rows.append(dict(
             num_drafts=drafts if k else 0,
-            num_draft_tokens=drafts * k,
+            num_draft_tokens=drafts * opts.num_draft_tokens,
             num_accepted_tokens=accepted,
             acceptance_length=1 + accepted / drafts if drafts and k else 1.0,
             acceptance_rate_per_position=[int(a) / drafts if drafts else 0.0 for a in row_accepted],

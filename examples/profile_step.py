@@ -274,7 +274,7 @@ def in_process(args, target, head, prompt: list[int], head_is_random: bool) -> l
             jax.block_until_ready(run_step())
         step_ms = median_ms(run_step, args.iterations, "step (jit)")
         final = holder["state"]
-        stats = speculative.stats(final, k)[0]
+        stats = speculative.stats(final, opts)[0]
         rows.append(dict(kind="step_breakdown", draft_ms=round(draft_ms, 4), verify_ms=round(verify_ms[k + 1], 4),
                          step_ms=round(step_ms, 4), plain_decode_ms=round(verify_ms[1], 4),
                          draft_share=round(draft_ms / step_ms, 4), verify_share=round(verify_ms[k + 1] / step_ms, 4),

@@ -9,7 +9,8 @@ of one batch generate from the same prompt (each row draws its own random number
 empirical law of each token, and of each pair of neighbouring tokens, is compared with it by
 chi-square. One step verifies K = 3 drafts, so tokens 1 to 4 come from accepted drafts at every
 depth, from corrections after rejections at every depth, and from bonus tokens; the test counts
-that each of these happened often.
+that each of these happened often. The tree cases draft EAGLE-2 trees of depth K instead (the
+target's choice at each node follows the child that matches it, `tree.accept`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import pytest
 
 from eagle_jax import engine
 from eagle_jax import sampling
+from eagle_jax import tree
 
 V, K, NEW, ROWS = 10, 3, 5, 8192
 PROMPT = np.array([1, 4, 2, 7, 3], np.int32)
@@ -63,8 +65,8 @@ def branch_counts(results) -> tuple[np.ndarray, np.ndarray]:
     """(accepted drafts [K], rejected drafts [K]) at each draft depth, from the rows' stats.
 
     A row's per-depth counts say how many of its steps accepted (and emitted) the draft at depth
-    j; those that reached depth j (accepted depth j - 1) but did not accept there rejected it and
-    emitted a correction, unless the token budget cut that step short. Only a row's last step can
+    j; those that reached depth j (accepted depth j - 1) but did not accept there rejected it (or,
+    in a tree, every child there) and emitted a correction, unless the token budget cut that step short. Only a row's last step can
     be cut, and then the row holds one token fewer than 1 + num_drafts + num_accepted_tokens:
     such rows are left out of the rejection counts, which are then exact for the other rows.
     """
@@ -78,19 +80,22 @@ def branch_counts(results) -> tuple[np.ndarray, np.ndarray]:
     return accepted, rejected
 
 
-CASES = {
-    "eagle-T0.5": ("eagle", sampling.Sampling(temperature=0.5)),
-    "eagle-T1.5": ("eagle", sampling.Sampling(temperature=1.5)),
-    "eagle3-T1.0": ("eagle3", sampling.Sampling(temperature=1.0)),
-    "eagle3-T1.0-top_p0.8": ("eagle3", sampling.Sampling(temperature=1.0, top_p=0.8)),
+CASES = {  # (method, sampling, tree or None for the chain of K drafts)
+    "eagle-T0.5": ("eagle", sampling.Sampling(temperature=0.5), None),
+    "eagle-T1.5": ("eagle", sampling.Sampling(temperature=1.5), None),
+    "eagle3-T1.0": ("eagle3", sampling.Sampling(temperature=1.0), None),
+    "eagle3-T1.0-top_p0.8": ("eagle3", sampling.Sampling(temperature=1.0, top_p=0.8), None),
+    "eagle-tree-T1.0": ("eagle", sampling.Sampling(temperature=1.0), tree.TreeOptions(2, K, 10)),
+    "eagle3-tree-T1.0-top_p0.9": ("eagle3", sampling.Sampling(temperature=1.0, top_p=0.9), tree.TreeOptions(3, K, 21)),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_tokens_follow_plain_sampling(target, continuation_logits, random_head, chi_square, case):
-    method, settings = CASES[case]
+    method, settings, draft_tree = CASES[case]
     head = random_head(target.config, method, seed=3, draft_vocab_size=8)
-    generator = engine.Engine(target, head, num_speculative_tokens=K, batch_size=ROWS, max_length=32)
+    speculation = dict(tree=draft_tree) if draft_tree else dict(num_speculative_tokens=K)
+    generator = engine.Engine(target, head, batch_size=ROWS, max_length=32, **speculation)
     results = generator.generate([PROMPT] * ROWS, max_new_tokens=NEW, seed=11, sampling=settings)
     tokens = np.array([r.token_ids for r in results])  # [ROWS, NEW]: token 0 from prefill, the rest from steps
     accepted, rejected = branch_counts(results)
