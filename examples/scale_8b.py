@@ -154,7 +154,8 @@ def load_acceptance(path: str) -> dict[tuple[str, int], float]:
         raise ValueError(f"{path}: not a JSON list of result rows ({error})") from None
     for row in rows:
         if (row.get("method") in ("eagle", "eagle3") and row.get("batch_size") == 1 and row.get("mode") == "compiled"
-                and float(row.get("temperature", 0)) == 0 and row.get("acceptance_length")):
+                and float(row.get("temperature", 0)) == 0 and row.get("acceptance_length")
+                and "speculative_eagle_topk" not in row):  # chains only: a tree's k is its depth
             found[(row["method"], int(row["k"]))] = float(row["acceptance_length"])  # later rows win
     return found
 

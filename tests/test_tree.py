@@ -308,6 +308,40 @@ def test_drafted_tree_matches_a_reference_without_caches(target, make_head, prom
     assert (len(pending_counts) > 1) == accepts, pending_counts  # steps that accepted different numbers of drafts
 
 
+# The verify's N + 1 nodes bound the first tree's writes, the draft's (D-1)K scratch slots the second's.
+@pytest.mark.parametrize("settings", [(2, 3, 6), (4, 3, 5)])
+def test_a_step_writes_within_its_headroom(target, make_head, settings):  # noqa: F811
+    """With the cache just long enough (`TreeOptions.cache_headroom` past the prompt), a step drafts,
+    fills its scratch slots and emits what it does in a roomier cache, and leaves every committed
+    entry alone (a write past the end would be clamped back onto earlier slots)."""
+    tree, length = tree_lib.TreeOptions(*settings), 9
+    head = make_head("eagle-bias")
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 101, (1, length)), jnp.int32)
+
+    def first_step(cache_length):
+        opts = speculative.Options(k=tree.num_steps, tree=tree, max_new_tokens=4, cache_length=cache_length)
+        state = jax.jit(lambda t: speculative.start(target, head, t, jnp.array([length]), jax.random.key(0), opts))(
+            tokens)
+        drafted = jax.jit(lambda s: speculative.draft_tree(target, head, s, opts))(state)
+        return state, drafted, jax.jit(lambda s: speculative.step(target, head, s, opts))(state)
+
+    state, drafted, after = first_step(length + tree.cache_headroom)
+    _, roomy_drafted, roomy_after = first_step(length + tree.cache_headroom + 8)
+    (drafted, scratch), (roomy_drafted, roomy_scratch) = drafted, roomy_drafted
+    np.testing.assert_array_equal(drafted.tokens, roomy_drafted.tokens)
+    np.testing.assert_allclose(drafted.scores, roomy_drafted.scores, rtol=1e-5, atol=1e-5)
+    used = length + (tree.num_steps - 1) * tree.topk  # the frontiers of depths 1..D-1 sit before this slot
+    for entries, roomy_entries in zip(scratch.keys + scratch.values, roomy_scratch.keys + roomy_scratch.values):
+        np.testing.assert_allclose(entries[:, :used], roomy_entries[:, :used], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(after.output, roomy_after.output)
+    assert int(after.cache.lengths[0]) > length
+    draft_committed = int(state.draft_cache.lengths[0])  # the step's pending pair rewrites its own slot
+    for cache, new, committed in ((state.cache, after.cache, length),
+                                  (state.draft_cache, after.draft_cache, draft_committed)):
+        for old_entries, new_entries in zip(cache.keys + cache.values, new.keys + new.values):
+            np.testing.assert_array_equal(old_entries[:, :committed], new_entries[:, :committed])
+
+
 def test_nothing_recompiles_across_prompts(target, make_head, xla_compilations):  # noqa: F811
     engine = engine_lib.Engine(target, make_head("eagle3-biased"), tree=tree_lib.TreeOptions(3, 3, 6), max_length=64)
     prompt = lambda length: np.random.default_rng(length).integers(0, 101, length).tolist()
