@@ -66,6 +66,10 @@ class Options:
     max_new_tokens: int = struct.field(pytree_node=False, default=128)  # output capacity; rows may budget fewer
     cache_length: int = struct.field(pytree_node=False, default=256)
 
+    def __post_init__(self):
+        if self.tree is not None and self.k != self.tree.num_steps:  # state shapes follow k
+            raise ValueError(f"with a tree, k must be its depth {self.tree.num_steps}, got {self.k}")
+
     @property
     def num_draft_tokens(self) -> int:
         """Drafts verified per step."""

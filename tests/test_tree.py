@@ -369,6 +369,8 @@ def test_tree_settings_are_checked(target, make_head):  # noqa: F811
         engine_lib.Engine(target, make_head("eagle-agree"), num_speculative_tokens=2, tree=tree)
     with pytest.raises(engine_lib.InputError, match="needs a draft head"):
         engine_lib.Engine(target, tree=tree)
+    with pytest.raises(ValueError, match="with a tree, k must be its depth 2, got 3"):
+        speculative.Options(k=3, tree=tree)  # the decode state's shapes follow k
     engine = engine_lib.Engine(target, make_head("eagle-agree"), tree=tree, max_length=32)
     assert engine.headroom == 4  # the verify's N + 1 nodes
     with pytest.raises(engine_lib.InputError, match=r"prompt 0 has 17 tokens; with 12 new tokens and a 4-slot tree "
