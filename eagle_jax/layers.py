@@ -186,8 +186,10 @@ def causal_attention(q: jax.Array, keys: jax.Array, values: jax.Array, implement
         return _grouped_attention_with_extras(q, keys, values, causal, extra_keys, extra_values)
     if implementation != "cudnn":
         raise ValueError(f"unknown attention implementation {implementation!r} (xla, cudnn)")
-    if not extra_keys:
-        return jax.nn.dot_product_attention(q, keys, values, is_causal=True, implementation="cudnn")
+    if not extra_keys:  # an odd T is padded at the end: causal, so no earlier query sees the pad
+        pad = lambda x: jnp.pad(x, [(0, 0), (0, length % 2), (0, 0), (0, 0)])
+        out = jax.nn.dot_product_attention(pad(q), pad(keys), pad(values), is_causal=True, implementation="cudnn")
+        return out[:, :length]
     return _masked_attention_with_extras(q, keys, values, extra_keys, extra_values, "cudnn")
 
 

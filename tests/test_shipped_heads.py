@@ -23,8 +23,8 @@ PROMPTS = [
 # Floors on the acceptance length (k=5, 128 new tokens, greedy, float32, these prompts), well
 # below what the shipped heads measure and well above what a head that does not work gives.
 # Measured on a 2-core CPU (XLA opt level 0, as the tests run):
-#   shipped EAGLE-1 head  1.415 (first-position acceptance 0.35); 1.42-1.49 in earlier runs
-#   shipped EAGLE-3 head  1.538 (first-position acceptance 0.33)
+#   shipped EAGLE-1 head  1.497 (run-3 head; the run-1 head gave 1.415)
+#   shipped EAGLE-3 head  1.608 (run-3 head; the run-1 head gave 1.538)
 #   random heads of the same shapes (seeds 0, 1; EAGLE-3 with the shipped d2t)  1.000: 0 of 283
 # Floors, not targets: a better head passes; one that loads wrongly or drafts garbage fails.
 MIN_ACCEPTANCE_LENGTH = {"eagle": 1.25, "eagle3": 1.3}
