@@ -52,6 +52,12 @@ def target_factory(cfg: config_lib.LlamaConfig, dtype):
     return lambda: llama.Llama(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype)
 
 
+def random_target(config_json: str | Path, dtype: str = "float32") -> llama.Llama:
+    """A target shaped by an HF config.json, with random weights: for timing, which weights do not change."""
+    cfg = config_lib.LlamaConfig.from_hf_config(json.loads(Path(config_json).read_text()))
+    return target_factory(cfg, DTYPES[dtype])()
+
+
 def load_target(path: str | Path | None = None, dtype: str = "float32") -> tuple[llama.Llama, Path]:
     """Loads a target model.
 

@@ -47,7 +47,6 @@ import numpy as np
 import tqdm
 from flax import nnx
 
-from eagle_jax import config as config_lib
 from eagle_jax import data
 from eagle_jax import engine as engine_lib
 from eagle_jax import heads
@@ -119,12 +118,6 @@ def metadata(args) -> dict:
                 model=args.model or "SmolLM2-135M-Instruct",
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 command="python examples/profile_step.py " + shlex.join(sys.argv[1:]))
-
-
-def random_target(config_path: str, dtype: str):
-    """A target of this HF config with random weights: kernel timings do not depend on the weights."""
-    cfg = config_lib.LlamaConfig.from_hf_config(json.loads(Path(config_path).read_text()))
-    return models.target_factory(cfg, models.DTYPES[dtype])()
 
 
 def head_dir(args, target, scratch: Path) -> tuple[Path, bool]:
@@ -324,7 +317,7 @@ def main(argv=None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="eagle-jax-profile-") as scratch:
         if args.random_target:
-            target, tokenizer_dir = random_target(args.random_target, args.dtype), None
+            target, tokenizer_dir = models.random_target(args.random_target, args.dtype), None
         else:
             target, tokenizer_dir = models.load_target(args.model, args.dtype)
         draft_path, head_is_random = head_dir(args, target, Path(scratch)) if args.method != "none" else (None, False)
