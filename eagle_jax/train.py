@@ -208,6 +208,13 @@ def acceptance_length(target: llama.Llama, head, prompts: list[np.ndarray], k: i
     return dict(k=k, num_prompts=len(prompts), **engine_lib.pooled_stats(results, k))
 
 
+def attention_implementation(choice: str, dtype: str) -> str:
+    """`--attention auto`: cuDNN's fused attention on a GPU in half precision, else XLA's einsums."""
+    if choice != "auto":
+        return choice
+    return "cudnn" if jax.default_backend() == "gpu" and dtype in ("bfloat16", "float16") else "xla"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eagle_jax.train", description=__doc__.splitlines()[0])
     parser.add_argument("--method", choices=["eagle", "eagle3"], default="eagle3")
@@ -222,8 +229,9 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup-steps", type=int, default=100)
     parser.add_argument("--unroll", type=int, help="training-time-test steps (default: 1 eagle, 7 eagle3)")
     parser.add_argument("--draft-vocab-size", type=int, default=8192)
-    parser.add_argument("--attention", choices=["xla", "cudnn"], default="xla",
-                        help="attention of the train step: XLA einsums, or cuDNN's fused kernel (GPU, bf16)")
+    parser.add_argument("--attention", choices=["auto", "xla", "cudnn"], default="auto",
+                        help="attention of the train step: XLA einsums, or cuDNN's fused kernel (GPU, bf16/fp16; "
+                             "1.7x faster steps on an H200); auto picks cuDNN where it runs")
     parser.add_argument("--head-intermediate-size", type=int,
                         help="MLP width of a new head (default: the target's); a wider head costs little at "
                              "inference, where the head's step is a small part of a speculative step")
@@ -243,7 +251,8 @@ def main(argv=None) -> int:
     cfg = TrainConfig(method=args.method, steps=args.steps, batch_size=args.batch_size, learning_rate=args.learning_rate,
                       warmup_steps=args.warmup_steps, draft_vocab_size=args.draft_vocab_size,
                       head_intermediate_size=args.head_intermediate_size,
-                      objective=train_objective.Objective(num_steps=unroll, attention=args.attention))
+                      objective=train_objective.Objective(num_steps=unroll,
+                                                          attention=attention_implementation(args.attention, args.dtype)))
     output = Path(args.output)
     head = None
     if args.init_head:

@@ -151,3 +151,11 @@ def test_a_wider_head_exports_and_loads_its_width(target_and_data, tmp_path):
     assert loaded.config.layer.intermediate_size == 96
     np.testing.assert_array_equal(np.asarray(loaded.midlayer.mlp.down_proj.kernel),
                                   np.asarray(head.midlayer.mlp.down_proj.kernel))
+
+
+def test_auto_attention_is_cudnn_only_on_a_gpu_in_half_precision(monkeypatch):
+    assert train.attention_implementation("auto", "bfloat16") == "xla"  # these tests run on a CPU
+    assert train.attention_implementation("cudnn", "float32") == "cudnn"  # an explicit choice stands
+    monkeypatch.setattr(train.jax, "default_backend", lambda: "gpu")
+    assert train.attention_implementation("auto", "bfloat16") == "cudnn"
+    assert train.attention_implementation("auto", "float32") == "xla"  # cuDNN's kernel takes bf16/fp16 only
