@@ -53,6 +53,16 @@ def bucket_length(length: int, max_length: int) -> int:
     return min(max(MIN_BUCKET, 1 << (length - 1).bit_length()), max_length)
 
 
+def fixed_max_length(longest_prompt: int, max_new_tokens: int, k: int, limit: int) -> int:
+    """The smallest power-of-two `max_length` (capped at `limit`) whose fixed shapes take these prompts.
+
+    Fixed shapes (`fixed_shapes=True` and the continuous scheduler) prefill max_length // 2
+    tokens and keep a max_length cache for every prompt; attention reads the whole cache, so a
+    cache sized to the request rather than to `limit` is cheaper at every step.
+    """
+    return bucket_length(max(longest_prompt + max_new_tokens + k + 1, 2 * longest_prompt), limit)
+
+
 @dataclasses.dataclass
 class Result:
     """One prompt's generation."""
@@ -233,6 +243,9 @@ class Engine:
             if needed > self.max_length:
                 raise InputError(f"prompt {index} has {len(prompt)} tokens; with {max_new_tokens} new tokens and k={self.k} "
                                  f"it needs {needed} cache slots, more than max_length={self.max_length}")
+            if self.scheduler == "continuous" and len(prompt) > self.max_length // 2:
+                raise InputError(f"prompt {index} has {len(prompt)} tokens; the continuous scheduler takes up to "
+                                 f"max_length // 2 = {self.max_length // 2}")
         return prompts
 
     @staticmethod
@@ -254,11 +267,6 @@ class Engine:
         prompts = self.check_prompts(prompts, budgets)
         compile_before = self.compile_seconds
         programs = self.slot_programs(sampling, eos, steps_per_call)
-        width = programs.width
-        for index, prompt in enumerate(prompts):
-            if len(prompt) > width:
-                raise InputError(f"prompt {index} has {len(prompt)} tokens; the continuous scheduler takes up to "
-                                 f"max_length // 2 = {width}")
         finished = scheduler_lib.generate(programs, prompts, budgets, jax.random.key(seed), self.k, on_tokens)
         compile_seconds = self.compile_seconds - compile_before
         return [Result(token_ids=f.token_ids, seconds=f.seconds, compile_seconds=compile_seconds, stats=f.stats)

@@ -184,8 +184,7 @@ def main(argv=None) -> int:
         head, head_path = drafts.get(method, (None, None))
         longest = max(len(p) for p in prompts)
         # One prefill width and one cache length for every prompt: two compiled programs per setting.
-        needed = max(longest + args.max_new_tokens + k + 1, 2 * longest)
-        max_length = engine_lib.bucket_length(needed, target.config.max_position_embeddings)
+        max_length = engine_lib.fixed_max_length(longest, args.max_new_tokens, k, target.config.max_position_embeddings)
         engine = engine_lib.Engine(target, head, num_speculative_tokens=k, max_length=max_length,
                                    batch_size=batch_size, eager=args.eager, cache_dir=cache_dir, fixed_shapes=True,
                                    steps_per_check=args.steps_per_check)
