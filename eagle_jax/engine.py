@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import Callable, Sequence
 
 import jax
@@ -71,6 +72,12 @@ class Result:
     seconds: float  # wall time of its batch (continuous: from its prefill to its harvest), excluding compilation
     compile_seconds: float
     stats: dict
+    # Host wall-clock seconds from the start of the `generate` call (every prompt arriving then)
+    # to its first and its last token, compilation inside the call included. Both are read where
+    # the host loop syncs (after prefill or a device call), so they resolve one device call of
+    # steps_per_call steps (`scheduler.Finished`).
+    first_token_seconds: float
+    finish_seconds: float
 
     @property
     def num_tokens(self) -> int:
@@ -207,9 +214,11 @@ class Engine:
             on_tokens: called as `on_tokens(prompt_index, new_ids)` after each device call,
                 for streaming. Smaller `steps_per_call` streams more smoothly.
         """
+        began = time.perf_counter()
         eos = () if ignore_eos else tuple(self.config.eos_token_ids if eos_ids is None else eos_ids)
         if self.scheduler == "continuous":
-            return self._generate_continuous(prompts, max_new_tokens, sampling, seed, eos, steps_per_call, on_tokens)
+            return self._generate_continuous(prompts, max_new_tokens, sampling, seed, eos, steps_per_call, on_tokens,
+                                             began)
         if not isinstance(max_new_tokens, (int, np.integer)):
             raise InputError("per-prompt max_new_tokens needs scheduler='continuous'")
         prompts = self.check_prompts(prompts, max_new_tokens)
@@ -224,7 +233,7 @@ class Engine:
             cache_length = self.max_length if self.fixed_shapes else bucket_length(
                 max(len(p) for p in batch) + extra, self.max_length)
             batch_opts = dataclasses.replace(opts, cache_length=cache_length)
-            results += self._generate_batch(batch, batch_rng, batch_opts, steps_per_call, emit)
+            results += self._generate_batch(batch, batch_rng, batch_opts, steps_per_call, emit, began)
         return results
 
     def check_prompts(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int]) -> list[np.ndarray]:
@@ -261,16 +270,14 @@ class Engine:
                 raise InputError(f"max_new_tokens must be >= 1, got {budget}")
         return budgets
 
-    def _generate_continuous(self, prompts, max_new_tokens, sampling, seed, eos, steps_per_call,
-                             on_tokens) -> list[Result]:
+    def _generate_continuous(self, prompts, max_new_tokens, sampling, seed, eos, steps_per_call, on_tokens,
+                             began) -> list[Result]:
         budgets = self._budgets(max_new_tokens, len(prompts))
         prompts = self.check_prompts(prompts, budgets)
         compile_before = self.compile_seconds
         programs = self.slot_programs(sampling, eos, steps_per_call)
-        finished = scheduler_lib.generate(programs, prompts, budgets, jax.random.key(seed), self.k, on_tokens)
-        compile_seconds = self.compile_seconds - compile_before
-        return [Result(token_ids=f.token_ids, seconds=f.seconds, compile_seconds=compile_seconds, stats=f.stats)
-                for f in finished]
+        finished = scheduler_lib.generate(programs, prompts, budgets, jax.random.key(seed), self.k, on_tokens, began)
+        return [_result(f, self.compile_seconds - compile_before) for f in finished]
 
     def slot_programs(self, sampling: sampling_lib.Sampling, eos_ids: tuple[int, ...],
                       steps_per_call: int) -> scheduler_lib.SlotPrograms:
@@ -335,8 +342,13 @@ class Engine:
                                            idle=np.arange(self.batch_size) >= len(prompts),
                                            compile_seconds=self.compile_seconds - compile_before)
 
-    def _generate_batch(self, prompts, rng, opts, steps_per_call, emit) -> list[Result]:
+    def _generate_batch(self, prompts, rng, opts, steps_per_call, emit, began) -> list[Result]:
         programs = self.batch_programs(prompts, rng, opts, steps_per_call)
-        finished = scheduler_lib.generate_static(programs, len(prompts), self.k, emit)
-        return [Result(token_ids=f.token_ids, seconds=f.seconds, compile_seconds=programs.compile_seconds,
-                       stats=f.stats) for f in finished]
+        finished = scheduler_lib.generate_static(programs, len(prompts), self.k, emit, began)
+        return [_result(f, programs.compile_seconds) for f in finished]
+
+
+def _result(finished: scheduler_lib.Finished, compile_seconds: float) -> Result:
+    return Result(token_ids=finished.token_ids, seconds=finished.seconds, compile_seconds=compile_seconds,
+                  stats=finished.stats, first_token_seconds=finished.first_token_seconds,
+                  finish_seconds=finished.finish_seconds)

@@ -113,12 +113,23 @@ def test_continuous_equals_batch_one(target, prompts, heads, eos_id, reference, 
 
 
 def test_one_slot_and_idle_slots(target, prompts, eos_id, reference):
-    """One slot (pure queue) and more slots than prompts (idle slots) give the same outputs."""
+    """One slot (pure queue) and more slots than prompts (idle slots) give the same outputs.
+
+    Every prompt's times count from the call's start: through one slot each prompt's first token
+    comes after the previous prompt's last; with a slot each, all start in the first device call.
+    """
     expected = [r.token_ids for r in reference("plain")]
     for slots, count in ((1, 3), (5, 2)):
         engine = engine_lib.Engine(target, max_length=MAX_LENGTH, batch_size=slots, scheduler="continuous")
-        results = engine.generate(prompts[:count], max_new_tokens=list(BUDGETS[:count]), eos_ids=[eos_id])
+        results = engine.generate(prompts[:count], max_new_tokens=list(BUDGETS[:count]), eos_ids=[eos_id],
+                                  steps_per_call=2)
         assert [r.token_ids for r in results] == expected[:count]
+        assert all(0 < r.first_token_seconds <= r.finish_seconds for r in results)
+        if slots == 1:
+            assert all(after.first_token_seconds >= before.finish_seconds
+                       for before, after in zip(results, results[1:]))
+        else:
+            assert len({r.first_token_seconds for r in results}) == 1
 
 
 def test_input_errors(target):
