@@ -121,11 +121,16 @@ class Engine:
             ends; "continuous" keeps `batch_size` decode slots and refills a slot as soon as its
             row finishes (`scheduler`), with one prefill width (max_length // 2) and one cache
             length (max_length), so nothing recompiles across prompts or budgets.
+        speculative_disable_by_batch_size: while more rows than this are active, steps decode
+            plainly (vLLM's flag of this name): a large batch fills the device without drafts.
+            The switch happens inside the compiled step, both ways; greedy outputs are the same.
+            None speculates at every step.
     """
 
     def __init__(self, target: llama.Llama, head=None, *, num_speculative_tokens: int = 0, max_length: int = 2048,
                  batch_size: int = 1, eager: bool = False, cache_dir=None, fixed_shapes: bool = False,
-                 steps_per_check: int = 1, scheduler: str = "static"):
+                 steps_per_check: int = 1, scheduler: str = "static",
+                 speculative_disable_by_batch_size: int | None = None):
         if num_speculative_tokens < 0:
             raise InputError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
         if num_speculative_tokens and head is None:
@@ -142,6 +147,9 @@ class Engine:
         if scheduler not in ("static", "continuous"):
             raise InputError(f"scheduler must be 'static' or 'continuous', got {scheduler!r}")
         self.scheduler = scheduler
+        if speculative_disable_by_batch_size is not None and speculative_disable_by_batch_size < 1:
+            raise InputError(f"speculative_disable_by_batch_size must be >= 1, got {speculative_disable_by_batch_size}")
+        self.speculative_disable_by_batch_size = speculative_disable_by_batch_size
         self._target_def, self.target_params = nnx.split(target)
         self._head_def, self.head_params = nnx.split(head) if head is not None else (None, None)
         self.head_config = head.config if head is not None else None
@@ -222,7 +230,8 @@ class Engine:
         if not isinstance(max_new_tokens, (int, np.integer)):
             raise InputError("per-prompt max_new_tokens needs scheduler='continuous'")
         prompts = self.check_prompts(prompts, max_new_tokens)
-        opts = speculative.Options(k=self.k, sampling=sampling, eos_ids=eos, max_new_tokens=max_new_tokens)
+        opts = speculative.Options(k=self.k, sampling=sampling, eos_ids=eos, max_new_tokens=max_new_tokens,
+                                   disable_by_batch_size=self.speculative_disable_by_batch_size)
         extra = max_new_tokens + self.k + 1
         results: list[Result] = []
         rng = jax.random.key(seed)
@@ -288,7 +297,8 @@ class Engine:
         """
         width = self.max_length // 2
         opts = speculative.Options(k=self.k, sampling=sampling, eos_ids=eos_ids,
-                                   max_new_tokens=self.max_length - self.k - 2, cache_length=self.max_length)
+                                   max_new_tokens=self.max_length - self.k - 2, cache_length=self.max_length,
+                                   disable_by_batch_size=self.speculative_disable_by_batch_size)
         compile_before = self.compile_seconds
         params = (self.target_params, self.head_params)
         args = params + (np.zeros((1, width), np.int32), np.ones((1,), np.int32), np.ones((1,), np.int32),

@@ -45,6 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--method", choices=["eagle", "eagle3"],
                         help="which shipped head (default: eagle3; none on a CPU, where it measured slower)")
     parser.add_argument("--num-speculative-tokens", type=int, help="k drafted tokens per step; 0 = plain decoding")
+    parser.add_argument("--speculative-disable-by-batch-size", type=int, metavar="N",
+                        help="decode without drafts in steps where more than N rows are active (default: always "
+                             "speculate)")
     parser.add_argument("--eager", action="store_true", help="run op by op without jit (slow; for comparison)")
     parser.add_argument("--batch-size", "--max-num-seqs", dest="batch_size", type=int, default=1,
                         help="rows decoded together: a static batch, or the continuous scheduler's decode slots")
@@ -66,7 +69,7 @@ def check_flags(args) -> None:
     Raises:
         engine_lib.InputError: naming the flag and the value given.
     """
-    k = args.num_speculative_tokens
+    k, disable = args.num_speculative_tokens, args.speculative_disable_by_batch_size
     # Each check states what is valid, so a NaN (false in every comparison) fails it too.
     checks = [("--num-speculative-tokens", k, k is None or k >= 0, ">= 0"),
               ("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 1, ">= 1"),
@@ -74,6 +77,7 @@ def check_flags(args) -> None:
               ("--batch-size/--max-num-seqs", args.batch_size, args.batch_size >= 1, ">= 1"),
               ("--temperature", args.temperature, 0 <= args.temperature < math.inf, ">= 0 and finite"),
               ("--top-p", args.top_p, 0 < args.top_p <= 1, "in (0, 1]"),
+              ("--speculative-disable-by-batch-size", disable, disable is None or disable >= 1, ">= 1"),
               ("--scheduler", args.scheduler, args.scheduler in (None, *SCHEDULERS), " or ".join(SCHEDULERS))]
     for flag, value, valid, expected in checks:
         if not valid:
@@ -120,7 +124,8 @@ def load(args, prompts: list[str]):
         max_length = engine_lib.fixed_max_length(max(len(ids) for ids in token_ids), args.max_new_tokens, k,
                                                  args.max_length)
     engine = engine_lib.Engine(target, head, num_speculative_tokens=k, max_length=max_length,
-                               batch_size=args.batch_size, eager=args.eager, cache_dir=cache_dir, scheduler=scheduler)
+                               batch_size=args.batch_size, eager=args.eager, cache_dir=cache_dir, scheduler=scheduler,
+                               speculative_disable_by_batch_size=args.speculative_disable_by_batch_size)
     return engine, tokenizer, method, token_ids
 
 

@@ -84,6 +84,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="none | eagle | eagle3, or a comma list (none = plain decoding, k=0)")
     parser.add_argument("--scheduler", type=name_list(SCHEDULERS, "schedulers"), default=["static"],
                         help="static | continuous, or a comma list to record both (default static)")
+    parser.add_argument("--speculative_disable_by_batch_size", "--speculative-disable-by-batch-size", type=int,
+                        help="decode without drafts in steps where more rows than this are active")
     parser.add_argument("--model", help="target (HF dir, converted dir or .gguf; default SmolLM2-135M-Instruct)")
     parser.add_argument("--draft", help="EAGLE head directory, or a comma list (the method of each is read from "
                                         "its config); default: the shipped head for each method")
@@ -105,6 +107,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--num_prompts and --max_new_tokens must be >= 1, --warmup >= 0")
     if min(args.max_num_seqs) < 1 or (args.num_spec_tokens and min(args.num_spec_tokens) < 1):
         parser.error("batch sizes and k must be >= 1 (use --method none for plain decoding)")
+    if args.speculative_disable_by_batch_size is not None and args.speculative_disable_by_batch_size < 1:
+        parser.error("--speculative_disable_by_batch_size must be >= 1")
     return args
 
 
@@ -217,7 +221,8 @@ def main(argv=None) -> int:
         max_length = engine_lib.fixed_max_length(longest, args.max_new_tokens, k, target.config.max_position_embeddings)
         engine = engine_lib.Engine(target, head, num_speculative_tokens=k, max_length=max_length,
                                    batch_size=batch_size, eager=args.eager, cache_dir=cache_dir, fixed_shapes=True,
-                                   steps_per_check=args.steps_per_check, scheduler=scheduler)
+                                   steps_per_check=args.steps_per_check, scheduler=scheduler,
+                                   speculative_disable_by_batch_size=args.speculative_disable_by_batch_size)
         desc = f"{method} k={k} bs={batch_size} {scheduler}"
         measured = run_setting(engine, prompts, warmup_prompts, args, sampling, desc=f"{desc} {mode}")
         stats = engine_lib.pooled_stats(measured["results"], k)
@@ -237,6 +242,7 @@ def main(argv=None) -> int:
             draft=None if head_path is None else str(head_path), seed=args.seed,
             dataset=Path(args.dataset).name if args.dataset else "mt_bench",
             steps_per_call=args.steps_per_call, steps_per_check=args.steps_per_check,
+            speculative_disable_by_batch_size=args.speculative_disable_by_batch_size if k else None,
             ttft_ms_p50=round(float(measured["ttft_ms_p50"]), 2),
             latency_s_p50=round(float(measured["latency_s_p50"]), 4),
             latency_s_p90=round(float(measured["latency_s_p90"]), 4),

@@ -184,6 +184,23 @@ def test_batches_come_back_in_input_order(model_dir, cache_dir, capsys):
         assert {r["scheduler"] for r in records(out)} == {"static"}
 
 
+def test_speculation_disabled_by_batch_size(aligned_model_dir, head_dir, cache_dir, capsys):
+    """Three prompts through two slots, drafting only while at most one is busy: plain decoding's
+    tokens, with drafts in some steps and none in others."""
+    texts = ["write a poem about the sea", "the blue sky", "a short poem"]
+    argv = [arg for text in texts for arg in ("--prompt", text)] + ["--json", "--ignore-eos", "--max-num-seqs", 2]
+    code, out, err = run(capsys, aligned_model_dir, cache_dir, *argv, "--draft", "none")
+    assert code == 0, err
+    expected = [r["token_ids"] for r in records(out)]
+    code, out, err = run(capsys, aligned_model_dir, cache_dir, *argv, "--draft", head_dir, "--num-speculative-tokens",
+                         2, "--speculative-disable-by-batch-size", 1)
+    assert code == 0, err
+    got = records(out)
+    assert [r["token_ids"] for r in got] == expected
+    assert sum(r["num_drafts"] for r in got) > 0
+    assert any(r["num_tokens"] - 1 - r["num_drafts"] - r["num_accepted_tokens"] >= 1 for r in got)  # plain steps
+
+
 def test_no_compile_cache(model_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("EAGLE_JAX_CACHE_DIR", str(tmp_path / "unused"))
     code = generate.main(["--model", str(model_dir), "--prompt", "a", "--max-new-tokens", "2", "--json",
@@ -234,6 +251,7 @@ def test_bad_input_exits_2_without_traceback(model_dir, tmp_path, capsys, argv, 
     (["--top-p", "-0.1"], "--top-p must be in (0, 1], got -0.1"),
     (["--max-num-seqs", "0"], "--batch-size/--max-num-seqs must be >= 1, got 0"),
     (["--scheduler", "dynamic"], "--scheduler must be continuous or static, got dynamic"),
+    (["--speculative-disable-by-batch-size", "0"], "--speculative-disable-by-batch-size must be >= 1, got 0"),
 ])
 def test_bad_numeric_flag_exits_2_before_loading(tmp_path, capsys, argv, message):
     # The model path does not exist: a flag checked after loading would report that instead.
