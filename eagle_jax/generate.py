@@ -55,8 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="continuous: a finished row's slot takes the next prompt at once; static: each batch "
                              "runs until its longest row ends (default: continuous with more than one prompt and "
                              "a batch size above 1, else static)")
-    parser.add_argument("--max-length", type=int, default=2048, help="largest KV cache (the continuous scheduler fits its slots' "
-                                                                   "cache to the prompts, up to this)")
+    parser.add_argument("--max-length", type=int, default=2048,
+                        help="largest KV cache (the continuous scheduler fits its slots' cache to the prompts, up to this)")
     parser.add_argument("--cache-dir", help=f"compilation cache root (default: ${compile_cache.ENV_VAR}/xla or "
                                             "~/.cache/eagle_jax/xla)")
     parser.add_argument("--no-compile-cache", action="store_true")
@@ -113,7 +113,8 @@ def load(args, prompts: list[str]):
     tokenizer = tokenization.load(tokenizer_dir)
     token_ids = [tokenization.encode(tokenizer, text, not args.no_chat) for text in prompts]
     platform = jax.devices()[0].platform
-    draft, method, k, note = heads.draft_plan(args.model, args.draft, args.method, args.num_speculative_tokens, platform)
+    draft, method, k, note = heads.draft_plan(args.model, args.draft, args.method, args.num_speculative_tokens,
+                                              platform, args.batch_size)
     if note:
         print(f"eagle_jax: {note}", file=sys.stderr)
     head = models.load_head(draft, target, args.dtype) if draft else None

@@ -255,7 +255,8 @@ def _step(target: llama.Llama, head, state: DecodeState, opts: Options, k: int) 
         next_token=keep(next_token, state.next_token),
         rng=rng,
         num_steps=state.num_steps + active,
-        accepted_per_position=state.accepted_per_position + (depth[None] < num_emitted_drafts[:, None]).astype(jnp.int32),
+        accepted_per_position=state.accepted_per_position
+        + (depth[None] < num_emitted_drafts[:, None]).astype(jnp.int32),
     )
     if not uses_head:
         return new

