@@ -24,6 +24,8 @@ from eagle_jax import models
 from eagle_jax import sampling as sampling_lib
 from eagle_jax import tokenization
 
+SCHEDULERS = ("continuous", "static")
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m eagle_jax.generate", description=__doc__.splitlines()[0])
@@ -43,9 +45,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--method", choices=["eagle", "eagle3"],
                         help="which shipped head (default: eagle3; none on a CPU, where it measured slower)")
     parser.add_argument("--num-speculative-tokens", type=int, help="k drafted tokens per step; 0 = plain decoding")
+    parser.add_argument("--speculative-disable-by-batch-size", type=int, metavar="N",
+                        help="decode without drafts in steps where more than N rows are active (default: always "
+                             "speculate)")
     parser.add_argument("--eager", action="store_true", help="run op by op without jit (slow; for comparison)")
-    parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--max-length", type=int, default=2048, help="KV cache length")
+    parser.add_argument("--batch-size", "--max-num-seqs", dest="batch_size", type=int, default=1,
+                        help="rows decoded together: a static batch, or the continuous scheduler's decode slots")
+    parser.add_argument("--scheduler", metavar="{continuous,static}",
+                        help="continuous: a finished row's slot takes the next prompt at once; static: each batch "
+                             "runs until its longest row ends (default: continuous with more than one prompt and "
+                             "a batch size above 1, else static)")
+    parser.add_argument("--max-length", type=int, default=2048,
+                        help="largest KV cache (the continuous scheduler fits its slots' cache to the prompts, up to this)")
     parser.add_argument("--cache-dir", help=f"compilation cache root (default: ${compile_cache.ENV_VAR}/xla or "
                                             "~/.cache/eagle_jax/xla)")
     parser.add_argument("--no-compile-cache", action="store_true")
@@ -53,19 +64,21 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def check_flags(args) -> None:
-    """Rejects out-of-range numeric flags before anything is loaded.
+    """Rejects out-of-range flags before anything is loaded.
 
     Raises:
         engine_lib.InputError: naming the flag and the value given.
     """
-    k = args.num_speculative_tokens
+    k, disable = args.num_speculative_tokens, args.speculative_disable_by_batch_size
     # Each check states what is valid, so a NaN (false in every comparison) fails it too.
     checks = [("--num-speculative-tokens", k, k is None or k >= 0, ">= 0"),
               ("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 1, ">= 1"),
               ("--max-length", args.max_length, args.max_length >= 1, ">= 1"),
-              ("--batch-size", args.batch_size, args.batch_size >= 1, ">= 1"),
+              ("--batch-size/--max-num-seqs", args.batch_size, args.batch_size >= 1, ">= 1"),
               ("--temperature", args.temperature, 0 <= args.temperature < math.inf, ">= 0 and finite"),
-              ("--top-p", args.top_p, 0 < args.top_p <= 1, "in (0, 1]")]
+              ("--top-p", args.top_p, 0 < args.top_p <= 1, "in (0, 1]"),
+              ("--speculative-disable-by-batch-size", disable, disable is None or disable >= 1, ">= 1"),
+              ("--scheduler", args.scheduler, args.scheduler in (None, *SCHEDULERS), " or ".join(SCHEDULERS))]
     for flag, value, valid, expected in checks:
         if not valid:
             raise engine_lib.InputError(f"{flag} must be {expected}, got {value}")
@@ -87,19 +100,34 @@ def read_prompts(args) -> list[str]:
     return prompts
 
 
-def load(args):
-    """(engine, tokenizer, method) for the parsed arguments."""
+def choose_scheduler(args, num_prompts: int) -> str:
+    """--scheduler, or by default continuous where there is something to refill slots with."""
+    if args.scheduler is not None:
+        return args.scheduler
+    return "continuous" if num_prompts > 1 and args.batch_size > 1 else "static"
+
+
+def load(args, prompts: list[str]):
+    """(engine, tokenizer, method, the prompts' token ids) for the parsed arguments."""
     target, tokenizer_dir = models.load_target(args.model, args.dtype)
     tokenizer = tokenization.load(tokenizer_dir)
+    token_ids = [tokenization.encode(tokenizer, text, not args.no_chat) for text in prompts]
     platform = jax.devices()[0].platform
-    draft, method, k, note = heads.draft_plan(args.model, args.draft, args.method, args.num_speculative_tokens, platform)
+    draft, method, k, note = heads.draft_plan(args.model, args.draft, args.method, args.num_speculative_tokens,
+                                              platform, args.batch_size)
     if note:
         print(f"eagle_jax: {note}", file=sys.stderr)
     head = models.load_head(draft, target, args.dtype) if draft else None
     cache_dir = None if args.no_compile_cache else (args.cache_dir or compile_cache.default_root())
-    engine = engine_lib.Engine(target, head, num_speculative_tokens=k, max_length=args.max_length,
-                               batch_size=args.batch_size, eager=args.eager, cache_dir=cache_dir)
-    return engine, tokenizer, method
+    scheduler = choose_scheduler(args, len(prompts))
+    max_length = args.max_length
+    if scheduler == "continuous":  # every slot has one cache length: fit it to these prompts
+        max_length = engine_lib.fixed_max_length(max(len(ids) for ids in token_ids), args.max_new_tokens, k,
+                                                 args.max_length)
+    engine = engine_lib.Engine(target, head, num_speculative_tokens=k, max_length=max_length,
+                               batch_size=args.batch_size, eager=args.eager, cache_dir=cache_dir, scheduler=scheduler,
+                               speculative_disable_by_batch_size=args.speculative_disable_by_batch_size)
+    return engine, tokenizer, method, token_ids
 
 
 def main(argv=None) -> int:
@@ -108,8 +136,7 @@ def main(argv=None) -> int:
         check_flags(args)
         sampling = sampling_lib.Sampling(temperature=args.temperature, top_p=args.top_p)
         prompts = read_prompts(args)
-        engine, tokenizer, method = load(args)
-        token_ids = [tokenization.encode(tokenizer, text, not args.no_chat) for text in prompts]
+        engine, tokenizer, method, token_ids = load(args, prompts)
         engine.check_prompts(token_ids, args.max_new_tokens)  # all of them, before anything streams
         stream = not args.json and args.batch_size == 1
         streamed = {}
@@ -125,23 +152,25 @@ def main(argv=None) -> int:
                 print(f"\n>>> {prompts[index]}\n", flush=True)
                 [result] = engine.generate([ids], seed=args.seed + index, steps_per_call=8, on_tokens=on_tokens,
                                            **options)
-                report(args, prompts[index], tokenizer, result, method, engine.k, stream)
-        else:  # batched: --batch-size prompts share each compiled program call
+                report(args, prompts[index], tokenizer, result, method, engine, stream)
+        else:  # batched (static batches or decode slots); results come back in input order
             results = engine.generate(token_ids, seed=args.seed, steps_per_call=64, **options)
             for prompt, result in zip(prompts, results):
-                report(args, prompt, tokenizer, result, method, engine.k, stream)
+                report(args, prompt, tokenizer, result, method, engine, stream)
     except (engine_lib.InputError, hf_files.CheckpointError, FileNotFoundError, ValueError, RuntimeError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     return 0
 
 
-def report(args, prompt, tokenizer, result, method, k, streamed) -> None:
+def report(args, prompt, tokenizer, result, method, engine, streamed) -> None:
+    k = engine.k
     text = tokenizer.decode(result.token_ids, skip_special_tokens=True)
     if args.json:
         record = dict(prompt=prompt, text=text, token_ids=result.token_ids, num_tokens=result.num_tokens,
                       seconds=round(result.seconds, 4), tokens_per_second=round(result.tokens_per_second, 2),
                       compile_seconds=round(result.compile_seconds, 3), method=method, num_speculative_tokens=k,
+                      scheduler=engine.scheduler, batch_size=engine.batch_size,
                       **result.stats)
         print(json.dumps(record), flush=True)
         return
