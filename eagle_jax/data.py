@@ -343,3 +343,16 @@ def load_dataset(path: str | Path) -> dict[str, np.ndarray]:
     arrays["lengths"] = arrays["lengths"].astype(np.int32)
     arrays["loss_mask"] = arrays["loss_mask"].astype(bool)
     return arrays
+
+
+def subset_by_tokens(dataset: dict[str, np.ndarray], num_tokens: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random whole rows holding at least `num_tokens` trained (loss-masked) tokens, or all rows.
+
+    For data-scaling runs: the same seed nests the subsets (a smaller budget's rows are a prefix
+    of a larger one's), so the curve compares more data against less, not other data.
+    """
+    order = np.random.default_rng(seed).permutation(len(dataset["input_ids"]))
+    counts = dataset["loss_mask"][order].sum(axis=1)
+    keep = int(np.searchsorted(np.cumsum(counts), num_tokens)) + 1
+    rows = np.sort(order[:keep])
+    return {name: array[rows] for name, array in dataset.items()}

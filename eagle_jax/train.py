@@ -232,6 +232,8 @@ def main(argv=None) -> int:
     parser.add_argument("--attention", choices=["auto", "xla", "cudnn"], default="auto",
                         help="attention of the train step: XLA einsums, or cuDNN's fused kernel (GPU, bf16/fp16; "
                              "1.7x faster steps on an H200); auto picks cuDNN where it runs")
+    parser.add_argument("--train-tokens", type=int,
+                        help="train on random whole rows holding this many generated tokens (data-scaling runs)")
     parser.add_argument("--head-intermediate-size", type=int,
                         help="MLP width of a new head (default: the target's); a wider head costs little at "
                              "inference, where the head's step is a small part of a speculative step")
@@ -247,6 +249,8 @@ def main(argv=None) -> int:
 
     target, tokenizer_dir = models.load_target(args.model, args.dtype)
     dataset = data_lib.load_dataset(args.data)
+    if args.train_tokens:
+        dataset = data_lib.subset_by_tokens(dataset, args.train_tokens)
     unroll = args.unroll or (1 if args.method == "eagle" else 7)
     cfg = TrainConfig(method=args.method, steps=args.steps, batch_size=args.batch_size, learning_rate=args.learning_rate,
                       warmup_steps=args.warmup_steps, draft_vocab_size=args.draft_vocab_size,

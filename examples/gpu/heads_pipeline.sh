@@ -8,7 +8,8 @@
 # Budgets (seconds): DISTILL_SECONDS (no new part starts after it), TRAIN_SECONDS (the step
 # count is set from the profiled step time so that the cosine schedule ends inside it).
 # SKIP_DISTILL=1 trains on the parts already in RUN_DIR/distill (carried from an earlier lease);
-# INIT_FROM_SHIPPED=1 starts each head from the shipped one (eagle_jax/heads/) instead of random.
+# INIT_FROM_SHIPPED=1 starts each head from the shipped one (eagle_jax/heads/) instead of random;
+# TRAIN_TOKENS=N trains on a nested random subset of N generated tokens (data-scaling runs).
 set -x
 run=${1:?run directory}; r=${RESULTS:-docs/results}; mkdir -p "$run" "$r"
 export EAGLE_JAX_MTBENCH=.stage/mtbench_question.jsonl
@@ -37,6 +38,7 @@ train() {  # train GPU METHOD UNROLL: steps sized to $train_seconds from the pro
   steps=$(python3 -c "print(int($train_seconds * 1000 / $step_ms * 0.92))")
   init=""; [ -n "$INIT_FROM_SHIPPED" ] && init="--init-head eagle_jax/heads/smollm2-135m-instruct-$2"
   CUDA_VISIBLE_DEVICES=$1 python3 -m eagle_jax.train --method "$2" --unroll "$3" --attention "$attention" $init \
+    ${TRAIN_TOKENS:+--train-tokens $TRAIN_TOKENS} \
     --data "$run/distill" --output "$run/$2" --steps "$steps" --batch-size 64 --warmup-steps 200 \
     --max-seconds "$train_seconds" --eval-prompts 0 && cp "$run/$2/metrics.json" "$r/$2_metrics.json"
 }
