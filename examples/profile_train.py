@@ -68,6 +68,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--method", choices=["eagle", "eagle3"], default="eagle3")
     parser.add_argument("--model", help="target (default SmolLM2-135M-Instruct)")
+    parser.add_argument("--random-target", metavar="CONFIG_JSON",
+                        help="a randomly initialised target of this HF config.json (no weights to load)")
     parser.add_argument("--dtype", choices=sorted(models.DTYPES), default="bfloat16")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--sequence-length", type=int, default=640)
@@ -80,7 +82,10 @@ def main(argv=None) -> int:
     parser.add_argument("--label", help="free text saved in the row (e.g. the lever tried)")
     parser.add_argument("--out", default="docs/results/profile.json")
     args = parser.parse_args(argv)
-    target, _ = models.load_target(args.model, args.dtype)
+    if args.random_target:
+        target = models.random_target(args.random_target, args.dtype)
+    else:
+        target, _ = models.load_target(args.model, args.dtype)
     unroll = args.unroll or (1 if args.method == "eagle" else 7)
     cfg = train.TrainConfig(method=args.method, batch_size=args.batch_size, draft_vocab_size=args.draft_vocab_size,
                             objective=train_objective.Objective(num_steps=unroll, attention=args.attention))
@@ -91,7 +96,7 @@ def main(argv=None) -> int:
     device = jax.devices()[0]
     row = dict(kind="train_trace", method=args.method, unroll=unroll, batch_size=args.batch_size,
                sequence_length=args.sequence_length, draft_vocab_size=args.draft_vocab_size, dtype=args.dtype,
-               attention=args.attention,
+               attention=args.attention, random_target=args.random_target,
                label=args.label, **measured, device=device.device_kind, platform=device.platform,
                jax_version=jax.__version__, command="python " + shlex.join(sys.argv),
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))

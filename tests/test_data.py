@@ -269,3 +269,16 @@ def test_default_guard_holds_out_mtbench(mtbench_package, tmp_path):
     counts = collections.Counter()
     data.load_sharegpt(path, counts=counts)
     assert counts["held_out"] == 1
+
+
+def test_token_subsets_are_nested_and_just_large_enough():
+    rng = np.random.default_rng(3)
+    mask = rng.random((50, 12)) < 0.5
+    dataset = {"input_ids": np.arange(600).reshape(50, 12).astype(np.int32), "loss_mask": mask,
+               "lengths": np.full((50,), 12, np.int32)}
+    small, large = data.subset_by_tokens(dataset, 40), data.subset_by_tokens(dataset, 120)
+    assert small["loss_mask"].sum() >= 40 and large["loss_mask"].sum() >= 120
+    # Just enough: dropping its last row (in the random order) would fall short.
+    assert small["loss_mask"].sum() - small["loss_mask"].sum(axis=1).max() < 40
+    assert set(map(tuple, small["input_ids"])) <= set(map(tuple, large["input_ids"]))  # nested
+    assert len(data.subset_by_tokens(dataset, 10**6)["input_ids"]) == 50  # more than there is: all

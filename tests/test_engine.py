@@ -127,3 +127,15 @@ def test_sampling_is_reproducible_for_a_seed(engine):
             for seed in (7, 7, 8)]
     assert runs[0] == runs[1]
     assert runs[0] != runs[2]  # the seed is used (a tiny random model is far from deterministic at T=1)
+
+
+def test_request_times_follow_the_batches(target):
+    """Times count from the call's start: a static batch's rows share the first token (prefill
+    emits it), each row finishes at or after it, and the next batch starts after the last finish."""
+    engine = engine_lib.Engine(target, max_length=64, batch_size=2)
+    results = engine.generate([prompt(5, seed=7), prompt(9, seed=8), prompt(4, seed=9)], max_new_tokens=MAX_NEW,
+                              ignore_eos=True, steps_per_call=2)
+    first, second, third = results
+    assert first.first_token_seconds == second.first_token_seconds > 0
+    assert all(r.finish_seconds >= r.first_token_seconds for r in results)
+    assert third.first_token_seconds >= max(first.finish_seconds, second.finish_seconds)

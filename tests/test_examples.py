@@ -1,6 +1,7 @@
-"""The example scripts report a missing optional package or data file as one `error:` line, status 2;
-examples/eagle.py expands its tree option lists."""
+"""The example scripts: a missing optional package or data file is one `error:` line, status 2; the
+benchmark records the schedulers it is asked to compare and expands its tree option lists."""
 
+import json
 import os
 import subprocess
 import sys
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from eagle_jax import data
+from test_generate_cli import model_dir  # noqa: F401 (a fixture: a tiny converted model with a chat template)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -47,3 +49,26 @@ def test_eagle_tree_lists_run_every_valid_combination(capsys):
     with pytest.raises(SystemExit):
         example.parse_args(["--speculative_eagle_topk", "2"])
     assert "trees need all of" in capsys.readouterr().err
+
+
+def test_eagle_records_both_schedulers(model_dir, tmp_path, capsys, monkeypatch):
+    """One run, two rows: the same prompts and tokens through static batches and through decode
+    slots, each row with its scheduler, time to first token and latency percentiles."""
+    monkeypatch.syspath_prepend(str(REPO / "examples"))
+    import eagle as eagle_script
+
+    questions = tmp_path / "question.jsonl"
+    questions.write_text("".join(json.dumps({"question_id": i, "category": "writing", "turns": [text]}) + "\n"
+                                 for i, text in enumerate(["write a poem", "the sea", "a short poem about the sky"])))
+    out = tmp_path / "rows.json"
+    code = eagle_script.main(["--model", str(model_dir), "--dataset", str(questions), "--method", "none",
+                              "--num_prompts", "3", "--max_new_tokens", "5", "--max_num_seqs", "2", "--dtype",
+                              "float32", "--scheduler", "continuous,static", "--cache-dir", "none", "--steps_per_call",
+                              "2", "--out", str(out)])
+    assert code == 0, capsys.readouterr().err
+    rows = json.loads(out.read_text())
+    assert [row["scheduler"] for row in rows] == ["continuous", "static"]
+    for row in rows:
+        assert row["batch_size"] == 2 and row["num_prompts"] == 3 and row["output_tokens_per_second"] > 0
+        assert 0 < row["ttft_ms_p50"] / 1000 <= row["latency_s_p50"] <= row["latency_s_p90"] <= row["wall_seconds"]
+    assert rows[0]["total_tokens"] == rows[1]["total_tokens"]

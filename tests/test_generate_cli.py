@@ -186,6 +186,59 @@ def test_tree_flags_draft_a_tree(aligned_model_dir, head_dir, cache_dir, capsys)
     assert plain["speculative_eagle_topk"] is None and plain["num_speculative_tokens"] == 0
 
 
+def test_batches_come_back_in_input_order(model_dir, cache_dir, capsys):
+    """Three ragged prompts through two rows: each output is the prompt's own batch-1 generation,
+    whichever scheduler runs them; with more than one prompt and row the default is continuous."""
+    texts = ["write a short poem about the sea and the sky", "a", "the blue sky"]
+    argv = [arg for text in texts for arg in ("--prompt", text)] + ["--json", "--ignore-eos", "--max-num-seqs", 2]
+    target, _ = models.load_target(model_dir)
+    engine = engine_lib.Engine(target, max_length=512)
+    expected = [engine.generate([chat_ids(model_dir, text)], max_new_tokens=MAX_NEW, ignore_eos=True)[0].token_ids
+                for text in texts]
+    assert len(set(map(tuple, expected))) == 3
+    for extra, scheduler in (((), "continuous"), (("--scheduler", "static"), "static")):
+        code, out, err = run(capsys, model_dir, cache_dir, *argv, *extra)
+        assert code == 0, err
+        got = records(out)
+        assert [r["prompt"] for r in got] == texts
+        assert [r["token_ids"] for r in got] == expected
+        assert {(r["scheduler"], r["batch_size"]) for r in got} == {(scheduler, 2)}
+    # One prompt, or one row: nothing to refill, so static batching.
+    for argv in (["--prompt", "a", "--max-num-seqs", 2], ["--prompt", "a", "--prompt", "the sea"]):
+        code, out, err = run(capsys, model_dir, cache_dir, *argv, "--json")
+        assert code == 0, err
+        assert {r["scheduler"] for r in records(out)} == {"static"}
+
+
+def test_speculation_disabled_by_batch_size(aligned_model_dir, head_dir, cache_dir, capsys):
+    """Three prompts through two slots, drafting only while at most one is busy: plain decoding's
+    tokens, with drafts in some steps and none in others."""
+    texts = ["write a poem about the sea", "the blue sky", "a short poem"]
+    argv = [arg for text in texts for arg in ("--prompt", text)] + ["--json", "--ignore-eos", "--max-num-seqs", 2]
+    code, out, err = run(capsys, aligned_model_dir, cache_dir, *argv, "--draft", "none")
+    assert code == 0, err
+    expected = [r["token_ids"] for r in records(out)]
+    code, out, err = run(capsys, aligned_model_dir, cache_dir, *argv, "--draft", head_dir, "--num-speculative-tokens",
+                         2, "--speculative-disable-by-batch-size", 1)
+    assert code == 0, err
+    got = records(out)
+    assert [r["token_ids"] for r in got] == expected
+    assert sum(r["num_drafts"] for r in got) > 0
+    assert any(r["num_tokens"] - 1 - r["num_drafts"] - r["num_accepted_tokens"] >= 1 for r in got)  # plain steps
+
+
+def test_default_k_is_looked_up_for_the_batch_size(model_dir, cache_dir, capsys, monkeypatch):
+    """The shipped heads' k comes from defaults.json for the batch size asked for (`heads.best_k`)."""
+    from eagle_jax import heads
+
+    asked = []
+    real = heads.draft_plan
+    monkeypatch.setattr(heads, "draft_plan", lambda *args: asked.append(args) or real(*args))
+    code, _, err = run(capsys, model_dir, cache_dir, "--prompt", "a", "--max-num-seqs", 4, "--json")
+    assert code == 0, err
+    assert [args[-1] for args in asked] == [4]
+
+
 def test_no_compile_cache(model_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("EAGLE_JAX_CACHE_DIR", str(tmp_path / "unused"))
     code = generate.main(["--model", str(model_dir), "--prompt", "a", "--max-new-tokens", "2", "--json",
@@ -210,7 +263,7 @@ def test_cache_dir_others_can_write_exits_2(model_dir, tmp_path, capsys):
     (["--temperature", "-1"], "temperature must be >= 0"),
     (["--prompts-file", "{bad}"], ":2: expected JSON with 'prompt' or 'turns'"),
     (["--model", "{missing}"], "does not exist"),
-    (["--batch-size", "0"], "--batch-size must be >= 1"),
+    (["--batch-size", "0"], "--batch-size/--max-num-seqs must be >= 1"),
 ])
 def test_bad_input_exits_2_without_traceback(model_dir, tmp_path, capsys, argv, message):
     bad = tmp_path / "bad.jsonl"
@@ -243,6 +296,9 @@ def test_bad_input_exits_2_without_traceback(model_dir, tmp_path, capsys, argv, 
                                         "--speculative-num-draft-tokens"),
     (["--num-speculative-tokens", "2", "--speculative-eagle-topk", "2", "--speculative-num-steps", "2",
       "--speculative-num-draft-tokens", "3"], "--num-speculative-tokens (a chain) and the tree flags exclude each other"),
+    (["--max-num-seqs", "0"], "--batch-size/--max-num-seqs must be >= 1, got 0"),
+    (["--scheduler", "dynamic"], "--scheduler must be continuous or static, got dynamic"),
+    (["--speculative-disable-by-batch-size", "0"], "--speculative-disable-by-batch-size must be >= 1, got 0"),
 ])
 def test_bad_numeric_flag_exits_2_before_loading(tmp_path, capsys, argv, message):
     # The model path does not exist: a flag checked after loading would report that instead.

@@ -79,6 +79,16 @@ def test_gpu_kernels_are_stream_events_with_overlaps_merged():
     assert len(step_trace.summarize(GPU_TRACE, num_steps=2, top=2)["top_kernels"]) == 2
 
 
+def test_overlapping_kernels_on_one_stream_all_count():
+    # CUPTI stamps consecutive kernels of one stream with overlapping intervals (the H200 trace
+    # of 2026-11-30 did so for 95% of them); none of them encloses the next, so none is a container.
+    events = [metadata(GPU, "/device:GPU:0"), metadata(GPU, "Stream #7(Kernel)", STREAM_A)]
+    events += [complete(GPU, STREAM_A, f"fusion_{i}", 3.0 * i, 4.0) for i in range(5)]
+    summary = step_trace.summarize({"traceEvents": events}, num_steps=1)
+    assert summary["kernels_per_step"] == 5
+    assert summary["busy_us_per_step"] == 16.0  # [0, 16): 4 + 3 * 4
+
+
 def test_cpu_kernels_are_innermost_xla_op_events():
     device, kernels, copies = step_trace.kernel_events(CPU_TRACE)
     assert device == "cpu" and copies == []
@@ -141,3 +151,18 @@ def test_train_step_profile_on_cpu(random_target):
     assert row["step_ms"] > 0 and row["trained_tokens_per_second"] > 0
     assert row["trace_device"] == "cpu" and row["kernels_per_step"] > 10 and row["busy_us_per_step"] > 0
     assert any("dot" in kind["name"] or "fusion" in kind["name"] for kind in row["top_kinds"])
+
+
+def test_random_target_from_a_config_needs_no_weights(tmp_path):
+    # --random-target times a model of the config's shapes without downloading weights or a tokenizer.
+    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=32, intermediate_size=64,
+                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=97,
+                  rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "rows.json"
+    code = profile_step.main(["--parts", "step_trace", "--random-target", str(tmp_path / "config.json"),
+                              "--random-prompt-length", "7", "--method", "eagle3", "--k", "2", "--trace-steps", "2",
+                              "--steps-per-call", "2", "--dtype", "float32", "--out", str(out)])
+    [row] = json.loads(out.read_text())
+    assert code == 0 and row["random_head"] and row["method"] == "eagle3" and row["kernels_per_step"] > 10
+    assert row["prompt_length"] == 7

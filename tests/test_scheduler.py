@@ -112,13 +112,39 @@ def test_continuous_equals_batch_one(target, prompts, heads, eos_id, reference, 
         assert sum(r.stats["num_accepted_tokens"] for r in results) > 0  # drafts were accepted
 
 
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_speculation_pauses_while_the_slots_are_full(target, prompts, heads, eos_id, reference, kind):
+    """Speculation off while all three slots are busy (`speculative_disable_by_batch_size=2`), on in
+    the tail as the queue drains: outputs stay plain greedy's, and the one step program serves both."""
+    engine = engine_lib.Engine(target, heads[kind], num_speculative_tokens=K[kind], max_length=MAX_LENGTH,
+                               batch_size=SLOTS, scheduler="continuous", speculative_disable_by_batch_size=SLOTS - 1)
+    results = engine.generate(prompts, max_new_tokens=list(BUDGETS), eos_ids=[eos_id], steps_per_call=2)
+    assert [r.token_ids for r in results] == [r.token_ids for r in reference("plain")]
+    # Tokens = 1 + drafting steps + accepted drafts + plain steps (one fewer if the last step was
+    # cut): the remainder is a lower bound on the plain steps.
+    plain_steps = [r.num_tokens - 1 - r.stats["num_drafts"] - r.stats["num_accepted_tokens"] for r in results]
+    assert max(plain_steps) >= 1 and sum(r.stats["num_drafts"] for r in results) > 0, [r.stats for r in results]
+    assert engine.num_compilations == 3
+
+
 def test_one_slot_and_idle_slots(target, prompts, eos_id, reference):
-    """One slot (pure queue) and more slots than prompts (idle slots) give the same outputs."""
+    """One slot (pure queue) and more slots than prompts (idle slots) give the same outputs.
+
+    Every prompt's times count from the call's start: through one slot each prompt's first token
+    comes after the previous prompt's last; with a slot each, all start in the first device call.
+    """
     expected = [r.token_ids for r in reference("plain")]
     for slots, count in ((1, 3), (5, 2)):
         engine = engine_lib.Engine(target, max_length=MAX_LENGTH, batch_size=slots, scheduler="continuous")
-        results = engine.generate(prompts[:count], max_new_tokens=list(BUDGETS[:count]), eos_ids=[eos_id])
+        results = engine.generate(prompts[:count], max_new_tokens=list(BUDGETS[:count]), eos_ids=[eos_id],
+                                  steps_per_call=2)
         assert [r.token_ids for r in results] == expected[:count]
+        assert all(0 < r.first_token_seconds <= r.finish_seconds for r in results)
+        if slots == 1:
+            assert all(after.first_token_seconds >= before.finish_seconds
+                       for before, after in zip(results, results[1:]))
+        else:
+            assert len({r.first_token_seconds for r in results}) == 1
 
 
 def test_input_errors(target):

@@ -161,14 +161,15 @@ def _draft(head_def, head_params, target_def, target_params, tokens, features):
     return out, head.to_target_ids(jnp.argmax(logits, -1).astype(jnp.int32))
 
 
-def reference_stats(target, head, prompt, output, k, eos=None):
+def reference_stats(target, head, prompt, output, k, eos=None, plain_steps=0):
     """(num_drafts, accepted per depth) of EAGLE greedy decoding, without any cache bookkeeping.
 
     Committed tokens t_0..t_{L-1}, next token t_L emitted: draft slot i holds (t_{i+1}, f_i) with f_i
     the target feature at i; the first draft reads slots 0..L-1, each further draft appends
     (previous draft, the head's own output feature). Drafts are kept while they equal the target's
     greedy tokens; then L advances by accepted + 1. A draft counts only if it is emitted: within
-    the budget and not past the EOS token `eos`. Also returns how many accepted drafts were cut.
+    the budget and not past the EOS token `eos`. The first `plain_steps` steps draft nothing (speculation
+    disabled) and emit one token each. Also returns how many accepted drafts were cut.
     """
     head_split, target_split = nnx.split(head), nnx.split(target)
     sequence = list(prompt) + list(output)
@@ -179,6 +180,9 @@ def reference_stats(target, head, prompt, output, k, eos=None):
     features = np.asarray(features[0])
     length, generated, steps, accepted, cut = len(prompt), 1, 0, np.zeros(k, int), 0
     while generated < MAX_NEW and sequence[length] != eos:
+        if plain_steps:
+            plain_steps, generated, length = plain_steps - 1, generated + 1, length + 1
+            continue
         tokens, feats, drafts = sequence[1:length + 1], list(features[:length]), []
         for _ in range(k):
             out, ids = _draft(*head_split, *target_split, _pad(tokens), _pad(np.stack(feats)))
@@ -227,6 +231,26 @@ def test_acceptance_with_eos_matches_the_reference(target, make_head, prompts, r
         assert [round(rate * steps) for rate in result.stats["acceptance_rate_per_position"]] == accepted.tolist()
         total_cut += cut
     assert (total_cut > 0) == cuts_drafts
+
+
+@pytest.mark.parametrize("kind, k", [("eagle-noisy", 3), ("eagle3-biased", 4)])
+def test_speculation_resumes_with_the_draft_state_it_would_have_had(target, make_head, prompts, reference,
+                                                                     kind, k):
+    """Two rows, speculation disabled while both are active: the short row decodes plainly to its
+    budget of SHORT tokens, then the long row speculates from token SHORT on. Its acceptance, depth by
+    depth, must be what drafting from scratch gives after SHORT - 1 plain steps: a draft cache or
+    pending pair left behind by the plain steps would draft differently."""
+    short = 5
+    engine = engine_lib.Engine(target, make_head(kind), num_speculative_tokens=k, max_length=64, batch_size=2,
+                               scheduler="continuous", speculative_disable_by_batch_size=1)
+    plain, speculated = engine.generate([prompts[2], prompts[1]], max_new_tokens=[short, MAX_NEW], ignore_eos=True,
+                                        steps_per_call=3)
+    assert [plain.token_ids, speculated.token_ids] == [reference[2][:short], reference[1]]
+    assert plain.stats["num_drafts"] == 0 and plain.stats["num_accepted_tokens"] == 0
+    steps, accepted, _ = reference_stats(target, make_head(kind), prompts[1], reference[1], k, plain_steps=short - 1)
+    assert speculated.stats["num_drafts"] == steps > 0
+    assert [round(rate * steps) for rate in speculated.stats["acceptance_rate_per_position"]] == accepted.tolist()
+    assert accepted[0] > 0  # drafts were accepted after the pause: a test that can tell
 
 
 @pytest.mark.parametrize("kind, k, batch_size", [("eagle-bias", 2, 2), ("eagle3-biased", 4, 1)])

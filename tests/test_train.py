@@ -105,3 +105,57 @@ def test_draft_vocabulary_picks_most_frequent_tokens():
     assert sorted((np.arange(3) + d2t).tolist()) == [0, 2, 4]
     with pytest.raises(ValueError):
         train.draft_vocabulary(counts, 7)
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_training_continues_from_an_exported_head(target_and_data, tmp_path, method):
+    """`--init-head`: an exported head loads with float32 params and trains on from where it was."""
+    import jax.numpy as jnp
+
+    target, dataset, _ = target_and_data
+    cfg = train.TrainConfig(method=method, steps=40, batch_size=8, learning_rate=3e-3, warmup_steps=5,
+                            draft_vocab_size=40)
+    trained, log = train.train(target, dataset, cfg, tmp_path / "first", progress=False)
+    path = models.export_head(trained.head(), target.config, tmp_path / "head", dtype="float32")
+    loaded = models.load_head(path, target, "float32", param_dtype="float32")
+    assert all(leaf.dtype == jnp.float32 for leaf in jax_leaves(nnx.state(loaded, nnx.Param)))
+    short = train.TrainConfig(method=method, steps=1, batch_size=8, learning_rate=3e-3, warmup_steps=1,
+                              draft_vocab_size=40)
+    _, continued = train.train(target, dataset, short, tmp_path / "second", progress=False, head=loaded)
+    _, fresh = train.train(target, dataset, short, tmp_path / "fresh", progress=False)
+    # The continued run's first step is measured on the trained weights: its loss is where the first run ended.
+    assert continued[0]["loss"] < 0.9 * fresh[0]["loss"]
+    assert continued[0]["loss"] == pytest.approx(log[-1]["loss"], rel=0.3)
+
+
+def test_load_head_keeps_float32_params_under_bfloat16_compute(target_and_data, tmp_path):
+    import jax.numpy as jnp
+
+    target, dataset, _ = target_and_data
+    cfg = train.TrainConfig(method="eagle3", draft_vocab_size=40)
+    head = train.new_head(target.config, cfg, train.token_counts(dataset, 61))
+    path = models.export_head(head, target.config, tmp_path / "head", dtype="float32")
+    mixed = models.load_head(path, target, "bfloat16", param_dtype="float32")
+    assert {leaf.dtype for leaf in jax_leaves(nnx.state(mixed, nnx.Param))} == {np.dtype(np.float32)}
+    assert mixed.fc.dtype == jnp.bfloat16  # compute dtype
+    assert {leaf.dtype for leaf in jax_leaves(nnx.state(models.load_head(path, target, "bfloat16"), nnx.Param))} \
+        == {np.dtype(jnp.bfloat16)}
+
+
+def test_a_wider_head_exports_and_loads_its_width(target_and_data, tmp_path):
+    target, dataset, _ = target_and_data
+    cfg = train.TrainConfig(method="eagle3", draft_vocab_size=40, head_intermediate_size=96)
+    head = train.new_head(target.config, cfg, train.token_counts(dataset, 61))
+    assert head.midlayer.mlp.down_proj.kernel.shape == (96, 32)  # the target's MLP is 64 wide
+    loaded = models.load_head(models.export_head(head, target.config, tmp_path / "head", dtype="float32"), target)
+    assert loaded.config.layer.intermediate_size == 96
+    np.testing.assert_array_equal(np.asarray(loaded.midlayer.mlp.down_proj.kernel),
+                                  np.asarray(head.midlayer.mlp.down_proj.kernel))
+
+
+def test_auto_attention_is_cudnn_only_on_a_gpu_in_half_precision(monkeypatch):
+    assert train.attention_implementation("auto", "bfloat16") == "xla"  # these tests run on a CPU
+    assert train.attention_implementation("cudnn", "float32") == "cudnn"  # an explicit choice stands
+    monkeypatch.setattr(train.jax, "default_backend", lambda: "gpu")
+    assert train.attention_implementation("auto", "bfloat16") == "cudnn"
+    assert train.attention_implementation("auto", "float32") == "xla"  # cuDNN's kernel takes bf16/fp16 only

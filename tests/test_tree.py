@@ -240,15 +240,19 @@ def target_features(target, head, sequence):
     return np.asarray(features[0, :len(sequence)]), np.asarray(greedy[0, :len(sequence)])
 
 
-def tree_reference_stats(target, head, prompt, output, opts: tree_lib.TreeOptions):
+def tree_reference_stats(target, head, prompt, output, opts: tree_lib.TreeOptions, plain_steps: int = 0):
     """(num_drafts, accepted per depth) of EAGLE-2 greedy decoding, every tree rebuilt from scratch:
-    each step accepts the longest chosen path equal to the target's greedy tokens."""
+    each step accepts the longest chosen path equal to the target's greedy tokens. The first
+    `plain_steps` steps draft nothing (speculation disabled) and emit one token each."""
     sequence = list(prompt) + list(output)
     while len(sequence) < len(prompt) + MAX_NEW + opts.num_steps + 1:  # the target's tokens past the budget too
         sequence.append(int(target_features(target, head, sequence)[1][-1]))
     features, _ = target_features(target, head, sequence)
     length, generated, steps, accepted = len(prompt), 1, 0, np.zeros(opts.num_steps, int)
     while generated < MAX_NEW:
+        if plain_steps:
+            plain_steps, generated, length = plain_steps - 1, generated + 1, length + 1
+            continue
         paths = reference_tree(target, head, sequence[1:length + 1], features[:length], opts)
         kept = 0
         while tuple(sequence[length + 1:length + 2 + kept]) in paths:
@@ -361,6 +365,27 @@ def test_continuous_batching_runs_trees(target, prompts, make_head, reference): 
                                batch_size=2, scheduler="continuous")
     results = engine.generate(prompts, max_new_tokens=MAX_NEW, ignore_eos=True, steps_per_call=3)
     assert [r.token_ids for r in results] == reference
+
+
+def test_tree_speculation_resumes_with_the_draft_state_it_would_have_had(target, make_head, prompts,  # noqa: F811
+                                                                          reference):  # noqa: F811
+    """speculative_disable_by_batch_size with a tree: while both rows are active the step decodes
+    plainly (the chain's plain step: the head still eats the pending pairs); then the long row drafts
+    trees again. Its acceptance, depth by depth, must be what rebuilding every tree from scratch
+    gives after SHORT - 1 plain steps, and its tokens plain greedy decoding's."""
+    short, tree = 5, tree_lib.TreeOptions(2, 3, 5)
+    engine = engine_lib.Engine(target, make_head("eagle-bias"), tree=tree, max_length=64, batch_size=2,
+                               scheduler="continuous", speculative_disable_by_batch_size=1)
+    plain, speculated = engine.generate([prompts[2], prompts[1]], max_new_tokens=[short, MAX_NEW], ignore_eos=True,
+                                        steps_per_call=3)
+    assert [plain.token_ids, speculated.token_ids] == [reference[2][:short], reference[1]]
+    assert plain.stats["num_drafts"] == 0 and plain.stats["num_accepted_tokens"] == 0
+    steps, accepted = tree_reference_stats(target, make_head("eagle-bias"), prompts[1], reference[1], tree,
+                                           plain_steps=short - 1)
+    assert speculated.stats["num_drafts"] == steps > 0
+    assert speculated.stats["num_draft_tokens"] == steps * tree.num_draft_tokens
+    assert [round(rate * steps) for rate in speculated.stats["acceptance_rate_per_position"]] == accepted.tolist()
+    assert accepted[0] > 0  # drafts were accepted after the pause: a test that can tell
 
 
 def test_tree_settings_are_checked(target, make_head):  # noqa: F811

@@ -3,6 +3,9 @@
 Each head is a directory in the public HF layout (config.json + model.safetensors), loadable by
 vLLM and SGLang too. `defaults.json` records the measured best k per head and platform, and the
 platforms where plain decoding measured faster than any speculative setting (docs/BENCHMARKS.md).
+
+A platform's k is one number, or one per batch size where they were measured apart, keyed by the
+batch size as a string: {"gpu": {"1": 5, "16": 3}} gives k = 5 below batch 16 and 3 from 16 on.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import json
 from pathlib import Path
 
 HEADS_DIR = Path(__file__).parent
+DEFAULTS_FILE = HEADS_DIR / "defaults.json"
 SHIPPED = {"eagle": "smollm2-135m-instruct-eagle", "eagle3": "smollm2-135m-instruct-eagle3"}
 DEFAULT_METHOD = "eagle3"
 
@@ -21,18 +25,22 @@ def shipped_head(method: str) -> Path | None:
 
 
 def _defaults() -> dict:
-    path = HEADS_DIR / "defaults.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
+    return json.loads(DEFAULTS_FILE.read_text()) if DEFAULTS_FILE.is_file() else {}
 
 
-def best_k(method: str | None, platform: str = "gpu") -> int:
+def best_k(method: str | None, platform: str = "gpu", batch_size: int = 1) -> int:
     """The measured best k for a shipped head on `platform` (jax's name: "cpu", "gpu", ...).
 
     Platforms without a measurement take the GPU's; heads without one, 3 (a common sweet spot).
+    Where k was measured per batch size, the largest measured batch size not above `batch_size`
+    gives it (the smallest measured one below them all).
     """
     measured = _defaults().get(method or "", {}).get("num_speculative_tokens", 3)
     if isinstance(measured, dict):
         measured = measured.get(platform, measured.get("gpu", 3))
+    if isinstance(measured, dict):
+        sizes = sorted(int(size) for size in measured)
+        measured = measured[str(max([size for size in sizes if size <= batch_size], default=sizes[0]))]
     return int(measured)
 
 
@@ -46,11 +54,12 @@ def plain_by_default(platform: str) -> str | None:
 
 
 def draft_plan(model: str | None, draft: str | None, method: str | None, k: int | None,
-               platform: str) -> tuple[Path | None, str, int, str | None]:
+               platform: str, batch_size: int = 1) -> tuple[Path | None, str, int, str | None]:
     """(head directory or None, method, k, a note for the user or None) for the CLI's flags.
 
-    Asking for nothing picks the shipped head with its measured best k, except where plain
-    decoding measured faster; asking for a head (--draft, --method) or a k always speculates.
+    Asking for nothing picks the shipped head with its measured best k for this batch size,
+    except where plain decoding measured faster; asking for a head (--draft, --method) or a k
+    always speculates.
     """
     path, chosen = choose_draft(model, draft, method)
     if path is None:
@@ -58,7 +67,7 @@ def draft_plan(model: str | None, draft: str | None, method: str | None, k: int 
     if draft is None and method is None and k is None and (reason := plain_by_default(platform)):
         return None, "none", 0, (f"decoding without a draft on {platform}: {reason}. "
                                  f"Pass --method {chosen} to speculate anyway.")
-    k = best_k(chosen, platform) if k is None else k
+    k = best_k(chosen, platform, batch_size) if k is None else k
     return (path, chosen, k, None) if k > 0 else (None, "none", 0, None)
 
 

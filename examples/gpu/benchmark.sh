@@ -17,5 +17,9 @@ python3 examples/eagle.py --method eagle --num_spec_tokens 3,4,5,6,7 --max_num_s
 python3 examples/profile_step.py --method eagle3 --k 5 --iterations 50 --out $r/profile.json
 python3 examples/eagle.py --method eagle3 --num_spec_tokens 3 --max_num_seqs 1 --num_prompts 1 --max_new_tokens 32 --eager --out $r/mtbench.json
 python3 examples/eagle.py --method eagle3 --num_spec_tokens 3 --max_num_seqs 1 --num_prompts 1 --max_new_tokens 32 --out $r/mtbench.json
-python3 examples/eagle.py --method none,eagle3 --num_spec_tokens 5 --max_num_seqs 4,16,64 $m
+# Issue 11: static batches vs decode slots refilled as rows finish; EAGLE-3's best k at batch 16 and
+# 64 (for defaults.json's per-batch-size entries); speculation paused while more than 16 rows run.
+python3 examples/eagle.py --method none,eagle3 --num_spec_tokens 5 --max_num_seqs 4,16,64 --scheduler static,continuous $m
+python3 examples/eagle.py --method eagle3 --num_spec_tokens 1,2,3 --max_num_seqs 16,64 --scheduler continuous $m
+python3 examples/eagle.py --method eagle3 --num_spec_tokens 3 --max_num_seqs 64 --scheduler continuous --speculative_disable_by_batch_size 16 $m
 python3 examples/eagle.py --method none,eagle3 --num_spec_tokens 5 --max_num_seqs 1 --temperature 1.0 $m

@@ -7,6 +7,11 @@
 #   RESULTS=DIR bash examples/gpu/heads_pipeline.sh RUN_DIR
 # Budgets (seconds): DISTILL_SECONDS (no new part starts after it), TRAIN_SECONDS (the step
 # count is set from the profiled step time so that the cosine schedule ends inside it).
+# SKIP_DISTILL=1 trains on the parts already in RUN_DIR/distill (carried from an earlier lease);
+# INIT_FROM_SHIPPED=1 starts each head from the shipped one (eagle_jax/heads/) instead of random;
+# TRAIN_TOKENS=N trains on a nested random subset of N generated tokens (data-scaling runs).
+# A staged .stage/extra_turns.npz (prompt sources beyond ShareGPT, docs/TRAINING.md) is distilled
+# too, at EXTRA_TEMPERATURES (default 0,0.8), into parts named extra-*.
 set -x
 run=${1:?run directory}; r=${RESULTS:-docs/results}; mkdir -p "$run" "$r"
 export EAGLE_JAX_MTBENCH=.stage/mtbench_question.jsonl
@@ -33,7 +38,9 @@ EOF
 train() {  # train GPU METHOD UNROLL: steps sized to $train_seconds from the profiled step time
   read -r attention step_ms <<< "$(fastest "$2")"
   steps=$(python3 -c "print(int($train_seconds * 1000 / $step_ms * 0.92))")
-  CUDA_VISIBLE_DEVICES=$1 python3 -m eagle_jax.train --method "$2" --unroll "$3" --attention "$attention" \
+  init=""; [ -n "$INIT_FROM_SHIPPED" ] && init="--init-head eagle_jax/heads/smollm2-135m-instruct-$2"
+  CUDA_VISIBLE_DEVICES=$1 python3 -m eagle_jax.train --method "$2" --unroll "$3" --attention "$attention" $init \
+    ${TRAIN_TOKENS:+--train-tokens $TRAIN_TOKENS} \
     --data "$run/distill" --output "$run/$2" --steps "$steps" --batch-size 64 --warmup-steps 200 \
     --max-seconds "$train_seconds" --eval-prompts 0 && cp "$run/$2/metrics.json" "$r/$2_metrics.json"
 }
@@ -45,24 +52,35 @@ evaluate() {  # evaluate GPU METHOD: held-out ShareGPT at k = 5, MT-Bench at k =
 }
 trace_steps() {  # trace_steps GPU: issue 10's step_trace rows (plain and EAGLE-3 k = 5 at batch 1, the distil step)
   t="CUDA_VISIBLE_DEVICES=$1 python3 examples/profile_step.py --parts step_trace --out $r/profile.json"
-  eval "$t --method none --cache-length 512 --label baseline"
-  eval "$t --method eagle3 --k 5 --cache-length 512 --label baseline"
+  eval "$t --method none --cache-length 1024 --label baseline"
+  eval "$t --method eagle3 --k 5 --cache-length 1024 --label baseline"
   eval "$t --method none --batch-size 1024 --cache-length 768 --trace-steps 8 --steps-per-call 8 --label distill-step"
 }
 
 # Greedy rounds 0-2 then T = 0.7 on GPU 0; sampled first turns on the other GPU (its own
 # directory: nobody reads a part while another process writes it).
+distill_extra() {  # distill_extra GPU: .stage/extra_turns.npz (examples/prepare_data.py --extra-turns-out), if staged
+  [ -f .stage/extra_turns.npz ] || return 0
+  CUDA_VISIBLE_DEVICES=$1 python3 -m eagle_jax.distill --turns .stage/extra_turns.npz --out "$run/distill-extra" \
+    --max-prompt-tokens 384 --max-new-tokens 256 --batch-size 1024 --rounds 1 --temperatures "${EXTRA_TEMPERATURES:-0,0.8}"
+  for part in "$run"/distill-extra/*.npz; do mv "$part" "$run/distill/extra-$(basename "$part")"; done
+}
+
+if [ -n "$SKIP_DISTILL" ]; then
+  distill() { ls "$run/distill"; }  # the carried parts
+fi
 if [ "$gpus" -ge 2 ]; then
   distill 0 "$run/distill" --rounds 3 --temperatures 0,0.7 &
-  ( profile 1 eagle3 xla; profile 1 eagle3 cudnn; profile 1 eagle cudnn 3 || profile 1 eagle xla 3
-    distill 1 "$run/distill-sampled" --rounds 1 --temperatures 0.8,1.0,0.9,0.6 ) &
+  ( profile 1 eagle3 cudnn || profile 1 eagle3 xla; profile 1 eagle cudnn 3 || profile 1 eagle xla 3
+    distill 1 "$run/distill-sampled" --rounds 1 --temperatures 0.8,1.0,0.9,0.6; distill_extra 1 ) &
   wait
   mv "$run"/distill-sampled/*.npz "$run/distill/" 2>/dev/null
   train 0 eagle3 7 & train 1 eagle 3 & wait
   evaluate 0 eagle3 & ( evaluate 1 eagle; trace_steps 1 ) & wait
 else
-  profile 0 eagle3 xla; profile 0 eagle3 cudnn
+  profile 0 eagle3 cudnn || profile 0 eagle3 xla
   distill 0 "$run/distill" --rounds 3 --temperatures 0,0.8,1.0,0.7
+  distill_extra 0
   train 0 eagle3 7
   evaluate 0 eagle3
   trace_steps 0
