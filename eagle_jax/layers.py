@@ -235,9 +235,9 @@ def causal_attention(q: jax.Array, keys: jax.Array, values: jax.Array, implement
         return _grouped_attention_with_extras(q, keys, values, causal, extra_keys, extra_values)
     if implementation != "cudnn":
         raise ValueError(f"unknown attention implementation {implementation!r} (xla, cudnn)")
-    if not extra_keys:  # an odd T is padded at the end: causal, so no earlier query sees the pad
-        pad = lambda x: jnp.pad(x, [(0, 0), (0, length % 2), (0, 0), (0, 0)])
-        out = jax.nn.dot_product_attention(pad(q), pad(keys), pad(values), is_causal=True, implementation="cudnn")
+    if not extra_keys:  # causal, so no real query sees the pad
+        out = jax.nn.dot_product_attention(_even_length(q), _even_length(keys), _even_length(values), is_causal=True,
+                                           implementation="cudnn")
         return out[:, :length]
     return _masked_attention_with_extras(q, keys, values, extra_keys, extra_values, "cudnn")
 
@@ -245,14 +245,12 @@ def causal_attention(q: jax.Array, keys: jax.Array, values: jax.Array, implement
 def _masked_attention_with_extras(q, keys, values, extra_keys, extra_values, implementation: str):
     """One `jax.nn.dot_product_attention` call over [keys; extra_0; ...] with a static block mask.
 
-    The mask is causal in the first block and the diagonal in each extra block. cuDNN wants even
-    lengths when it trains with a mask, so an odd T is padded by one position (its output dropped).
+    The mask is causal in the first block and the diagonal in each extra block.
     """
     length = q.shape[1]
-    padded = length + length % 2
-    pad = lambda x: jnp.pad(x, [(0, 0), (0, padded - length), (0, 0), (0, 0)])
-    q, keys, values = pad(q), pad(keys), pad(values)
-    extra_keys, extra_values = tuple(map(pad, extra_keys)), tuple(map(pad, extra_values))
+    q, keys, values = _even_length(q), _even_length(keys), _even_length(values)
+    extra_keys, extra_values = tuple(map(_even_length, extra_keys)), tuple(map(_even_length, extra_values))
+    padded = q.shape[1]
     causal = jnp.tril(jnp.ones((padded, padded), bool))
     eye = jnp.eye(padded, dtype=bool)
     mask = jnp.concatenate([causal] + [eye] * len(extra_keys), axis=1)[None, None]  # [1, 1, T, (1+J)T]
@@ -260,6 +258,16 @@ def _masked_attention_with_extras(q, keys, values, extra_keys, extra_values, imp
     all_values = jnp.concatenate((values,) + extra_values, axis=1)
     out = jax.nn.dot_product_attention(q, all_keys, all_values, mask=mask, implementation=implementation)
     return out[:, :length]
+
+
+def _even_length(x: jax.Array) -> jax.Array:
+    """x [B, T, ...] padded by one position at the end of T if T is odd (its output is dropped).
+
+    cuDNN's fused attention trains only on even lengths; the head sees T - 1 = 639 positions.
+    """
+    pad = [(0, 0)] * x.ndim
+    pad[1] = (0, x.shape[1] % 2)
+    return jnp.pad(x, pad)
 
 
 def _grouped_attention_with_extras(q, keys, values, causal, extra_keys, extra_values):
