@@ -10,6 +10,8 @@
 # SKIP_DISTILL=1 trains on the parts already in RUN_DIR/distill (carried from an earlier lease);
 # INIT_FROM_SHIPPED=1 starts each head from the shipped one (eagle_jax/heads/) instead of random;
 # TRAIN_TOKENS=N trains on a nested random subset of N generated tokens (data-scaling runs).
+# HEADS=eagle3 trains EAGLE-3 alone (on GPU 0); a second GPU then runs examples/gpu/benchmark.sh
+# with the shipped heads, its rows in RESULTS/gpu1/.
 # A staged .stage/extra_turns.npz (prompt sources beyond ShareGPT, docs/TRAINING.md) is distilled
 # too, at EXTRA_TEMPERATURES (default 0,0.8), into parts named extra-*.
 set -x
@@ -69,7 +71,8 @@ distill_extra() {  # distill_extra GPU: .stage/extra_turns.npz (examples/prepare
 if [ -n "$SKIP_DISTILL" ]; then
   distill() { ls "$run/distill"; }  # the carried parts
 fi
-if [ "$gpus" -ge 2 ]; then
+heads=${HEADS:-eagle3 eagle}
+if [ "$gpus" -ge 2 ] && [ "$heads" != eagle3 ]; then
   distill 0 "$run/distill" --rounds 3 --temperatures 0,0.7 &
   ( profile 1 eagle3 cudnn || profile 1 eagle3 xla; profile 1 eagle cudnn 3 || profile 1 eagle xla 3
     distill 1 "$run/distill-sampled" --rounds 1 --temperatures 0.8,1.0,0.9,0.6; distill_extra 1 ) &
@@ -78,11 +81,13 @@ if [ "$gpus" -ge 2 ]; then
   train 0 eagle3 7 & train 1 eagle 3 & wait
   evaluate 0 eagle3 & ( evaluate 1 eagle; trace_steps 1 ) & wait
 else
+  [ "$gpus" -ge 2 ] && (CUDA_VISIBLE_DEVICES=1 RESULTS=$r/gpu1 bash examples/gpu/benchmark.sh > "$r/benchmark_log.txt" 2>&1) &
   profile 0 eagle3 cudnn || profile 0 eagle3 xla
   distill 0 "$run/distill" --rounds 3 --temperatures 0,0.8,1.0,0.7
   distill_extra 0
   train 0 eagle3 7
   evaluate 0 eagle3
-  trace_steps 0
+  [ "$gpus" -ge 2 ] || trace_steps 0
+  wait
 fi
 ls -la "$run/distill"
