@@ -206,9 +206,9 @@ class Engine:
         target, head = self._modules(target_params, head_params)
         return speculative.start(target, head, tokens, lengths, rng, opts, budgets)
 
-    def _run(self, target_params, head_params, state, num_steps, opts):
+    def _run(self, target_params, head_params, state, num_steps, opts, stop_on_finish=False):
         target, head = self._modules(target_params, head_params)
-        return speculative.run_steps(target, head, state, num_steps, opts, self.steps_per_check)
+        return speculative.run_steps(target, head, state, num_steps, opts, self.steps_per_check, stop_on_finish)
 
     def _program(self, name: str, function, args, static: dict, width: int, donate: tuple[str, ...] = ()):
         """The compiled program for this prefill width and static settings, compiled once.
@@ -314,21 +314,25 @@ class Engine:
                       steps_per_call: int) -> scheduler_lib.SlotPrograms:
         """Compiles (once per engine and settings) the continuous scheduler's prefill, insert and run.
 
-        Shapes depend on the engine alone: prefill width max_length // 2, cache length max_length,
-        an output buffer for the largest budget any prompt could have; budgets are per row.
+        Shapes depend on the engine alone: prefill widths in power-of-two buckets up to
+        max_length // 2 (one program each, all compiled here so that none compiles mid-run),
+        cache length max_length, an output buffer for the largest budget any prompt could have;
+        budgets are per row. A prefilled row's state does not depend on its width, so one
+        insert program serves every bucket.
         """
         width = self.max_length // 2
         opts = self.options(sampling=sampling, eos_ids=eos_ids, max_new_tokens=self.max_length - self.headroom - 1,
                             cache_length=self.max_length)
         compile_before = self.compile_seconds
         params = (self.target_params, self.head_params)
-        args = params + (np.zeros((1, width), np.int32), np.ones((1,), np.int32), np.ones((1,), np.int32),
-                         jax.random.key(0))
-        prefill = self._program("prefill-row", self._start_rows, args, dict(opts=opts), width)
+        row_args = lambda w: params + (np.zeros((1, w), np.int32), np.ones((1,), np.int32), np.ones((1,), np.int32),
+                                       jax.random.key(0))
+        widths = sorted({bucket_length(length, width) for length in range(1, width + 1)})
+        prefills = {w: self._program("prefill-row", self._start_rows, row_args(w), dict(opts=opts), w) for w in widths}
         if self.eager:
-            row_shape = jax.eval_shape(functools.partial(self._start_rows, opts=opts), *args)
+            row_shape = jax.eval_shape(functools.partial(self._start_rows, opts=opts), *row_args(width))
         else:
-            row_shape = prefill.out_info
+            row_shape = prefills[width].out_info
         empty = lambda rng: scheduler_lib.empty_state(row_shape, self.batch_size, rng)
         state_shape = jax.eval_shape(empty, jax.random.key(0))
         insert = self._program("insert", scheduler_lib.insert, (state_shape, row_shape, np.int32(0)), {}, 0,
@@ -336,11 +340,11 @@ class Engine:
         # Its own name: a static batch with the same options would lower the same step, but for
         # the prefill's output types rather than these (weak types may differ).
         run = self._program("slots-run", self._run, params + (state_shape,),
-                            dict(num_steps=steps_per_call, opts=opts), 0, donate=("state",))
+                            dict(num_steps=steps_per_call, opts=opts, stop_on_finish=True), 0, donate=("state",))
         return scheduler_lib.SlotPrograms(
-            prefill=lambda *inputs: prefill(*params, *inputs), insert=insert, run=lambda state: run(*params, state),
-            empty=empty, batch_size=self.batch_size, width=width, compile_seconds=self.compile_seconds - compile_before,
-            opts=opts)
+            prefill=lambda tokens, *inputs: prefills[tokens.shape[1]](*params, tokens, *inputs), insert=insert,
+            run=lambda state: run(*params, state), empty=empty, batch_size=self.batch_size, widths=tuple(widths),
+            compile_seconds=self.compile_seconds - compile_before, opts=opts)
 
     def batch_programs(self, prompts: Sequence[np.ndarray], rng: jax.Array, opts: speculative.Options,
                        steps_per_call: int) -> scheduler_lib.BatchPrograms:

@@ -83,12 +83,12 @@ class BatchPrograms:
 class SlotPrograms:
     """The compiled programs of one slot layout (see `Engine.slot_programs`)."""
 
-    prefill: Callable  # prefill(tokens [1, width], lengths [1], budgets [1], rng) -> batch-1 DecodeState
+    prefill: Callable  # prefill(tokens [1, w], lengths [1], budgets [1], rng) -> batch-1 DecodeState, w in widths
     insert: Callable  # insert(state, row, slot) -> state; `state` is donated
     run: Callable  # run(state) -> state after up to steps_per_call steps; `state` is donated
     empty: Callable  # empty(rng) -> a state of idle slots
     batch_size: int
-    width: int  # the prefill width: the longest prompt a slot takes
+    widths: tuple[int, ...]  # the prefill buckets, ascending; the last is the longest prompt a slot takes
     compile_seconds: float
     opts: speculative.Options  # what the programs were compiled for
 
@@ -117,7 +117,7 @@ def generate(programs: SlotPrograms, prompts: Sequence[np.ndarray], budgets: Seq
     """Generates for every prompt through the slots; results in input order.
 
     Args:
-        prompts: int32 prompts, each at most `programs.width` tokens.
+        prompts: int32 prompts, each at most `programs.widths[-1]` tokens.
         budgets: each prompt's max_new_tokens.
         rng: the seed key. Prompt i's prefill uses `fold_in(prefill key, i)`; the steps share
             the state's key, so sampled outputs are reproducible for a seed, batch size and
@@ -140,7 +140,7 @@ def generate(programs: SlotPrograms, prompts: Sequence[np.ndarray], budgets: Seq
             if owner[slot] is None and queue:
                 index = queue.popleft()
                 prefilled[slot], first_token[slot] = time.perf_counter(), None
-                row = programs.prefill(*_prefill_inputs(prompts[index], budgets[index], programs.width),
+                row = programs.prefill(*_prefill_inputs(prompts[index], budgets[index], programs.widths),
                                        jax.random.fold_in(prefill_rng, index))
                 state = programs.insert(state, row, np.int32(slot))
                 owner[slot], shown[slot] = index, 0
@@ -209,7 +209,9 @@ def _stream(output: np.ndarray, counts: np.ndarray, shown: np.ndarray, owner: Se
             shown[row] = counts[row]
 
 
-def _prefill_inputs(prompt: np.ndarray, budget: int, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _prefill_inputs(prompt: np.ndarray, budget: int, widths: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The batch-1 prefill's inputs, padded to the narrowest bucket that holds the prompt."""
+    width = next(w for w in widths if w >= len(prompt))
     tokens = np.zeros((1, width), np.int32)
     tokens[0, :len(prompt)] = prompt
     return tokens, np.array([len(prompt)], np.int32), np.array([budget], np.int32)

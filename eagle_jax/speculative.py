@@ -354,7 +354,7 @@ def _commit(state: DecodeState, opts: Options, rng: jax.Array, cache: kv_cache_l
 
 
 def run_steps(target: llama.Llama, head, state: DecodeState, num_steps: int, opts: Options,
-              steps_per_check: int = 1) -> DecodeState:
+              steps_per_check: int = 1, stop_on_finish: bool = False) -> DecodeState:
     """Up to `num_steps` steps on the device, stopping early once every row is done.
 
     The exit test (`all rows done`) runs every `steps_per_check` steps; between tests the steps
@@ -362,11 +362,19 @@ def run_steps(target: llama.Llama, head, state: DecodeState, num_steps: int, opt
     sync per iteration on GPU (docs/BENCHMARKS.md); checking less often trades that for up to
     `steps_per_check - 1` idle steps at the end. Outputs are identical either way: a finished
     row's step changes nothing.
+
+    With `stop_on_finish` (continuous batching) the loop also exits as soon as a row that was
+    running at entry is done, so that the host can refill its slot instead of carrying an idle
+    row through the rest of the call.
     """
+    running_at_entry = ~state.done
 
     def cond(carry):
         i, state = carry
-        return (i < num_steps) & ~jnp.all(state.done)
+        keep_going = (i < num_steps) & ~jnp.all(state.done)
+        if stop_on_finish:
+            keep_going &= ~jnp.any(state.done & running_at_entry)
+        return keep_going
 
     def body(carry):
         i, state = carry

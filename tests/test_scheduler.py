@@ -8,16 +8,20 @@ enter and leave slots.
 import collections
 import functools
 
+import jax
 import numpy as np
 import pytest
 
 from eagle_jax import engine as engine_lib
 from eagle_jax import sampling as sampling_lib
+from eagle_jax import speculative
 
-MAX_LENGTH = 64  # prompts up to 32 tokens (one 32-wide prefill), one 64-slot cache
+MAX_LENGTH = 64  # prompts up to 32 tokens (prefills 16 and 32 wide), one 64-slot cache
 PROMPT_LENGTHS = (3, 17, 1, 9, 26, 6, 12)  # 7 prompts through 3 slots
 BUDGETS = (14, 5, 9, 1, 11, 16, 7)
 SLOTS = 3
+# Slot programs: one prefill per width bucket (16 and 32 here), one insert, one run.
+SLOT_PROGRAMS = len({engine_lib.bucket_length(n, MAX_LENGTH // 2) for n in range(1, MAX_LENGTH // 2 + 1)}) + 2
 DRAFT_VOCAB = 64
 K = {"plain": 0, "eagle": 3, "eagle3": 4}
 
@@ -90,14 +94,14 @@ def test_continuous_equals_batch_one(target, prompts, heads, eos_id, reference, 
     # state (draft cache, pending pairs) was inserted intact too.
     assert [r.stats for r in results] == [r.stats for r in reference(kind)]
     assert [streamed[i] for i in range(len(prompts))] == expected
-    # Prefill, insert and run: compiled once, for the first prompt; the other six compile nothing,
-    # nor does a second call with other budgets.
-    assert engine.num_compilations == 3
+    # Prefill (per bucket), insert and run: compiled once, before the first prompt; the prompts
+    # compile nothing, nor does a second call with other budgets.
+    assert SLOT_PROGRAMS == 4 and engine.num_compilations == SLOT_PROGRAMS
     with xla_compilations() as compiled:
         again = engine.generate(prompts[::-1], max_new_tokens=list(BUDGETS[::-1]), eos_ids=[eos_id],
                                 steps_per_call=2)
     assert [r.token_ids for r in again] == expected[::-1]
-    assert engine.num_compilations == 3
+    assert engine.num_compilations == SLOT_PROGRAMS
     assert compiled == []  # nor anything else on the host path
     for result in results + again:
         stats = result.stats
@@ -124,7 +128,7 @@ def test_speculation_pauses_while_the_slots_are_full(target, prompts, heads, eos
     # cut): the remainder is a lower bound on the plain steps.
     plain_steps = [r.num_tokens - 1 - r.stats["num_drafts"] - r.stats["num_accepted_tokens"] for r in results]
     assert max(plain_steps) >= 1 and sum(r.stats["num_drafts"] for r in results) > 0, [r.stats for r in results]
-    assert engine.num_compilations == 3
+    assert engine.num_compilations == SLOT_PROGRAMS
 
 
 def test_one_slot_and_idle_slots(target, prompts, eos_id, reference):
@@ -185,5 +189,20 @@ def test_persistent_cache_holds_the_slot_programs(target, prompts, tmp_path):
         engine = engine_lib.Engine(target, max_length=MAX_LENGTH, batch_size=SLOTS, scheduler="continuous",
                                    cache_dir=tmp_path)
         outputs.append([r.token_ids for r in engine.generate(prompts[:4], max_new_tokens=list(BUDGETS[:4]))])
-    assert engine.num_compilations == 0 and engine.compile_cache.hits == 3
+    assert engine.num_compilations == 0 and engine.compile_cache.hits == SLOT_PROGRAMS
     assert outputs[0] == outputs[1]
+
+
+def test_slot_run_stops_when_a_running_row_finishes(target):
+    """With `stop_on_finish` a device call ends at the step where a running row finishes, so
+    its slot can be refilled; rows already done at entry (idle slots) do not end it."""
+    opts = speculative.Options(k=0, max_new_tokens=20, cache_length=MAX_LENGTH)
+    tokens = np.ones((3, 16), np.int32)
+    state = speculative.start(target, None, tokens, np.array([4, 5, 6], np.int32), jax.random.key(0), opts,
+                              np.array([3, 20, 1], np.int32))
+    assert np.asarray(state.done).tolist() == [False, False, True]  # the budget-1 row is done after prefill
+    stopped = speculative.run_steps(target, None, state, 64, opts, stop_on_finish=True)
+    assert np.asarray(stopped.done).tolist() == [True, False, True]
+    assert np.asarray(stopped.num_generated).tolist()[:2] == [3, 3]  # the long row ran exactly as long
+    finished = speculative.run_steps(target, None, state, 64, opts)
+    assert np.asarray(finished.done).all() and int(finished.num_generated[1]) == 20
