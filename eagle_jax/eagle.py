@@ -3,7 +3,8 @@
 Both heads share one interface, so the speculative loop and the trainer do not care which runs:
   * `project(target_features)`: target features -> the head's feature space [.., D].
   * `attention_input(embedded, features)` -> (attention input, residual); `attention`, the
-    layer's `layers.Attention`; `finish(attended, residual)` -> next features; `logits(out, target)`.
+    layer's `layers.Attention`; `finish(attended, residual, decode_kernels="xla")` -> next
+    features; `logits(out, target)`.
   * `__call__(tokens, features, positions, cache, target, mask=None)`: those four with a KV
     cache (`mask`: `layers.SlotMask` for tree drafting); returns (next features [B, T, D],
     logits [B, T, V_draft], cache).
@@ -57,6 +58,7 @@ class Eagle1Head(nnx.Module):
         self.self_attn = layers.Attention(cfg.layer, rngs=rngs, **kw)
         self.post_attention_layernorm = layers.RMSNorm(hidden, cfg.layer.rms_norm_eps, **kw)
         self.mlp = layers.MLP(cfg.layer, rngs=rngs, **kw)
+        self.decode_kernels = "xla"  # static: the MLP's, in cached draft steps (`layers.with_decode_kernels`)
 
     def project(self, target_features: jax.Array) -> jax.Array:
         return target_features  # EAGLE-1 regresses the target's final-norm hidden state itself
@@ -69,9 +71,8 @@ class Eagle1Head(nnx.Module):
         x = self.fc(jnp.concatenate([embedded, features.astype(embedded.dtype)], axis=-1))
         return x, x  # layer 0 has no input norm
 
-    def finish(self, attended, residual):
-        h = residual + attended
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def finish(self, attended, residual, decode_kernels: str = "xla"):
+        return layers.residual_mlp(residual + attended, self.post_attention_layernorm, self.mlp, decode_kernels)
 
     def logits(self, out, target: llama.Llama):
         return target.logits(out)
@@ -98,6 +99,7 @@ class Eagle3Head(nnx.Module):
         self.lm_head = nnx.Linear(hidden, cfg.draft_vocab_size, use_bias=False, rngs=rngs, **kw)
         # d2t[i] = target_id - draft_id; a Param-free variable so it travels with the weights.
         self.d2t = nnx.Variable(jnp.zeros((cfg.draft_vocab_size,), jnp.int32))
+        self.decode_kernels = "xla"  # static: the MLP's, in cached draft steps (`layers.with_decode_kernels`)
 
     def project(self, target_features: jax.Array) -> jax.Array:
         return self.fc(target_features.astype(self.fc.kernel[...].dtype))
@@ -111,9 +113,9 @@ class Eagle3Head(nnx.Module):
         layer = self.midlayer
         return jnp.concatenate([layer.input_layernorm(embedded), layer.hidden_norm(features)], axis=-1), features
 
-    def finish(self, attended, residual):
-        h = attended + residual
-        return h + self.midlayer.mlp(self.midlayer.post_attention_layernorm(h))  # pre-norm: fed back as g
+    def finish(self, attended, residual, decode_kernels: str = "xla"):
+        layer = self.midlayer  # the output, before the final norm, is fed back as g
+        return layers.residual_mlp(attended + residual, layer.post_attention_layernorm, layer.mlp, decode_kernels)
 
     def logits(self, out, target: llama.Llama):
         return layers.float32_logits(self.norm(out), self.lm_head.kernel[...])
@@ -148,7 +150,7 @@ def _cached_forward(head, tokens, features, positions, cache: kv_cache_lib.KVCac
     """One draft forward over T (token, feature) pairs with the head's one-layer KV cache."""
     x, residual = head.attention_input(target.embed_tokens(tokens), features)
     attended, keys, values = head.attention(x, positions, cache.keys[0], cache.values[0], mask=mask)
-    out = head.finish(attended, residual)
+    out = head.finish(attended, residual, head.decode_kernels)
     return out, head.logits(out, target), cache.replace(keys=(keys,), values=(values,))
 
 

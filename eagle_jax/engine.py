@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from eagle_jax import compile_cache as compile_cache_lib
+from eagle_jax import layers
 from eagle_jax import llama
 from eagle_jax import sampling as sampling_lib
 from eagle_jax import scheduler as scheduler_lib
@@ -131,12 +132,16 @@ class Engine:
             plainly (vLLM's flag of this name): a large batch fills the device without drafts.
             The switch happens inside the compiled step, both ways; greedy outputs are the same.
             None speculates at every step.
+        decode_kernels: "xla" (default) or "pallas": fused Pallas kernels for the norms and
+            projections of decode steps of up to 16 rows, in target and head
+            (`layers.with_decode_kernels`); the engine uses copies, the modules given are unchanged.
     """
 
     def __init__(self, target: llama.Llama, head=None, *, num_speculative_tokens: int = 0,
                  tree: tree_lib.TreeOptions | None = None, max_length: int = 2048, batch_size: int = 1,
                  eager: bool = False, cache_dir=None, fixed_shapes: bool = False, steps_per_check: int = 1,
-                 scheduler: str = "static", speculative_disable_by_batch_size: int | None = None):
+                 scheduler: str = "static", speculative_disable_by_batch_size: int | None = None,
+                 decode_kernels: str = "xla"):
         if num_speculative_tokens < 0:
             raise InputError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
         if (num_speculative_tokens or tree is not None) and head is None:
@@ -159,6 +164,11 @@ class Engine:
         if speculative_disable_by_batch_size is not None and speculative_disable_by_batch_size < 1:
             raise InputError(f"speculative_disable_by_batch_size must be >= 1, got {speculative_disable_by_batch_size}")
         self.speculative_disable_by_batch_size = speculative_disable_by_batch_size
+        if decode_kernels not in layers.DECODE_KERNELS:
+            raise InputError(f"decode_kernels must be one of {layers.DECODE_KERNELS}, got {decode_kernels!r}")
+        target = layers.with_decode_kernels(target, decode_kernels)
+        head = layers.with_decode_kernels(head, decode_kernels) if head is not None else None
+        self.decode_kernels = decode_kernels
         self._target_def, self.target_params = nnx.split(target)
         self._head_def, self.head_params = nnx.split(head) if head is not None else (None, None)
         self.head_config = head.config if head is not None else None
@@ -224,8 +234,10 @@ class Engine:
         key = (name, width, tuple(sorted(static.items())))
         if key not in self._compiled:
             shapes = jax.tree.map(lambda x: (x.shape, x.dtype) if hasattr(x, "shape") else x, args)
+            # decode_kernels changes the program text, which names the entry anyway; keyed here
+            # too, each setting gets its own module directory.
             description = repr((name, shapes, sorted(static.items()), self.config, self.head_config, self.max_length,
-                                self.steps_per_check))
+                                self.steps_per_check, self.decode_kernels))
             jitted = jax.jit(function, static_argnames=tuple(static), donate_argnames=donate)
             lowered = jitted.lower(*args, **static)
             module = self.module_name(name, static.get("opts"))

@@ -20,6 +20,7 @@ from eagle_jax import compile_cache
 from eagle_jax import engine as engine_lib
 from eagle_jax import heads
 from eagle_jax import hf_files
+from eagle_jax import layers
 from eagle_jax import models
 from eagle_jax import sampling as sampling_lib
 from eagle_jax import speculative
@@ -58,6 +59,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="decode without drafts in steps where more than N rows are active (default: always "
                              "speculate)")
     parser.add_argument("--eager", action="store_true", help="run op by op without jit (slow; for comparison)")
+    parser.add_argument("--decode-kernels", choices=layers.DECODE_KERNELS, default="xla",
+                        help="pallas: fused norm + projection kernels in decode steps of up to 16 rows "
+                             "(Pallas on a GPU, interpreted elsewhere); xla: as XLA compiles them")
     parser.add_argument("--batch-size", "--max-num-seqs", dest="batch_size", type=int, default=1,
                         help="rows decoded together: a static batch, or the continuous scheduler's decode slots")
     parser.add_argument("--scheduler", metavar="{continuous,static}",
@@ -154,7 +158,7 @@ def load(args, prompts: list[str]):
         max_length = engine_lib.fixed_max_length(max(len(ids) for ids in token_ids), args.max_new_tokens, headroom,
                                                  args.max_length)
     engine = engine_lib.Engine(target, head, max_length=max_length, batch_size=args.batch_size, eager=args.eager,
-                               cache_dir=cache_dir, scheduler=scheduler,
+                               cache_dir=cache_dir, scheduler=scheduler, decode_kernels=args.decode_kernels,
                                speculative_disable_by_batch_size=args.speculative_disable_by_batch_size, **drafting)
     return engine, tokenizer, method, token_ids
 
@@ -203,7 +207,8 @@ def report(args, prompt, tokenizer, result, method, engine, streamed) -> None:
                       num_speculative_tokens=None if tree else k,
                       speculative_eagle_topk=tree and tree.topk, speculative_num_steps=tree and tree.num_steps,
                       speculative_num_draft_tokens=tree and tree.num_draft_tokens,
-                      scheduler=engine.scheduler, batch_size=engine.batch_size, **result.stats)
+                      scheduler=engine.scheduler, batch_size=engine.batch_size, decode_kernels=engine.decode_kernels,
+                      **result.stats)
         print(json.dumps(record), flush=True)
         return
     if not streamed:

@@ -18,6 +18,9 @@ import numpy as np
 from flax import nnx
 
 from eagle_jax import config as config_lib
+from eagle_jax.kernels import fused_linear
+
+DECODE_KERNELS = fused_linear.IMPLEMENTATIONS  # settings of `with_decode_kernels`
 
 # A large finite negative instead of -inf: a fully masked row (a padded query) then gives a
 # uniform softmax instead of NaNs that would poison the cache through later layers.
@@ -152,9 +155,13 @@ class Attention(nnx.Module):
 
     def project(self, x: jax.Array, positions: jax.Array):
         """Queries [B, T, N, H], keys and values [B, T, K, H] of the inputs, rotary applied."""
-        batch, length, _ = x.shape
+        return self.split_heads(self.qkv_proj(x), positions)
+
+    def split_heads(self, qkv: jax.Array, positions: jax.Array):
+        """`project` from qkv_proj's output [B, T, (N + 2K) H]."""
+        batch, length, _ = qkv.shape
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = jnp.split(self.qkv_proj(x), [q_size, q_size + kv_size], axis=-1)
+        q, k, v = jnp.split(qkv, [q_size, q_size + kv_size], axis=-1)
         q = q.reshape(batch, length, self.num_heads, self.head_dim)
         k = k.reshape(batch, length, self.num_kv_heads, self.head_dim)
         v = v.reshape(batch, length, self.num_kv_heads, self.head_dim)
@@ -180,6 +187,15 @@ class Attention(nnx.Module):
         q, k, v = self.project(x, positions)
         if keys is None:  # no cache: causal self-attention over the T inputs (training features)
             return self.output(causal_attention(q, k, v, implementation)), None, None
+        attended, keys, values = self.attend(q, k, v, positions, keys, values, mask)
+        return self.output(attended), keys, values
+
+    def attend(self, q, k, v, positions: jax.Array, keys: jax.Array, values: jax.Array, mask: SlotMask | None = None):
+        """Writes k and v [B, T, K, H] into the cache [B, S, K, H], then attends q [B, T, N, H] over it.
+
+        Returns:
+            (attended values [B, T, N, H] before o_proj, updated keys, updated values).
+        """
         start = positions[:, 0] if mask is None else mask.start
         keys = write_rows(keys, k, start)
         values = write_rows(values, v, start)
@@ -188,7 +204,7 @@ class Attention(nnx.Module):
             visible = slots[None, None, :] <= positions[:, :, None]  # [B, T, S]
         else:
             visible = mask.visible
-        return self.output(grouped_attention(q, keys, values, visible)), keys, values
+        return grouped_attention(q, keys, values, visible), keys, values
 
     def output(self, attended: jax.Array) -> jax.Array:
         """o_proj of attended values [B, T, N, H]."""
@@ -309,9 +325,68 @@ class DecoderLayer(nnx.Module):
         self.self_attn = Attention(cfg, rngs=rngs, **kw)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.mlp = MLP(cfg, rngs=rngs, **kw)
+        self.decode_kernels = "xla"  # static: see `with_decode_kernels`
 
     def __call__(self, x, positions, keys, values, implementation: str = "xla", mask: SlotMask | None = None):
-        attended, keys, values = self.self_attn(self.input_layernorm(x), positions, keys, values, implementation, mask)
+        attention = self.self_attn
+        linears = (attention.qkv_proj, attention.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
+        # Cached calls only: cache-free calls compute training features, which need gradients
+        # (the Pallas kernels define none).
+        if keys is not None and uses_decode_kernels(self.decode_kernels, x, *linears):
+            return self._fused_decode(x, positions, keys, values, mask)
+        attended, keys, values = attention(self.input_layernorm(x), positions, keys, values, implementation, mask)
         x = x + attended
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, keys, values
+        return residual_mlp(x, self.post_attention_layernorm, self.mlp), keys, values
+
+    def _fused_decode(self, x, positions, keys, values, mask: SlotMask | None):
+        """The cached call with four fused kernels around attention: norm + qkv_proj,
+        o_proj + residual, norm + gate_up_proj + silu, down_proj + residual."""
+        attention, norm = self.self_attn, self.input_layernorm
+        qkv = fused_linear.norm_linear(x, norm.weight[...], norm.eps, attention.qkv_proj.kernel[...],
+                                       implementation=self.decode_kernels)
+        q, k, v = attention.split_heads(qkv, positions)
+        attended, keys, values = attention.attend(q, k, v, positions, keys, values, mask)
+        x = fused_linear.linear_residual(attended.reshape(*x.shape[:2], -1), attention.o_proj.kernel[...], x,
+                                         implementation=self.decode_kernels)
+        return residual_mlp(x, self.post_attention_layernorm, self.mlp, self.decode_kernels), keys, values
+
+
+def residual_mlp(x: jax.Array, norm: RMSNorm, mlp: MLP, decode_kernels: str = "xla") -> jax.Array:
+    """x + mlp(norm(x)), in two fused kernels when `uses_decode_kernels` says so."""
+    if not uses_decode_kernels(decode_kernels, x, mlp.gate_up_proj, mlp.down_proj):
+        return x + mlp(norm(x))
+    hidden = fused_linear.norm_gate_up(x, norm.weight[...], norm.eps, mlp.gate_up_proj.kernel[...],
+                                       implementation=decode_kernels)
+    return fused_linear.linear_residual(hidden, mlp.down_proj.kernel[...], x, implementation=decode_kernels)
+
+
+def uses_decode_kernels(decode_kernels: str, x: jax.Array, *linears: nnx.Linear) -> bool:
+    """Whether `decode_kernels` ("xla" or "pallas") replaces these linear layers on inputs x [..., D].
+
+    Only decode steps, at most `fused_linear.MAX_ROWS` rows: there the fused kernels save
+    launches, while longer inputs (prefill, training) are large matmuls XLA runs well. Layers
+    with biases, or computing in another dtype than x's, keep the XLA path: the kernels have
+    no bias and compute in x's dtype.
+    """
+    rows = math.prod(x.shape[:-1])
+    return (decode_kernels != "xla" and rows <= fused_linear.MAX_ROWS
+            and all(not l.use_bias and l.dtype == x.dtype for l in linears))
+
+
+def with_decode_kernels(module: nnx.Module, decode_kernels: str) -> nnx.Module:
+    """A copy of a target or head (sharing its weights) whose decode steps use `decode_kernels`.
+
+    "xla" (default) runs norms and projections as XLA compiles them. "pallas" runs them as fused
+    Pallas kernels (`kernels.fused_linear`) in cached calls of up to `fused_linear.MAX_ROWS`
+    rows (batch x tokens): four per target decoder layer, two for a draft head's MLP; in
+    Pallas interpret mode unless the backend is a GPU (so CPU tests run the kernel code).
+    The setting is a static attribute, so it is part of the module's graph and of every
+    program compiled from it.
+    """
+    if decode_kernels not in DECODE_KERNELS:
+        raise ValueError(f"decode_kernels must be one of {DECODE_KERNELS}, got {decode_kernels!r}")
+    module = nnx.clone(module)
+    for _, child in nnx.iter_graph(module):
+        if isinstance(child, nnx.Module) and hasattr(child, "decode_kernels"):
+            child.decode_kernels = decode_kernels
+    return module

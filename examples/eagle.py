@@ -44,6 +44,7 @@ from eagle_jax import compile_cache
 from eagle_jax import data
 from eagle_jax import engine as engine_lib
 from eagle_jax import heads
+from eagle_jax import layers
 from eagle_jax import models
 from eagle_jax import sampling as sampling_lib
 from eagle_jax import speculative
@@ -100,6 +101,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--draft", help="EAGLE head directory, or a comma list (the method of each is read from "
                                         "its config); default: the shipped head for each method")
     parser.add_argument("--eager", action="store_true", help="op by op without jit (very slow; use few prompts)")
+    parser.add_argument("--decode_kernels", "--decode-kernels", choices=layers.DECODE_KERNELS, default="xla",
+                        help="pallas: fused norm + projection kernels in decode steps of up to 16 rows "
+                             "(Engine.decode_kernels); recorded in each row")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top_p", "--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -261,7 +265,7 @@ def main(argv=None) -> int:
         drafting = dict(tree=tree) if tree else dict(num_speculative_tokens=k)
         engine = engine_lib.Engine(target, head, max_length=max_length, batch_size=batch_size, eager=args.eager,
                                    cache_dir=cache_dir, fixed_shapes=True, steps_per_check=args.steps_per_check,
-                                   scheduler=scheduler,
+                                   scheduler=scheduler, decode_kernels=args.decode_kernels,
                                    speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
                                    **drafting)
         name = f"tree {tree.topk}/{tree.num_steps}/{tree.num_draft_tokens}" if tree else f"k={k}"
@@ -286,6 +290,7 @@ def main(argv=None) -> int:
             draft=None if head_path is None else str(head_path), seed=args.seed,
             dataset=Path(args.dataset).name if args.dataset else "mt_bench",
             steps_per_call=args.steps_per_call, steps_per_check=args.steps_per_check,
+            decode_kernels=args.decode_kernels,
             speculative_disable_by_batch_size=args.speculative_disable_by_batch_size if k else None,
             ttft_ms_p50=round(float(measured["ttft_ms_p50"]), 2),
             latency_s_p50=round(float(measured["latency_s_p50"]), 4),

@@ -2,6 +2,7 @@
 
     python examples/profile_step.py --method eagle3 --k 3 --dtype bfloat16 --iterations 50
     python examples/profile_step.py --parts step_trace --method none --label "before fused norm"
+    python examples/profile_step.py --parts step_trace --method none --decode-kernels pallas --label "fused kernels"
 
 Four measurements, each appended as a row to `--out` (a JSON list); the first three run by default:
   * draft_forward: `speculative.draft` (k head forwards + their lm_head) jitted vs the same
@@ -15,6 +16,8 @@ Four measurements, each appended as a row to `--out` (a JSON list); the first th
     (overlaps merged), wall time, and the ten heaviest kernels (examples/step_trace.py says
     which trace events count as kernels on GPU and on CPU). --label tags the row, e.g.
     "before fused norm" / "after", to record one row before and one after each change tried.
+--decode-kernels (every part; recorded in every row) picks the Engine's decode kernels: "pallas"
+fuses each layer's norms and projections into four Pallas kernels (`layers.with_decode_kernels`).
 Timings are medians over `--iterations` calls after warm-up, each ended by `block_until_ready`.
 Without a shipped head or `--draft`, a random head of the right shape is used (timings do
 not depend on the weights; acceptance does, so the step runs with the head's real acceptance).
@@ -50,6 +53,7 @@ from flax import nnx
 from eagle_jax import data
 from eagle_jax import engine as engine_lib
 from eagle_jax import heads
+from eagle_jax import layers
 from eagle_jax import models
 from eagle_jax import speculative
 from eagle_jax import tokenization
@@ -83,6 +87,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--parts", default=",".join(DEFAULT_PARTS), help=f"comma list of {PARTS}")
     parser.add_argument("--cold-warm-tokens", type=int, default=16, help="--max-new-tokens of the cold/warm runs")
     parser.add_argument("--out", default="docs/results/profile.json", help="JSON list the rows are appended to")
+    parser.add_argument("--decode-kernels", choices=layers.DECODE_KERNELS, default="xla",
+                        help="the Engine's decode kernels (Engine.decode_kernels), in every part")
     trace = parser.add_argument_group("step_trace")
     trace.add_argument("--batch-size", type=int, default=1, help="rows of the traced step (copies of the prompt)")
     trace.add_argument("--trace-steps", type=int, default=64, help="steps traced (after one untraced warm-up call)")
@@ -115,6 +121,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def metadata(args) -> dict:
     device = jax.devices()[0]
     return dict(device=device.device_kind, platform=device.platform, jax_version=jax.__version__, dtype=args.dtype,
+                decode_kernels=args.decode_kernels,
                 model=args.model or "SmolLM2-135M-Instruct",
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 command="python examples/profile_step.py " + shlex.join(sys.argv[1:]))
@@ -153,7 +160,8 @@ def cold_warm(args, draft_path: Path) -> dict:
     with tempfile.TemporaryDirectory(prefix="eagle-jax-coldwarm-") as cache_dir:
         command = [sys.executable, "-m", "eagle_jax.generate", "--json", "--max-new-tokens", str(args.cold_warm_tokens),
                    "--prompt", "hi", "--dtype", args.dtype, "--cache-dir", cache_dir,
-                   "--draft", str(draft_path), "--num-speculative-tokens", str(args.k)]
+                   "--draft", str(draft_path), "--num-speculative-tokens", str(args.k),
+                   "--decode-kernels", args.decode_kernels]
         if args.model:
             command += ["--model", args.model]
         for name in ("cold", "warm"):
@@ -297,7 +305,7 @@ def in_process(args, target, head, prompt: list[int], head_is_random: bool) -> l
 def trace_part(args, target, head, prompt: list[int], head_is_random: bool) -> dict:
     """The step_trace row: the Engine built as `generate` builds it, traced by `step_trace.measure`."""
     engine = engine_lib.Engine(target, head, num_speculative_tokens=args.k, batch_size=args.batch_size,
-                               steps_per_check=args.steps_per_check,
+                               steps_per_check=args.steps_per_check, decode_kernels=args.decode_kernels,
                                max_length=max(2048, args.cache_length or 0))
     measured = step_trace.measure(engine, prompt, trace_steps=args.trace_steps, steps_per_call=args.steps_per_call,
                                   cache_length=args.cache_length, device=args.trace_device, trace_dir=args.trace_dir)
@@ -326,6 +334,9 @@ def main(argv=None) -> int:
             rows.append(cold_warm(args, draft_path))
         if needs_prompt:
             head = models.load_head(draft_path, target, args.dtype) if draft_path is not None else None
+            # For the in-process parts; the step_trace Engine applies the same setting itself.
+            target = layers.with_decode_kernels(target, args.decode_kernels)
+            head = layers.with_decode_kernels(head, args.decode_kernels) if head is not None else None
             if tokenizer_dir is None:  # random weights: any ids time the same
                 prompt = np.random.default_rng(0).integers(0, target.config.vocab_size, args.random_prompt_length)
             else:

@@ -1,0 +1,268 @@
+"""Fused linear layers for decode steps (a few rows): RMSNorm + matmul (+ SwiGLU), matmul + residual.
+
+At batch 1 a decode step multiplies M = batch x tokens <= 16 rows by each weight matrix. XLA runs
+each norm, matmul, activation and residual add as its own 1-7 us kernel (~19 per SmolLM2 layer),
+so the step is bound by the kernel count, not by reading the weights. With these, a decoder
+layer's projections take four kernels:
+
+  norm_linear      rmsnorm(x) @ W                          input_layernorm + qkv_proj
+  norm_gate_up     silu(n @ W_gate) * (n @ W_up), n = rmsnorm(x)   post_attention_layernorm + gate_up_proj
+  linear_residual  residual + x @ W                        o_proj, down_proj
+
+`implementation="xla"` is the reference: plain jnp computing what `layers.RMSNorm` and a bias-free
+`nnx.Linear` compute. `"pallas"` is one Triton kernel per call (GPU); `interpret=None` runs it in
+Pallas interpret mode unless the default backend is a GPU, so CPU tests run the kernel code.
+
+Kernel layout: a grid of (row blocks, column blocks). A program streams a [K, block_n] column
+strip of the weight in block_k chunks through `dot` with its rows of x. Norms are recomputed by
+every program: a row has K = 576 values, cheaper than a second launch. Triton's dot needs every
+dimension >= 16, so rows come in blocks of 16 whatever M is (absent rows load as zeros and are
+never stored), and Triton tensors have power-of-two sizes, so ragged edges (K = 576 in chunks of
+128, N not a multiple of block_n) are masked. Accumulation is float32; outputs take x's dtype and
+weights are cast to it, as `nnx.Linear` casts to its computation dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+IMPLEMENTATIONS = ("xla", "pallas")
+MAX_ROWS = 16  # the most rows the model sends to these kernels: one block of rows
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """Static block sizes and Triton launch settings of the Pallas kernels.
+
+    Attributes:
+        block_m: rows per program (Triton's dot needs >= 16).
+        block_n: output columns per program (of gate and of up each, in `norm_gate_up`).
+        block_k: input features per dot in a program's loop over K.
+        num_warps: Triton warps per program.
+        num_stages: Triton software-pipelining depth of that loop (weight loads in flight).
+    """
+
+    block_m: int = 16
+    block_n: int = 32
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k"):
+            size = getattr(self, name)
+            if size < 16 or size & (size - 1):
+                raise ValueError(f"{name} must be a power of two >= 16 (Triton's dot), got {size}")
+
+
+def norm_linear(x: jax.Array, norm_weight: jax.Array, eps: float, weight: jax.Array, *,
+                implementation: str = "xla", interpret: bool | None = None, tiling: Tiling = Tiling()) -> jax.Array:
+    """rmsnorm(x) @ weight: HF's RMSNorm (as `layers.RMSNorm`), then a bias-free linear layer.
+
+    Args:
+        x: [..., K] activations, in the computation's dtype.
+        norm_weight: [K] RMSNorm scale.
+        eps: RMSNorm epsilon.
+        weight: [K, N], `nnx.Linear`'s kernel layout.
+        implementation: "xla" (reference) or "pallas".
+        interpret: run the Pallas kernel in interpret mode; None: unless the backend is a GPU.
+        tiling: the Pallas kernel's block sizes.
+    Returns:
+        [..., N] in x's dtype.
+    """
+    _check(implementation, x, weight)
+    if implementation == "xla":
+        return _linear(rms_norm(x, norm_weight, eps), weight)
+    kernel = functools.partial(_norm_linear_kernel, eps=eps, tiling=tiling)
+    return _call(kernel, "norm_linear", x, (norm_weight, weight), weight.shape[1], interpret, tiling)
+
+
+def norm_gate_up(x: jax.Array, norm_weight: jax.Array, eps: float, weight_gate_up: jax.Array, *,
+                 implementation: str = "xla", interpret: bool | None = None, tiling: Tiling = Tiling()) -> jax.Array:
+    """silu(gate) * up of [gate | up] = rmsnorm(x) @ weight_gate_up: a SwiGLU MLP's first half.
+
+    Args:
+        x: [..., K] activations.
+        norm_weight: [K] RMSNorm scale; eps: its epsilon.
+        weight_gate_up: [K, 2F], gate's columns then up's (`layers.MLP.gate_up_proj`).
+        implementation, interpret, tiling: as `norm_linear`.
+    Returns:
+        [..., F] in x's dtype.
+    """
+    _check(implementation, x, weight_gate_up)
+    if weight_gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up weight needs an even number of columns, got {weight_gate_up.shape}")
+    if implementation == "xla":
+        gate, up = jnp.split(_linear(rms_norm(x, norm_weight, eps), weight_gate_up), 2, axis=-1)
+        return jax.nn.silu(gate) * up
+    kernel = functools.partial(_norm_gate_up_kernel, eps=eps, tiling=tiling)
+    return _call(kernel, "norm_gate_up", x, (norm_weight, weight_gate_up), weight_gate_up.shape[1] // 2,
+                 interpret, tiling)
+
+
+def linear_residual(x: jax.Array, weight: jax.Array, residual: jax.Array, *, implementation: str = "xla",
+                    interpret: bool | None = None, tiling: Tiling = Tiling()) -> jax.Array:
+    """residual + x @ weight: a bias-free linear layer closing a residual branch (o_proj, down_proj).
+
+    Args:
+        x: [..., K] activations.
+        weight: [K, N].
+        residual: [..., N] in x's dtype.
+        implementation, interpret, tiling: as `norm_linear`.
+    Returns:
+        [..., N] in x's dtype.
+    """
+    _check(implementation, x, weight)
+    if residual.shape != (*x.shape[:-1], weight.shape[1]):
+        raise ValueError(f"residual shape {residual.shape} does not fit x {x.shape} @ weight {weight.shape}")
+    if implementation == "xla":
+        return residual + _linear(x, weight)
+    kernel = functools.partial(_linear_residual_kernel, tiling=tiling)
+    rows = residual.reshape(-1, weight.shape[1])  # [M, N]
+    return _call(kernel, "linear_residual", x, (weight, rows), weight.shape[1], interpret, tiling)
+
+
+# ---- the XLA reference ---------------------------------------------------------------------
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """`layers.RMSNorm` computing in x's dtype: normalise in float32, cast back, then scale."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight.astype(x.dtype) * x32.astype(x.dtype)
+
+
+def _linear(x: jax.Array, weight: jax.Array) -> jax.Array:
+    """A bias-free `nnx.Linear` computing in x's dtype."""
+    return lax.dot_general(x, weight.astype(x.dtype), (((x.ndim - 1,), (0,)), ((), ())))
+
+
+def _check(implementation: str, x: jax.Array, weight: jax.Array) -> None:
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown implementation {implementation!r} ({', '.join(IMPLEMENTATIONS)})")
+    if weight.ndim != 2 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"weight shape {weight.shape} does not take inputs of shape {x.shape}")
+
+
+# ---- the Pallas kernels --------------------------------------------------------------------
+
+def _call(kernel, name: str, x: jax.Array, operands: tuple, width: int, interpret: bool | None,
+          tiling: Tiling) -> jax.Array:
+    """Runs `kernel(x [M, K], *operands, out [M, width])` over (row blocks, column blocks)."""
+    rows = x.reshape(-1, x.shape[-1])  # [M, K]
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((rows.shape[0], width), x.dtype),
+        grid=(pl.cdiv(rows.shape[0], tiling.block_m), pl.cdiv(width, tiling.block_n)),
+        compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
+        interpret=interpret,
+        name=name,
+    )(rows, *operands)
+    return out.reshape(*x.shape[:-1], width)
+
+
+def _mask(start, shape, limits) -> jax.Array:
+    """[shape] bool: which elements of the tile at `start` lie inside `limits` (2-D)."""
+    rows = start[0] + jnp.arange(shape[0]) < limits[0]
+    columns = start[1] + jnp.arange(shape[1]) < limits[1]
+    return rows[:, None] & columns[None, :]
+
+
+def _tile(ref, start, shape, limits=None) -> jax.Array:
+    """ref[start : start + shape] (2-D), zeros outside `limits` (default: the array's shape)."""
+    window = ref.at[pl.ds(start[0], shape[0]), pl.ds(start[1], shape[1])]
+    return plgpu.load(window, mask=_mask(start, shape, limits or ref.shape), other=0.0)
+
+
+def _vector(ref, start, size: int) -> jax.Array:
+    """ref[start : start + size] (1-D), zeros past the end."""
+    return plgpu.load(ref.at[pl.ds(start, size)], mask=start + jnp.arange(size) < ref.shape[0], other=0.0)
+
+
+def _store(ref, start, value: jax.Array) -> None:
+    window = ref.at[pl.ds(start[0], value.shape[0]), pl.ds(start[1], value.shape[1])]
+    plgpu.store(window, value, mask=_mask(start, value.shape, ref.shape))
+
+
+def _origin(tiling: Tiling) -> tuple[jax.Array, jax.Array]:
+    """(first row, first output column) of this program's output block."""
+    return pl.program_id(0) * tiling.block_m, pl.program_id(1) * tiling.block_n
+
+
+def _inverse_rms(x_ref, row: jax.Array, eps: float, tiling: Tiling) -> jax.Array:
+    """[block_m, 1] float32 1 / rms of the program's rows of x [M, K]."""
+    size = x_ref.shape[1]
+
+    def add_squares(chunk, total):
+        x = _tile(x_ref, (row, chunk * tiling.block_k), (tiling.block_m, tiling.block_k)).astype(jnp.float32)
+        return total + jnp.sum(x * x, axis=1, keepdims=True)
+
+    total = lax.fori_loop(0, pl.cdiv(size, tiling.block_k), add_squares, jnp.zeros((tiling.block_m, 1), jnp.float32))
+    return lax.rsqrt(total / size + eps)
+
+
+def _normed(x_ref, norm_ref, row: jax.Array, k: jax.Array, inverse_rms: jax.Array, tiling: Tiling) -> jax.Array:
+    """[block_m, block_k] of rmsnorm(x) in x's dtype, from feature k on, rounded as `rms_norm` rounds."""
+    dtype = x_ref.dtype
+    x = _tile(x_ref, (row, k), (tiling.block_m, tiling.block_k)).astype(jnp.float32)
+    scale = _vector(norm_ref, k, tiling.block_k).astype(dtype).astype(jnp.float32)
+    # The product of two dtype values is exact in float32, so rounding it once equals a
+    # multiplication in dtype (math is done in float32: Triton lacks most bf16 arithmetic).
+    return (scale[None, :] * (x * inverse_rms).astype(dtype).astype(jnp.float32)).astype(dtype)
+
+
+def _project(rows_at, w_ref, columns, tiling: Tiling) -> tuple[jax.Array, ...]:
+    """sum over k of rows_at(k) [block_m, block_k] @ w[k : k + block_k, start : start + block_n].
+
+    One float32 [block_m, block_n] result per (start, limit) in `columns`; weight columns at or
+    past `limit` read as zeros. The strips share each chunk of rows.
+    """
+    size = w_ref.shape[0]
+    block_k, block_n = tiling.block_k, tiling.block_n
+
+    def accumulate(chunk, sums):
+        k = chunk * block_k
+        rows = rows_at(k)
+        strips = [_tile(w_ref, (k, start), (block_k, block_n), (size, limit)).astype(rows.dtype)
+                  for start, limit in columns]
+        return tuple(total + jnp.dot(rows, strip, preferred_element_type=jnp.float32)
+                     for total, strip in zip(sums, strips))
+
+    zeros = jnp.zeros((tiling.block_m, block_n), jnp.float32)
+    return lax.fori_loop(0, pl.cdiv(size, block_k), accumulate, (zeros,) * len(columns))
+
+
+def _norm_linear_kernel(x_ref, norm_ref, w_ref, out_ref, *, eps: float, tiling: Tiling):
+    row, column = _origin(tiling)
+    inverse_rms = _inverse_rms(x_ref, row, eps, tiling)
+    normed = lambda k: _normed(x_ref, norm_ref, row, k, inverse_rms, tiling)
+    [out] = _project(normed, w_ref, [(column, w_ref.shape[1])], tiling)
+    _store(out_ref, (row, column), out.astype(out_ref.dtype))
+
+
+def _norm_gate_up_kernel(x_ref, norm_ref, w_ref, out_ref, *, eps: float, tiling: Tiling):
+    row, column = _origin(tiling)
+    width = out_ref.shape[1]  # F: gate is w[:, :F], up is w[:, F:]
+    inverse_rms = _inverse_rms(x_ref, row, eps, tiling)
+    normed = lambda k: _normed(x_ref, norm_ref, row, k, inverse_rms, tiling)
+    gate, up = _project(normed, w_ref, [(column, width), (width + column, 2 * width)], tiling)
+    # Rounded to dtype first, as the unfused gate_up_proj output is; the activation in float32.
+    gate, up = (part.astype(out_ref.dtype).astype(jnp.float32) for part in (gate, up))
+    _store(out_ref, (row, column), (jax.nn.silu(gate) * up).astype(out_ref.dtype))
+
+
+def _linear_residual_kernel(x_ref, w_ref, residual_ref, out_ref, *, tiling: Tiling):
+    row, column = _origin(tiling)
+    rows = lambda k: _tile(x_ref, (row, k), (tiling.block_m, tiling.block_k))
+    [out] = _project(rows, w_ref, [(column, w_ref.shape[1])], tiling)
+    residual = _tile(residual_ref, (row, column), (tiling.block_m, tiling.block_n)).astype(jnp.float32)
+    # Rounded to dtype before the add, as the unfused linear layer's output is.
+    _store(out_ref, (row, column), (out.astype(out_ref.dtype).astype(jnp.float32) + residual).astype(out_ref.dtype))

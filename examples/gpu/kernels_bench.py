@@ -1,0 +1,220 @@
+"""Fused decode kernels against the XLA code they replace, at the default target's shapes.
+
+    python examples/gpu/kernels_bench.py --out docs/results/kernels.json
+    python examples/gpu/kernels_bench.py --rows 1,4 --block-n 16,32,64 --block-k 64,128 --num-warps 2,4
+
+Random bf16 weights, no model files. Ops (`kernels.fused_linear`, implementation "xla" vs "pallas"):
+  * norm_linear: input_layernorm + qkv_proj (576 -> 960)
+  * norm_gate_up: post_attention_layernorm + gate_up_proj + silu(gate) * up (576 -> 2 x 1536 -> 1536)
+  * o_proj_residual, down_proj_residual: linear_residual (576 -> 576, 1536 -> 576)
+  * decoder_layer: one cached decode call of a whole `layers.DecoderLayer` (cache --cache-length),
+    decode_kernels "xla" vs "pallas" (default tiling)
+Each is jitted alone. wall_us: median host time of one call ended by `block_until_ready` over
+--iterations calls (mostly dispatch for kernels this small). kernels and busy_us per call: from a
+`jax.profiler` trace of --trace-calls calls (examples/step_trace.py: device time, overlaps merged):
+the number that matters inside a compiled step. gb_per_s: weight bytes / busy time. Pallas rows run
+once per tiling in the product of --block-n, --block-k, --num-warps and --num-stages. Every row is
+appended to --out (kind "kernel_bench") and a table is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import os
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+EXAMPLES = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(EXAMPLES))  # step_trace, results_file, script_errors
+try:
+    import eagle_jax  # noqa: F401
+except ModuleNotFoundError:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(EXAMPLES.parent))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from eagle_jax import config as config_lib
+from eagle_jax import layers
+from eagle_jax import models
+from eagle_jax.kernels import fused_linear
+import script_errors
+import step_trace
+from results_file import append_rows
+
+# SmolLM2-135M's decoder layer.
+DEFAULT_CONFIG = config_lib.LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=1,
+                                        num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0)
+OPS = ("norm_linear", "norm_gate_up", "o_proj_residual", "down_proj_residual", "decoder_layer")
+
+
+def int_list(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part.strip()]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--config", help="HF config.json whose layer shapes to use (default: SmolLM2-135M's)")
+    parser.add_argument("--dtype", choices=sorted(models.DTYPES), default="bfloat16")
+    parser.add_argument("--rows", type=int_list, default=[1], help="M = batch x tokens, or a comma list (<= 16)")
+    parser.add_argument("--ops", default=",".join(OPS), help=f"comma list of {OPS}")
+    parser.add_argument("--block-n", type=int_list, default=[fused_linear.Tiling.block_n])
+    parser.add_argument("--block-k", type=int_list, default=[fused_linear.Tiling.block_k])
+    parser.add_argument("--num-warps", type=int_list, default=[fused_linear.Tiling.num_warps])
+    parser.add_argument("--num-stages", type=int_list, default=[fused_linear.Tiling.num_stages])
+    parser.add_argument("--iterations", type=int, default=200, help="timed calls for the wall-time median")
+    parser.add_argument("--trace-calls", type=int, default=100, help="calls traced for kernels and busy time")
+    parser.add_argument("--cache-length", type=int, default=1024, help="KV cache slots of decoder_layer")
+    parser.add_argument("--label", default="", help="free text saved in every row")
+    parser.add_argument("--out", default="docs/results/kernels.json", help="JSON list the rows are appended to")
+    args = parser.parse_args(argv)
+    args.ops = [op.strip() for op in args.ops.split(",") if op.strip()]
+    if bad := [op for op in args.ops if op not in OPS]:
+        parser.error(f"unknown --ops {bad}; choose from {OPS}")
+    if not args.rows or min(args.rows) < 1 or max(args.rows) > fused_linear.MAX_ROWS:
+        parser.error(f"--rows must be in 1..{fused_linear.MAX_ROWS}")
+    if min(args.iterations, args.trace_calls) < 1:
+        parser.error("--iterations and --trace-calls must be >= 1")
+    return args
+
+
+def measure(function, inputs: tuple, args) -> dict:
+    """Wall median and traced kernels / busy time per call of `function(*inputs)`.
+
+    `function` returns (output, inputs for the next call): a call that donates its cache
+    passes on the updated one.
+    """
+    holder = {"inputs": inputs}
+
+    def call():
+        out, holder["inputs"] = function(*holder["inputs"])
+        return out
+
+    for _ in range(5):
+        jax.block_until_ready(call())
+    times = []
+    for _ in range(args.iterations):
+        began = time.perf_counter()
+        jax.block_until_ready(call())
+        times.append(time.perf_counter() - began)
+    with tempfile.TemporaryDirectory(prefix="eagle-jax-kernels-") as log_dir:
+        with jax.profiler.trace(log_dir):
+            for _ in range(args.trace_calls):
+                out = call()
+            jax.block_until_ready(out)
+        summary = step_trace.summarize(step_trace.load_trace(step_trace.find_trace_file(log_dir)), args.trace_calls)
+    return dict(wall_us=round(1e6 * float(np.median(times)), 2), kernels=summary["kernels_per_step"],
+                busy_us=summary["busy_us_per_step"], kernel_us=summary["kernel_us_per_step"],
+                top_kernels=summary["top_kernels"][:4])
+
+
+def linear_cases(cfg: config_lib.LlamaConfig, rows: int, dtype, seed: int = 0) -> dict:
+    """op -> (function of (inputs, implementation, tiling), inputs, weight bytes)."""
+    rng = np.random.default_rng(seed)
+    activations = lambda width: jnp.asarray(rng.standard_normal((rows, width)), dtype)
+    weight = lambda fan_in, fan_out: jnp.asarray(rng.standard_normal((fan_in, fan_out)) / np.sqrt(fan_in), dtype)
+    hidden, intermediate, attended = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim
+    x, norm, eps = activations(hidden), jnp.ones((hidden,), dtype), cfg.rms_norm_eps
+    qkv, gate_up = weight(hidden, sum(layers.qkv_sizes(cfg))), weight(hidden, 2 * intermediate)
+    o_proj, down_proj = weight(attended, hidden), weight(intermediate, hidden)
+    size = lambda w: w.size * w.dtype.itemsize
+    norm_linear = lambda i, **kw: fused_linear.norm_linear(i[0], i[1], eps, i[2], **kw)
+    norm_gate_up = lambda i, **kw: fused_linear.norm_gate_up(i[0], i[1], eps, i[2], **kw)
+    linear_residual = lambda i, **kw: fused_linear.linear_residual(*i, **kw)
+    return {"norm_linear": (norm_linear, (x, norm, qkv), size(qkv)),
+            "norm_gate_up": (norm_gate_up, (x, norm, gate_up), size(gate_up)),
+            "o_proj_residual": (linear_residual, (activations(attended), o_proj, x), size(o_proj)),
+            "down_proj_residual": (linear_residual, (activations(intermediate), down_proj, x), size(down_proj))}
+
+
+def layer_case(cfg: config_lib.LlamaConfig, rows: int, dtype, setting: str, cache_length: int):
+    """(jitted decode call of one DecoderLayer over `rows` rows of one token, its inputs, weight bytes)."""
+    layer = layers.with_decode_kernels(layers.DecoderLayer(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype),
+                                       setting)
+    graphdef, params = nnx.split(layer)
+
+    def step(params, x, keys, values):
+        positions = jnp.full((rows, 1), cache_length // 2, jnp.int32)
+        return nnx.merge(graphdef, params)(x, positions, keys, values)
+
+    step = jax.jit(step, donate_argnums=(2, 3))  # the cache updated in place, as in the engine's step
+
+    def call(params, x, keys, values):
+        out, keys, values = step(params, x, keys, values)
+        return out, (params, x, keys, values)
+
+    cache = lambda: jnp.zeros((rows, cache_length, cfg.num_kv_heads, cfg.head_dim), dtype)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((rows, 1, cfg.hidden_size)), dtype)
+    weight_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(params))
+    return call, (params, x, cache(), cache()), weight_bytes
+
+
+def tilings(args) -> list[fused_linear.Tiling]:
+    return [fused_linear.Tiling(block_n=n, block_k=k, num_warps=w, num_stages=s)
+            for n, k, w, s in itertools.product(args.block_n, args.block_k, args.num_warps, args.num_stages)]
+
+
+def run(args) -> list[dict]:
+    cfg = config_lib.LlamaConfig.from_file(args.config) if args.config else DEFAULT_CONFIG
+    dtype = models.DTYPES[args.dtype]
+    device = jax.devices()[0]
+    common = dict(kind="kernel_bench", label=args.label, dtype=args.dtype, hidden_size=cfg.hidden_size,
+                  intermediate_size=cfg.intermediate_size, device=device.device_kind, platform=device.platform,
+                  jax_version=jax.__version__, iterations=args.iterations, trace_calls=args.trace_calls,
+                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  command="python examples/gpu/kernels_bench.py " + shlex.join(sys.argv[1:]))
+    rows = []
+    for count in args.rows:
+        cases = linear_cases(cfg, count, dtype)
+        for op in args.ops:
+            if op == "decoder_layer":
+                for setting in layers.DECODE_KERNELS:
+                    call, inputs, weight_bytes = layer_case(cfg, count, dtype, setting, args.cache_length)
+                    rows.append(dict(op=op, implementation=setting, rows=count, weight_bytes=weight_bytes,
+                                     cache_length=args.cache_length, **measure(call, inputs, args), **common))
+                continue
+            function, inputs, weight_bytes = cases[op]
+            settings = [("xla", None)] + [("pallas", tiling) for tiling in tilings(args)]
+            for implementation, tiling in settings:
+                kw = dict(implementation=implementation) | (dict(tiling=tiling) if tiling else {})
+                jitted = jax.jit(lambda *i, kw=kw, function=function: function(i, **kw))
+                measured = measure(lambda *i, jitted=jitted: (jitted(*i), i), inputs, args)
+                rows.append(dict(op=op, implementation=implementation, rows=count, weight_bytes=weight_bytes,
+                                 tiling=tiling and vars(tiling), **measured, **common))
+    for row in rows:
+        row["gb_per_s"] = round(row["weight_bytes"] / row["busy_us"] / 1e3, 1)
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    header = (f"{'op':<20}{'impl':>8}{'rows':>6}{'tiling n/k/warps/stages':>25}{'kernels':>9}{'busy us':>9}"
+              f"{'vs xla':>8}{'wall us':>9}{'GB/s':>8}")
+    print("\n" + header + "\n" + "-" * len(header))
+    xla = {(r["op"], r["rows"]): r["busy_us"] for r in rows if r["implementation"] == "xla"}
+    for r in rows:
+        t = r.get("tiling")
+        tiling = f"{t['block_n']}/{t['block_k']}/{t['num_warps']}/{t['num_stages']}" if t else "-"
+        print(f"{r['op']:<20}{r['implementation']:>8}{r['rows']:>6}{tiling:>25}{r['kernels']:>9}{r['busy_us']:>9.2f}"
+              f"{xla[r['op'], r['rows']] / r['busy_us']:>7.2f}x{r['wall_us']:>9.1f}{r['gb_per_s']:>8.0f}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    rows = run(args)
+    append_rows(args.out, rows)
+    print_table(rows)
+    print(f"[kernels_bench.py] {len(rows)} rows -> {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    sys.exit(script_errors.run(main))

@@ -1,0 +1,173 @@
+"""Fused decode kernels (`kernels.fused_linear`): Pallas against the XLA reference, and in the model.
+
+On CPU the Pallas kernels run in interpret mode (the same kernel code, evaluated by XLA:CPU);
+lowering them for CUDA checks, without a GPU, that Triton accepts their shapes.
+"""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax import export
+
+from eagle_jax import engine as engine_lib
+from eagle_jax import layers
+from eagle_jax.kernels import fused_linear
+
+EPS = 1e-5
+# SmolLM2-135M: hidden 576, qkv_proj 960 (9 + 2 x 3 heads of 64), intermediate 1536.
+REAL = dict(hidden=576, qkv=960, intermediate=1536)
+# Nothing divides the blocks: masked edges in K, N and (with 17 rows) a second block of rows.
+RAGGED = dict(hidden=40, qkv=24, intermediate=20)
+
+
+def operands(shape: dict, rows: int, dtype, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    hidden, qkv, intermediate = shape["hidden"], shape["qkv"], shape["intermediate"]
+    normal = lambda *s, scale=1.0: jnp.asarray(scale * rng.standard_normal(s), dtype)
+    return dict(x=normal(rows, hidden), norm=jnp.asarray(1 + 0.1 * rng.standard_normal(hidden), dtype),
+                qkv=normal(hidden, qkv, scale=hidden ** -0.5),
+                gate_up=normal(hidden, 2 * intermediate, scale=hidden ** -0.5),
+                down=normal(intermediate, hidden, scale=intermediate ** -0.5), hidden=normal(rows, intermediate))
+
+
+def all_kernels(o: dict, implementation: str, interpret=None) -> list[jax.Array]:
+    kw = dict(implementation=implementation, interpret=interpret)
+    return [fused_linear.norm_linear(o["x"], o["norm"], EPS, o["qkv"], **kw),
+            fused_linear.norm_gate_up(o["x"], o["norm"], EPS, o["gate_up"], **kw),
+            fused_linear.linear_residual(o["hidden"], o["down"], o["x"], **kw)]
+
+
+@pytest.mark.parametrize("shape,rows,dtype,tolerance", [
+    (REAL, 1, jnp.float32, 1e-5), (REAL, 3, jnp.float32, 1e-5), (REAL, 8, jnp.float32, 1e-5),
+    (REAL, 1, jnp.bfloat16, 2e-2), (REAL, 8, jnp.bfloat16, 2e-2),
+    (RAGGED, 3, jnp.float32, 1e-5), (RAGGED, 17, jnp.float32, 1e-5),
+], ids=["real-1", "real-3", "real-8", "real-1-bf16", "real-8-bf16", "ragged-3", "ragged-17"])
+def test_pallas_matches_xla(shape, rows, dtype, tolerance):
+    o = operands(shape, rows, dtype)
+    for expected, actual in zip(all_kernels(o, "xla"), all_kernels(o, "pallas")):
+        assert actual.shape == expected.shape and actual.dtype == dtype
+        expected, actual = np.asarray(expected, np.float32), np.asarray(actual, np.float32)
+        # bf16: one rounding step of the largest output (2^-8 relative) at most
+        assert np.abs(actual - expected).max() <= tolerance * np.abs(expected).max()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_xla_reference_is_what_the_layers_compute(dtype):
+    o = operands(RAGGED, 3, dtype)
+    norm = layers.RMSNorm(RAGGED["hidden"], EPS, dtype=dtype, param_dtype=dtype)
+    norm.weight[...] = o["norm"]
+    linear = lambda weight: nnx.Linear(*weight.shape, use_bias=False, dtype=dtype, param_dtype=dtype,
+                                       kernel_init=lambda *_: weight, rngs=nnx.Rngs(0))
+    gate, up = jnp.split(linear(o["gate_up"])(norm(o["x"])), 2, axis=-1)
+    expected = [linear(o["qkv"])(norm(o["x"])), jax.nn.silu(gate) * up, o["x"] + linear(o["down"])(o["hidden"])]
+    for want, got in zip(expected, all_kernels(o, "xla")):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_pallas_kernels_lower_for_cuda(dtype):
+    """Triton's rules (power-of-two tensors, dot operands >= 16) are checked while lowering."""
+    o = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), operands(REAL, 1, dtype))
+    lowered = export.export(jax.jit(lambda o: all_kernels(o, "pallas", interpret=False)), platforms=["cuda"],
+                            disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(o)
+    assert lowered.mlir_module().count("__gpu$xla.gpu.triton") == 3
+
+
+def test_tiling_needs_powers_of_two_of_at_least_16():
+    with pytest.raises(ValueError, match="block_n"):
+        fused_linear.Tiling(block_n=24)
+    with pytest.raises(ValueError, match="block_m"):
+        fused_linear.Tiling(block_m=8)
+    with pytest.raises(ValueError, match="implementation"):
+        fused_linear.norm_linear(jnp.ones((1, 4)), jnp.ones(4), EPS, jnp.ones((4, 2)), implementation="triton")
+
+
+def test_only_small_bias_free_inputs_use_the_kernels(random_target):
+    layer = random_target(num_layers=1).layers[0]
+    linears = (layer.self_attn.qkv_proj, layer.mlp.down_proj)
+    decode, prefill = jnp.ones((2, 8, 32)), jnp.ones((2, 9, 32))  # 16 and 18 rows
+    assert layers.uses_decode_kernels("pallas", decode, *linears)
+    assert not layers.uses_decode_kernels("xla", decode, *linears)
+    assert not layers.uses_decode_kernels("pallas", prefill, *linears)
+    assert not layers.uses_decode_kernels("pallas", decode.astype(jnp.bfloat16), *linears)
+    biased = random_target(num_layers=1, attention_bias=True).layers[0]
+    assert not layers.uses_decode_kernels("pallas", decode, biased.self_attn.qkv_proj)
+
+
+def test_with_decode_kernels_copies_and_shares_weights(random_target):
+    target = random_target(num_layers=2)
+    fused = layers.with_decode_kernels(target, "pallas")
+    assert [layer.decode_kernels for layer in fused.layers] == ["pallas"] * 2
+    assert [layer.decode_kernels for layer in target.layers] == ["xla"] * 2
+    assert fused.layers[1].mlp.down_proj.kernel[...] is target.layers[1].mlp.down_proj.kernel[...]
+    with pytest.raises(ValueError, match="decode_kernels"):
+        layers.with_decode_kernels(target, "triton")
+    with pytest.raises(engine_lib.InputError, match="decode_kernels"):
+        engine_lib.Engine(target, decode_kernels="cuda")
+
+
+def test_decode_step_runs_the_kernels(random_target):
+    target = layers.with_decode_kernels(random_target(num_layers=1), "pallas")
+    cache = target.init_cache(1, 32)
+
+    def forward(length):
+        positions = jnp.arange(length, dtype=jnp.int32)[None]
+        return jax.make_jaxpr(lambda t: target(t, positions, cache))(jnp.zeros((1, length), jnp.int32))
+
+    assert str(forward(4)).count("pallas_call") == 4  # norm + qkv, o_proj, norm + gate_up, down_proj
+    assert "pallas_call" not in str(forward(17))
+
+
+@pytest.fixture(scope="module")
+def tokens_by_setting(aligned_target, agreeing_head, random_head, tmp_path_factory):
+    """Greedy tokens and acceptance of plain and speculative decoding, per decode_kernels setting.
+
+    Both settings share one compile cache; the "pallas" engines run after the "xla" ones and
+    count their cache hits, which must be none: a setting never loads the other's programs.
+    """
+    target = aligned_target(seed=14, num_layers=2)
+    cfg = target.config
+    heads = {"eagle": agreeing_head(cfg, 0.3, residual=1.0, seed=1),
+             "eagle3": random_head(cfg, "eagle3", seed=4, draft_vocab_size=64, feature_layers=(0, 1, 1))}
+    prompts = [np.random.default_rng(length).integers(0, 101, length).tolist() for length in (5, 9)]
+    cache_dir = tmp_path_factory.mktemp("compile-cache")
+    out = {}
+    for setting in ("xla", "pallas"):
+        for method, head, k in (("none", None, 0), ("eagle", heads["eagle"], 3), ("eagle3", heads["eagle3"], 2)):
+            engine = engine_lib.Engine(target, head, num_speculative_tokens=k, max_length=64, batch_size=2,
+                                       cache_dir=cache_dir, decode_kernels=setting)
+            results = engine.generate(prompts, max_new_tokens=8, ignore_eos=True, steps_per_call=4)
+            out[setting, method] = ([r.token_ids for r in results], [r.stats["num_accepted_tokens"] for r in results],
+                                    engine.compile_cache.hits)
+    return out
+
+
+@pytest.mark.parametrize("method", ["none", "eagle", "eagle3"])
+def test_pallas_decode_gives_the_same_tokens(tokens_by_setting, method):
+    xla_tokens, xla_accepted, _ = tokens_by_setting["xla", method]
+    pallas_tokens, pallas_accepted, pallas_hits = tokens_by_setting["pallas", method]
+    assert pallas_tokens == xla_tokens and pallas_accepted == xla_accepted
+    assert pallas_hits == 0
+
+
+def test_kernel_bench_runs_without_model_files(tmp_path, tiny_hf_config):
+    """examples/gpu/kernels_bench.py on CPU (interpret mode): rows for both implementations of each op."""
+    path = Path(__file__).resolve().parents[1] / "examples" / "gpu" / "kernels_bench.py"
+    spec = importlib.util.spec_from_file_location("kernels_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    (tmp_path / "config.json").write_text(json.dumps(tiny_hf_config()))
+    out = tmp_path / "rows.json"
+    assert bench.main(["--config", str(tmp_path / "config.json"), "--dtype", "float32", "--ops",
+                       "norm_gate_up,decoder_layer", "--iterations", "1", "--trace-calls", "1", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["kind"], r["op"], r["implementation"]) for r in rows] == [
+        ("kernel_bench", "norm_gate_up", "xla"), ("kernel_bench", "norm_gate_up", "pallas"),
+        ("kernel_bench", "decoder_layer", "xla"), ("kernel_bench", "decoder_layer", "pallas")]
+    assert all(r["kernels"] > 0 and r["busy_us"] > 0 and r["wall_us"] > 0 for r in rows)
