@@ -166,8 +166,9 @@ class Engine:
         self.speculative_disable_by_batch_size = speculative_disable_by_batch_size
         if decode_kernels not in layers.DECODE_KERNELS:
             raise InputError(f"decode_kernels must be one of {layers.DECODE_KERNELS}, got {decode_kernels!r}")
-        target = layers.with_decode_kernels(target, decode_kernels)
-        head = layers.with_decode_kernels(head, decode_kernels) if head is not None else None
+        if decode_kernels != "xla":
+            target = layers.with_decode_kernels(target, decode_kernels)
+            head = layers.with_decode_kernels(head, decode_kernels) if head is not None else None
         self.decode_kernels = decode_kernels
         self._target_def, self.target_params = nnx.split(target)
         self._head_def, self.head_params = nnx.split(head) if head is not None else (None, None)

@@ -385,7 +385,8 @@ def with_decode_kernels(module: nnx.Module, decode_kernels: str) -> nnx.Module:
     """
     if decode_kernels not in DECODE_KERNELS:
         raise ValueError(f"decode_kernels must be one of {DECODE_KERNELS}, got {decode_kernels!r}")
-    module = nnx.clone(module)
+    graphdef, state = nnx.split(module)
+    module = nnx.merge(graphdef, state)  # new module objects over the same (immutable) arrays
     for _, child in nnx.iter_graph(module):
         if isinstance(child, nnx.Module) and hasattr(child, "decode_kernels"):
             child.decode_kernels = decode_kernels

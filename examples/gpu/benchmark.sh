@@ -1,34 +1,61 @@
 #!/usr/bin/env bash
-# The benchmark queue on one H200 with the shipped heads, most needed first; each script appends
-# its rows to $RESULTS/*.json as it finishes a setting, so a run cut short keeps what it measured.
-# From the repo root, after `source examples/gpu/setup.sh`:  bash examples/gpu/benchmark.sh
-# (heads_pipeline.sh runs it on the second GPU while the first trains a single head).
+# The benchmark queue on one H200 with the shipped heads. Each script appends its rows to
+# $RESULTS/*.json as it finishes a setting, so a run cut short keeps what it measured.
+# From the repo root, after `source examples/gpu/setup.sh`:
+#   bash examples/gpu/benchmark.sh [SECTION ...]      (default: every section, in this order)
+# Sections needing no model files (random weights): kernels, xla_flags.
+# (heads_pipeline.sh runs the whole queue on the second GPU while the first trains one head.)
 set -x
 export EAGLE_JAX_MTBENCH=.stage/mtbench_question.jsonl
 r=${RESULTS:-docs/results}; mkdir -p $r
 m="--num_prompts 80 --max_new_tokens 256 --out $r/mtbench.json"
-# Issue 11: static batches vs decode slots refilled as rows finish, plain and EAGLE-3.
-python3 examples/eagle.py --method none,eagle3 --num_spec_tokens 5 --max_num_seqs 4,16,64 --scheduler static,continuous $m
-# Issue 12: EAGLE-2 trees with the shipped EAGLE-3 head beside its chain (k = 5, the default).
-python3 examples/eagle.py --method eagle3 --num_spec_tokens 5 --speculative_eagle_topk 2,4,8 --speculative_num_steps 5 \
-  --speculative_num_draft_tokens 8,16,32,64 --max_num_seqs 1 $m
-# Issue 11: EAGLE-3's best k at batch 16 and 64 (defaults.json's per-batch-size entries), and
-# speculation paused while more than 16 rows run.
-python3 examples/eagle.py --method eagle3 --num_spec_tokens 1,2,3 --max_num_seqs 16,64 --scheduler continuous $m
-python3 examples/eagle.py --method eagle3 --num_spec_tokens 3 --max_num_seqs 64 --scheduler continuous --speculative_disable_by_batch_size 16 $m
-# Issue 10's leftovers: plain decoding beside HF transformers on the same GPU, the exit test every
-# 8 steps, eager vs compiled acceptance (2 prompts x 32 tokens), temperature 1.0, cold vs warm.
-python3 examples/eagle.py --method none --max_num_seqs 1 $m
-python3 examples/hf_peers.py --modes eager,static,prompt_lookup --num_prompts 3 --max_new_tokens 128 --dtype bfloat16 --out $r/mtbench.json
-python3 examples/eagle.py --method none,eagle3 --num_spec_tokens 5 --max_num_seqs 1 --steps_per_check 8 $m
-for mode in --eager ""; do
-  python3 examples/eagle.py --method eagle3 --num_spec_tokens 3 --max_num_seqs 1 --num_prompts 2 --max_new_tokens 32 $mode --out $r/mtbench.json
-done
-python3 examples/eagle.py --method none,eagle3 --num_spec_tokens 5 --max_num_seqs 1 --temperature 1.0 $m
-python3 examples/profile_step.py --parts cold_warm --out $r/profile.json
-# Issue 10: XLA flags against the M = 1 matmul lowering, plain step at batch 1 (step_trace rows).
-for flags in "--xla_gpu_enable_triton_gemm=false" "--xla_gpu_enable_cublaslt=true" \
-             "--xla_gpu_enable_triton_gemm=false --xla_gpu_enable_cublaslt=true"; do
-  XLA_FLAGS="$flags" python3 examples/profile_step.py --parts step_trace --method none --cache-length 1024 \
-    --label "XLA_FLAGS=$flags" --out $r/profile.json
+config=${RANDOM_TARGET_CONFIG:-.stage/tokenizer/config.json}  # SmolLM2's config.json, for random weights
+
+batching() {  # issue 11: static batches vs decode slots refilled as rows finish
+  python3 examples/eagle.py --method none,eagle3 --num_spec_tokens 5 --max_num_seqs 16,64 --scheduler static,continuous $m
+}
+trees() {  # issue 12: EAGLE-2 trees with the shipped EAGLE-3 head beside its chain and plain decoding
+  python3 examples/eagle.py --method none,eagle3 --num_spec_tokens 5 --max_num_seqs 1 $m
+  python3 examples/eagle.py --method eagle3 --num_spec_tokens 5 --speculative_eagle_topk 4,8 --speculative_num_steps 5 \
+    --speculative_num_draft_tokens 16,32,64 --max_num_seqs 1 $m
+}
+batch_k() {  # issue 11: EAGLE-3's best k at batch 16 and 64; speculation paused above 16 rows
+  python3 examples/eagle.py --method eagle3 --num_spec_tokens 1,2,3 --max_num_seqs 16,64 --scheduler continuous $m
+  python3 examples/eagle.py --method eagle3 --num_spec_tokens 3 --max_num_seqs 64 --scheduler continuous \
+    --speculative_disable_by_batch_size 16 $m
+}
+kernels() {  # issue 10: fused Pallas decode kernels vs XLA, alone and in the traced step (random weights)
+  python3 examples/gpu/kernels_bench.py --rows 1,4,8 --out $r/kernels.json
+  for method in "none" "eagle3 --k 5"; do
+    for kernels in xla pallas; do
+      python3 examples/profile_step.py --parts step_trace --random-target $config --method $method --cache-length 1024 \
+        --decode-kernels $kernels --label "decode kernels $kernels" --out $r/profile.json
+    done
+  done
+  python3 examples/gpu/kernels_bench.py --rows 1 --ops norm_linear,norm_gate_up,down_proj_residual \
+    --block-n 16,32,64 --block-k 128,256 --num-warps 4 --num-stages 3 --out $r/kernels.json
+}
+real_kernels() {  # issue 10: the fused kernels end to end on MT-Bench (real weights)
+  python3 examples/eagle.py --method none,eagle3 --num_spec_tokens 5 --max_num_seqs 1 --decode_kernels pallas $m
+}
+xla_flags() {  # issue 10: XLA flags against the M = 1 matmul lowering (plain step, random weights)
+  for flags in "--xla_gpu_enable_triton_gemm=false" "--xla_gpu_enable_cublaslt=true"; do
+    XLA_FLAGS="$flags" python3 examples/profile_step.py --parts step_trace --random-target $config --method none \
+      --cache-length 1024 --label "XLA_FLAGS=$flags" --out $r/profile.json
+  done
+}
+peers() {  # HF transformers on the same GPU; the exit test every 8 steps; eager vs compiled acceptance
+  python3 examples/hf_peers.py --modes eager,static,prompt_lookup --num_prompts 3 --max_new_tokens 128 --dtype bfloat16 --out $r/mtbench.json
+  python3 examples/eagle.py --method none,eagle3 --num_spec_tokens 5 --max_num_seqs 1 --steps_per_check 8 $m
+  for mode in --eager ""; do
+    python3 examples/eagle.py --method eagle3 --num_spec_tokens 3 --max_num_seqs 1 --num_prompts 2 --max_new_tokens 32 $mode --out $r/mtbench.json
+  done
+}
+sampling() {  # temperature 1.0; cold vs warm start
+  python3 examples/eagle.py --method none,eagle3 --num_spec_tokens 5 --max_num_seqs 1 --temperature 1.0 $m
+  python3 examples/profile_step.py --parts cold_warm --out $r/profile.json
+}
+
+for section in ${@:-batching trees batch_k kernels real_kernels xla_flags peers sampling}; do
+  $section
 done
