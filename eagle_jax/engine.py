@@ -22,6 +22,7 @@ from eagle_jax import compile_cache as compile_cache_lib
 from eagle_jax import llama
 from eagle_jax import sampling as sampling_lib
 from eagle_jax import scheduler as scheduler_lib
+from eagle_jax import sharding as sharding_lib
 from eagle_jax import speculative
 from eagle_jax import tree as tree_lib
 
@@ -131,12 +132,16 @@ class Engine:
             plainly (vLLM's flag of this name): a large batch fills the device without drafts.
             The switch happens inside the compiled step, both ways; greedy outputs are the same.
             None speculates at every step.
+        mesh: a `jax.sharding.Mesh` with a "tensor" axis (`sharding.make_mesh`): the target is
+            split over it Megatron-style and the head replicated (`sharding`); XLA SPMD places
+            the collectives inside the same compiled programs. None runs on one device.
     """
 
     def __init__(self, target: llama.Llama, head=None, *, num_speculative_tokens: int = 0,
                  tree: tree_lib.TreeOptions | None = None, max_length: int = 2048, batch_size: int = 1,
                  eager: bool = False, cache_dir=None, fixed_shapes: bool = False, steps_per_check: int = 1,
-                 scheduler: str = "static", speculative_disable_by_batch_size: int | None = None):
+                 scheduler: str = "static", speculative_disable_by_batch_size: int | None = None,
+                 mesh: jax.sharding.Mesh | None = None):
         if num_speculative_tokens < 0:
             raise InputError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
         if (num_speculative_tokens or tree is not None) and head is None:
@@ -159,10 +164,14 @@ class Engine:
         if speculative_disable_by_batch_size is not None and speculative_disable_by_batch_size < 1:
             raise InputError(f"speculative_disable_by_batch_size must be >= 1, got {speculative_disable_by_batch_size}")
         self.speculative_disable_by_batch_size = speculative_disable_by_batch_size
+        self.mesh = mesh
+        if mesh is not None:
+            target = sharding_lib.shard_target(target, mesh)
+            head = sharding_lib.replicate(head, mesh) if head is not None else None
         self._target_def, self.target_params = nnx.split(target)
         self._head_def, self.head_params = nnx.split(head) if head is not None else (None, None)
         self.head_config = head.config if head is not None else None
-        self.compile_cache = compile_cache_lib.CompileCache(cache_dir)
+        self.compile_cache = compile_cache_lib.CompileCache(cache_dir, mesh)
         self._compiled: dict = {}
         self.compile_seconds = 0.0
 
@@ -192,6 +201,40 @@ class Engine:
             return f"speculative-{method}-topk{tree.topk}-steps{tree.num_steps}-draft{tree.num_draft_tokens}"
         return f"speculative-{method}-k{opts.k}" if opts.k else "decode"
 
+    @property
+    def tensor_parallel_size(self) -> int:
+        return sharding_lib.tensor_parallel_size(self.mesh)
+
+    def state_shardings(self, state):
+        """Where each leaf of a `DecodeState` (arrays or shapes) lives on the mesh.
+
+        The target's KV cache is split like its attention (`sharding.cache_sharding`); the rest
+        (tokens, counters, the head's cache, pending features) is small and replicated.
+        """
+        replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        shardings = jax.tree.map(lambda _: replicated, state)
+        split = sharding_lib.cache_sharding(self.config, self.mesh)
+        cache = shardings.cache.replace(keys=tuple(split for _ in state.cache.keys),
+                                        values=tuple(split for _ in state.cache.values))
+        return shardings.replace(cache=cache)
+
+    def _place(self, state):
+        """The state pinned to `state_shardings` (unchanged without a mesh).
+
+        Every program that returns a state pins it, so a state passes from program to program,
+        donated, in the layout each was compiled for, never resharded in between.
+        """
+        if self.mesh is None:
+            return state
+        return jax.lax.with_sharding_constraint(state, self.state_shardings(state))
+
+    def _state_shape(self, shape):
+        """Abstract state `shape` with its shardings attached (for lowering); unchanged without a mesh."""
+        if self.mesh is None:
+            return shape
+        return jax.tree.map(lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=where), shape,
+                            self.state_shardings(shape))
+
     # Pure functions of (params, inputs): the jit boundary merges modules inside.
     def _modules(self, target_params, head_params):
         target = nnx.merge(self._target_def, target_params)
@@ -200,15 +243,18 @@ class Engine:
 
     def _start(self, target_params, head_params, tokens, lengths, rng, opts):
         target, head = self._modules(target_params, head_params)
-        return speculative.start(target, head, tokens, lengths, rng, opts)
+        return self._place(speculative.start(target, head, tokens, lengths, rng, opts))
 
     def _start_rows(self, target_params, head_params, tokens, lengths, budgets, rng, opts):
         target, head = self._modules(target_params, head_params)
-        return speculative.start(target, head, tokens, lengths, rng, opts, budgets)
+        return self._place(speculative.start(target, head, tokens, lengths, rng, opts, budgets))
 
     def _run(self, target_params, head_params, state, num_steps, opts):
         target, head = self._modules(target_params, head_params)
-        return speculative.run_steps(target, head, state, num_steps, opts, self.steps_per_check)
+        return self._place(speculative.run_steps(target, head, state, num_steps, opts, self.steps_per_check))
+
+    def _insert(self, state, row, slot):
+        return self._place(scheduler_lib.insert(state, row, slot))
 
     def _program(self, name: str, function, args, static: dict, width: int, donate: tuple[str, ...] = ()):
         """The compiled program for this prefill width and static settings, compiled once.
@@ -329,10 +375,13 @@ class Engine:
             row_shape = jax.eval_shape(functools.partial(self._start_rows, opts=opts), *args)
         else:
             row_shape = prefill.out_info
-        empty = lambda rng: scheduler_lib.empty_state(row_shape, self.batch_size, rng)
-        state_shape = jax.eval_shape(empty, jax.random.key(0))
-        insert = self._program("insert", scheduler_lib.insert, (state_shape, row_shape, np.int32(0)), {}, 0,
-                               donate=("state",))
+        def empty(rng):
+            state = scheduler_lib.empty_state(row_shape, self.batch_size, rng)
+            return state if self.mesh is None else jax.device_put(state, self.state_shardings(state))
+
+        state_shape = self._state_shape(jax.eval_shape(empty, jax.random.key(0)))
+        insert = self._program("insert", self._insert, (state_shape, self._state_shape(row_shape), np.int32(0)), {},
+                               0, donate=("state",))
         # Its own name: a static batch with the same options would lower the same step, but for
         # the prefill's output types rather than these (weak types may differ).
         run = self._program("slots-run", self._run, params + (state_shape,),
@@ -365,7 +414,7 @@ class Engine:
         start = self._program("start", self._start, args, dict(opts=opts), width)
         # The step program is lowered for the state that `start` returns: the compiled prefill
         # knows its output shapes (tracing the 30-layer prefill again would cost seconds).
-        state_shape = None if self.eager else start.out_info
+        state_shape = None if self.eager else self._state_shape(start.out_info)
         run_args = (self.target_params, self.head_params, state_shape)
         # The step program does not depend on the prefill width: one serves every bucket.
         run = self._program("run", self._run, run_args, dict(num_steps=steps_per_call, opts=opts), 0,

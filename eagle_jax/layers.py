@@ -147,6 +147,9 @@ class Attention(nnx.Module):
         self.qkv_proj = linear(input_size, sum(qkv_sizes(cfg)), cfg.attention_bias)
         self.o_proj = linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.attention_bias)
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        # Blocks the fused output axis is laid out in: P under tensor parallelism, where block p
+        # holds device p's own q, k and v heads (`sharding.shard_target` reorders and sets it).
+        self.num_shards = 1
         # Hashable rope settings, not an array: module attributes that are not Params are static.
         self.rope = (cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
@@ -154,7 +157,8 @@ class Attention(nnx.Module):
         """Queries [B, T, N, H], keys and values [B, T, K, H] of the inputs, rotary applied."""
         batch, length, _ = x.shape
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = jnp.split(self.qkv_proj(x), [q_size, q_size + kv_size], axis=-1)
+        fused = self.qkv_proj(x).reshape(batch, length, self.num_shards, -1)  # [B, T, P, (N + 2K) H / P]
+        q, k, v = jnp.split(fused, [q_size // self.num_shards, (q_size + kv_size) // self.num_shards], axis=-1)
         q = q.reshape(batch, length, self.num_heads, self.head_dim)
         k = k.reshape(batch, length, self.num_kv_heads, self.head_dim)
         v = v.reshape(batch, length, self.num_kv_heads, self.head_dim)
@@ -294,10 +298,12 @@ class MLP(nnx.Module):
         linear = lambda i, o: nnx.Linear(i, o, use_bias=cfg.mlp_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.gate_up_proj = linear(cfg.hidden_size, sum(gate_up_sizes(cfg)))  # gate and up, fused like q/k/v
         self.down_proj = linear(cfg.intermediate_size, cfg.hidden_size)
+        self.num_shards = 1  # blocks [gate_p | up_p] of gate_up_proj's output, as in `Attention`
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)
-        return self.down_proj(jax.nn.silu(gate) * up)
+        fused = self.gate_up_proj(x).reshape(*x.shape[:-1], self.num_shards, -1)  # [..., P, 2F / P]
+        gate, up = jnp.split(fused, 2, axis=-1)
+        return self.down_proj((jax.nn.silu(gate) * up).reshape(*x.shape[:-1], -1))
 
 
 class DecoderLayer(nnx.Module):
