@@ -205,35 +205,11 @@ class Engine:
     def tensor_parallel_size(self) -> int:
         return sharding_lib.tensor_parallel_size(self.mesh)
 
-    def state_shardings(self, state):
-        """Where each leaf of a `DecodeState` (arrays or shapes) lives on the mesh.
-
-        The target's KV cache is split like its attention (`sharding.cache_sharding`); the rest
-        (tokens, counters, the head's cache, pending features) is small and replicated.
-        """
-        replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-        shardings = jax.tree.map(lambda _: replicated, state)
-        split = sharding_lib.cache_sharding(self.config, self.mesh)
-        cache = shardings.cache.replace(keys=tuple(split for _ in state.cache.keys),
-                                        values=tuple(split for _ in state.cache.values))
-        return shardings.replace(cache=cache)
-
     def _place(self, state):
-        """The state pinned to `state_shardings` (unchanged without a mesh).
-
-        Every program that returns a state pins it, so a state passes from program to program,
-        donated, in the layout each was compiled for, never resharded in between.
-        """
-        if self.mesh is None:
-            return state
-        return jax.lax.with_sharding_constraint(state, self.state_shardings(state))
+        return sharding_lib.pin_state(state, self.config, self.mesh)
 
     def _state_shape(self, shape):
-        """Abstract state `shape` with its shardings attached (for lowering); unchanged without a mesh."""
-        if self.mesh is None:
-            return shape
-        return jax.tree.map(lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=where), shape,
-                            self.state_shardings(shape))
+        return sharding_lib.abstract_state(shape, self.config, self.mesh)
 
     # Pure functions of (params, inputs): the jit boundary merges modules inside.
     def _modules(self, target_params, head_params):
@@ -377,7 +353,9 @@ class Engine:
             row_shape = prefill.out_info
         def empty(rng):
             state = scheduler_lib.empty_state(row_shape, self.batch_size, rng)
-            return state if self.mesh is None else jax.device_put(state, self.state_shardings(state))
+            if self.mesh is None:
+                return state
+            return jax.device_put(state, sharding_lib.state_shardings(state, self.config, self.mesh))
 
         state_shape = self._state_shape(jax.eval_shape(empty, jax.random.key(0)))
         insert = self._program("insert", self._insert, (state_shape, self._state_shape(row_shape), np.int32(0)), {},

@@ -16,8 +16,8 @@ into P blocks [q_p | k_p | v_p], block p holding heads p N/P .. (p+1) N/P - 1 of
 p K/P .. (p+1) K/P - 1 of k and v, and sets the layer's `num_shards = P` so that
 `layers.Attention.project` splits inside each block. `gate_up_proj` likewise becomes blocks
 [gate_p | up_p]. It is a permutation of columns, once at load: every device then computes its
-own heads (and its slice of the intermediate features) with no communication, and the values
-are exactly the unsharded model's.
+own heads (and its slice of the intermediate features) with no communication; only the sums
+that the all-reduces complete are added in another order than on one device.
 
 A single device needs none of this: with no mesh the model and the engine are unchanged.
 """
@@ -32,6 +32,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from eagle_jax import config as config_lib
+from eagle_jax import kv_cache as kv_cache_lib
 from eagle_jax import layers
 from eagle_jax import llama
 
@@ -128,9 +129,9 @@ def shard_target(target: llama.Llama, mesh: Mesh) -> llama.Llama:
         layer.mlp.num_shards = size
         if attention_split:
             layer.self_attn.num_shards = size
-    orders = {"mlp/gate_up_proj": _block_order(layers.gate_up_sizes(cfg), size)}
+    orders = {"mlp/gate_up_proj": block_order(layers.gate_up_sizes(cfg), size)}
     if attention_split:
-        orders["self_attn/qkv_proj"] = _block_order(layers.qkv_sizes(cfg), size)
+        orders["self_attn/qkv_proj"] = block_order(layers.qkv_sizes(cfg), size)
     graphdef, state = nnx.split(copy)
 
     def place(key_path, leaf):
@@ -145,16 +146,48 @@ def shard_target(target: llama.Llama, mesh: Mesh) -> llama.Llama:
     return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(place, state))
 
 
-def _block_order(sizes: tuple[int, ...], size: int) -> np.ndarray:
+def block_order(sizes: tuple[int, ...], size: int) -> np.ndarray:
     """Column order turning parts [a | b | ...] of widths `sizes` into `size` blocks [a_p | b_p | ...]."""
     starts = np.cumsum((0,) + sizes[:-1])
     return np.concatenate([np.arange(start + p * width // size, start + (p + 1) * width // size)
                            for p in range(size) for start, width in zip(starts, sizes)])
 
 
-def cache_sharding(cfg: config_lib.LlamaConfig, mesh: Mesh) -> NamedSharding:
-    """Where the target's KV cache keys and values [B, S, K, H] live: split over kv heads when attention is."""
-    return NamedSharding(mesh, spec(CACHE_AXES, rules_for(cfg, mesh)))
+def cache_shardings(cache: kv_cache_lib.KVCache, cfg: config_lib.LlamaConfig, mesh: Mesh) -> kv_cache_lib.KVCache:
+    """Where the target's KV cache (arrays or shapes) lives: keys and values [B, S, K, H] split
+    over kv heads when attention is split, lengths replicated."""
+    split = NamedSharding(mesh, spec(CACHE_AXES, rules_for(cfg, mesh)))
+    return cache.replace(keys=tuple(split for _ in cache.keys), values=tuple(split for _ in cache.values),
+                         lengths=NamedSharding(mesh, PartitionSpec()))
+
+
+def state_shardings(state, cfg: config_lib.LlamaConfig, mesh: Mesh):
+    """Where each leaf of a `speculative.DecodeState` (arrays or shapes) lives.
+
+    The target's KV cache (`state.cache`) as `cache_shardings`; the rest (tokens, counters, the
+    head's cache, pending features) is small and replicated.
+    """
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return jax.tree.map(lambda _: replicated, state).replace(cache=cache_shardings(state.cache, cfg, mesh))
+
+
+def pin_state(state, cfg: config_lib.LlamaConfig, mesh: Mesh | None):
+    """A decode state, inside a traced program, constrained to `state_shardings` (unchanged without a mesh).
+
+    Every program that returns a state pins it, so a state passes from program to program,
+    donated, in the layout each was compiled for, never resharded in between.
+    """
+    if mesh is None:
+        return state
+    return jax.lax.with_sharding_constraint(state, state_shardings(state, cfg, mesh))
+
+
+def abstract_state(shape, cfg: config_lib.LlamaConfig, mesh: Mesh | None):
+    """Abstract decode state `shape` with its `state_shardings` attached, to lower programs for it."""
+    if mesh is None:
+        return shape
+    return jax.tree.map(lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=where), shape,
+                        state_shardings(shape, cfg, mesh))
 
 
 def initialize_distributed() -> bool:

@@ -205,10 +205,9 @@ def measure(target: llama.Llama, heads: dict, mesh, args, bandwidth: float, reco
 
     def cache_shardings(cache, split: bool):
         """Where a cache lives on the mesh: the target's split like its attention, the head's replicated."""
-        replicated = NamedSharding(mesh, PartitionSpec())
-        kv = sharding.cache_sharding(cfg, mesh) if split else replicated
-        return jax.tree.map(lambda _: replicated, cache).replace(keys=tuple(kv for _ in cache.keys),
-                                                                 values=tuple(kv for _ in cache.values))
+        if split:
+            return sharding.cache_shardings(cache, cfg, mesh)
+        return jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), cache)
 
     def filled_cache(cache, split: bool):
         cache = cache.replace(lengths=jnp.full((1,), args.filled, jnp.int32))

@@ -20,6 +20,7 @@ from eagle_jax import engine as engine_lib
 from eagle_jax import generate
 from eagle_jax import models
 from eagle_jax import sharding
+from eagle_jax import tree as tree_lib
 from test_generate_cli import save_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,15 +71,15 @@ def test_logits_and_cache_match_one_device(random_target, shape, size):
     assert layer.mlp.down_proj.kernel[...].sharding.spec == PartitionSpec("tensor", None)
     assert sharded.embed_tokens.embedding[...].sharding.spec == PartitionSpec("tensor", None)
     kv_heads = PartitionSpec(None, None, "tensor", None) if shape == "split" else PartitionSpec(None, None, None, None)
-    assert sharding.cache_sharding(target.config, mesh).spec == kv_heads
+    assert sharding.cache_shardings(target.init_cache(1, 4), target.config, mesh).keys[0].spec == kv_heads
     # The caller's model keeps its own layout.
     assert target.layers[0].self_attn.num_shards == 1 and target.layers[0].mlp.num_shards == 1
 
 
 def test_block_order_gives_each_device_its_own_parts():
     # q of width 4 and k, v of width 2, over 2 devices: device 0 gets q[0:2] k[0] v[0], device 1 the rest.
-    assert sharding._block_order((4, 2, 2), 2).tolist() == [0, 1, 4, 6, 2, 3, 5, 7]
-    assert sharding._block_order((3, 3), 1).tolist() == list(range(6))
+    assert sharding.block_order((4, 2, 2), 2).tolist() == [0, 1, 4, 6, 2, 3, 5, 7]
+    assert sharding.block_order((3, 3), 1).tolist() == list(range(6))
 
 
 def test_decode_step_uses_megatron_collectives_only(random_target):
@@ -116,20 +117,23 @@ def generate_tokens(target, head, prompts, mesh, **settings):
 
 
 @pytest.mark.parametrize("case, size", [("plain", 2), ("plain-continuous", 4), ("plain-replicated", 2),
-                                        ("eagle3", 2), ("eagle", 4)])
+                                        ("eagle3", 2), ("eagle", 4), ("eagle-tree", 2)])
 def test_greedy_outputs_match_one_device(split_target, random_target, agreeing_head, biased_eagle3_head, prompts,
                                          case, size):
-    """float32 greedy decoding, plain and speculative, static and continuous: the same tokens and acceptance."""
+    """float32 greedy decoding, plain and speculative (chains and a tree), static batches (with an
+    idle row) and decode slots: the same tokens and acceptance."""
     target = random_target(seed=5, **REPLICATED) if case == "plain-replicated" else split_target
-    settings = dict(scheduler="continuous", batch_size=2) if case == "plain-continuous" else {}
+    settings = dict(scheduler="continuous" if case == "plain-continuous" else "static", batch_size=2)
     head = None
     if case == "eagle3":  # an EAGLE-3 head that drafts two frequent tokens, so some drafts are accepted
         reference, _ = generate_tokens(target, None, prompts, None)
         frequent = np.argsort(-np.bincount(np.concatenate(reference), minlength=128))[:2]
         head = biased_eagle3_head(target.config, frequent, 64, seed=3)
-    elif case == "eagle":  # drafts through the target's vocabulary-split lm_head
+    elif case.startswith("eagle"):  # drafts through the target's vocabulary-split lm_head
         head = agreeing_head(target.config, 0.3, residual=1.0, seed=1)
-    if head is not None:
+    if case == "eagle-tree":
+        settings["tree"] = tree_lib.TreeOptions(2, 3, 6)
+    elif head is not None:
         settings["num_speculative_tokens"] = 3
     expected, expected_stats = generate_tokens(target, head, prompts, None, **settings)
     got, stats = generate_tokens(target, head, prompts, sharding.make_mesh(size), **settings)
