@@ -4,7 +4,8 @@ JAX's own persistent cache is one flat directory for the whole process. vLLM fou
 separate cache for the draft head; here every module (prefill, decode, speculative step, draft
 head) gets `<root>/<module>-<hash>/`, the hash covering what determines its program besides the
 program text: model configs, static options, argument shapes and dtypes, jax and jaxlib
-versions, and the backend. Inside, each entry is named by the hash of the lowered program, so
+versions, the backend, and the device mesh (axes, sizes, device kind and ids; the executable
+is bound to those devices). Inside, each entry is named by the hash of the lowered program, so
 a stale entry can never be loaded for a changed program. Removing one module's directory
 recompiles only that module.
 
@@ -149,6 +150,13 @@ def _load_or_create_key(root: Path) -> bytes:
     return key
 
 
+def mesh_identity(mesh: jax.sharding.Mesh) -> str:
+    """The mesh as key text: axis names and sizes, device kind and ids."""
+    devices = list(mesh.devices.flat)
+    axes = ",".join(f"{name}={size}" for name, size in mesh.shape.items())
+    return f"mesh {axes} {devices[0].device_kind} {[device.id for device in devices]}"
+
+
 class CompileCache:
     """Compiles lowered programs, reusing executables saved by earlier processes.
 
@@ -156,10 +164,12 @@ class CompileCache:
         root: cache directory; None disables persistence (compile every time). It is created
             (mode 0700) and checked on the first compilation, which raises CompileCacheError
             if others could write to it or read its key.
+        mesh: the `jax.sharding.Mesh` the programs are partitioned over, None for one device.
     """
 
-    def __init__(self, root: str | Path | None):
+    def __init__(self, root: str | Path | None, mesh: jax.sharding.Mesh | None = None):
         self.root = Path(root).expanduser() if root is not None else None
+        self.mesh = mesh
         self.hits = 0
         self.misses = 0
         self._key: bytes | None = None
@@ -167,8 +177,11 @@ class CompileCache:
     def module_dir(self, module: str, key: str) -> Path:
         device = jax.devices()[0]
         # XLA_FLAGS change the executable but not the program text, so they belong in the key.
-        identity = "|".join([key, jax.__version__, jaxlib.__version__, device.platform, device.device_kind,
-                             os.environ.get("XLA_FLAGS", "")])
+        parts = [key, jax.__version__, jaxlib.__version__, device.platform, device.device_kind,
+                 os.environ.get("XLA_FLAGS", "")]
+        if self.mesh is not None:  # one device keeps the keys it always had
+            parts.append(mesh_identity(self.mesh))
+        identity = "|".join(parts)
         return self.root / f"{module}-{_digest(identity)[:16]}"
 
     def entry_path(self, module: str, key: str, lowered) -> Path:
@@ -200,7 +213,7 @@ class CompileCache:
             return lowered.compile(), time.perf_counter() - began
         secret = self.secret_key()
         entry = self.entry_path(module, key, lowered)
-        compiled = self._load(entry, lowered, secret)
+        compiled = self._load(entry, lowered, secret, self.devices())
         if compiled is not None:
             self.hits += 1
             return compiled, time.perf_counter() - began
@@ -215,8 +228,16 @@ class CompileCache:
             warnings.warn(f"compilation cache: could not save {entry}: {error}")
         return compiled, time.perf_counter() - began
 
+    def devices(self) -> list:
+        """The devices the programs run on, in the order they were compiled for.
+
+        A loaded executable is bound to exactly these: left to its default (every device of the
+        backend), a one-device program on a host of several fails at its first call.
+        """
+        return list(self.mesh.devices.flat) if self.mesh is not None else [jax.local_devices()[0]]
+
     @staticmethod
-    def _load(entry: Path, lowered, secret: bytes):
+    def _load(entry: Path, lowered, secret: bytes, devices: list):
         if not entry.parent.is_dir():
             return None
         _check_directory(entry.parent)
@@ -231,7 +252,8 @@ class CompileCache:
             # Authenticate before unpickling: unpickling an entry from anyone else runs their code.
             if not hmac.compare_digest(mac, _mac(secret, _entry_name(entry), payload)):
                 raise ValueError("MAC mismatch (truncated, corrupt, or not written with this cache's key)")
-            return serialize_executable.deserialize_and_load(payload, lowered.in_tree, lowered.out_tree)
+            return serialize_executable.deserialize_and_load(payload, lowered.in_tree, lowered.out_tree,
+                                                             execution_devices=devices)
         except Exception as error:
             warnings.warn(f"compilation cache: discarding unreadable entry {entry}: {error}; recompiling")
             entry.unlink(missing_ok=True)

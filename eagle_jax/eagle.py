@@ -5,8 +5,9 @@ Both heads share one interface, so the speculative loop and the trainer do not c
   * `attention_input(embedded, features)` -> (attention input, residual); `attention`, the
     layer's `layers.Attention`; `finish(attended, residual, decode_kernels="xla")` -> next
     features; `logits(out, target)`.
-  * `__call__(tokens, features, positions, cache, target, mask=None)`: those four with a KV
-    cache (`mask`: `layers.SlotMask` for tree drafting); returns (next features [B, T, D],
+  * `__call__(tokens, features, positions, cache, target, mask=None, attend_length=None)`: those
+    four with a KV cache (`mask`: `layers.SlotMask` for tree drafting; `attend_length`: as
+    `layers.Attention`); returns (next features [B, T, D],
     logits [B, T, V_draft], cache).
   * `to_target_ids(draft_ids)`: draft vocabulary -> target vocabulary.
 The split lets training run the same layer under its own attention pattern (training-time test).
@@ -78,8 +79,8 @@ class Eagle1Head(nnx.Module):
         return target.logits(out)
 
     def __call__(self, tokens, features, positions, cache: kv_cache_lib.KVCache, target: llama.Llama,
-                 mask: layers.SlotMask | None = None):
-        return _cached_forward(self, tokens, features, positions, cache, target, mask)
+                 mask: layers.SlotMask | None = None, attend_length: int | None = None):
+        return _cached_forward(self, tokens, features, positions, cache, target, mask, attend_length)
 
     def to_target_ids(self, draft_ids: jax.Array) -> jax.Array:
         return draft_ids
@@ -121,8 +122,8 @@ class Eagle3Head(nnx.Module):
         return layers.float32_logits(self.norm(out), self.lm_head.kernel[...])
 
     def __call__(self, tokens, features, positions, cache: kv_cache_lib.KVCache, target: llama.Llama,
-                 mask: layers.SlotMask | None = None):
-        return _cached_forward(self, tokens, features, positions, cache, target, mask)
+                 mask: layers.SlotMask | None = None, attend_length: int | None = None):
+        return _cached_forward(self, tokens, features, positions, cache, target, mask, attend_length)
 
     def to_target_ids(self, draft_ids: jax.Array) -> jax.Array:
         return (draft_ids + self.d2t[...][draft_ids]).astype(jnp.int32)
@@ -146,10 +147,11 @@ class Eagle3Midlayer(nnx.Module):
 
 
 def _cached_forward(head, tokens, features, positions, cache: kv_cache_lib.KVCache, target: llama.Llama,
-                    mask: layers.SlotMask | None = None):
+                    mask: layers.SlotMask | None = None, attend_length: int | None = None):
     """One draft forward over T (token, feature) pairs with the head's one-layer KV cache."""
     x, residual = head.attention_input(target.embed_tokens(tokens), features)
-    attended, keys, values = head.attention(x, positions, cache.keys[0], cache.values[0], mask=mask)
+    attended, keys, values = head.attention(x, positions, cache.keys[0], cache.values[0], mask=mask,
+                                            attend_length=attend_length)
     out = head.finish(attended, residual, head.decode_kernels)
     return out, head.logits(out, target), cache.replace(keys=(keys,), values=(values,))
 

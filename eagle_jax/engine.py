@@ -23,6 +23,7 @@ from eagle_jax import layers
 from eagle_jax import llama
 from eagle_jax import sampling as sampling_lib
 from eagle_jax import scheduler as scheduler_lib
+from eagle_jax import sharding as sharding_lib
 from eagle_jax import speculative
 from eagle_jax import tree as tree_lib
 
@@ -126,8 +127,9 @@ class Engine:
             (`speculative.run_steps`); 1 tests after every step.
         scheduler: "static" runs batches of `batch_size` prompts until each batch's longest row
             ends; "continuous" keeps `batch_size` decode slots and refills a slot as soon as its
-            row finishes (`scheduler`), with one prefill width (max_length // 2) and one cache
-            length (max_length), so nothing recompiles across prompts or budgets.
+            row finishes (`scheduler`), with prefills in power-of-two widths up to max_length // 2
+            and one cache length (max_length), all compiled up front, so nothing recompiles
+            across prompts or budgets.
         speculative_disable_by_batch_size: while more rows than this are active, steps decode
             plainly (vLLM's flag of this name): a large batch fills the device without drafts.
             The switch happens inside the compiled step, both ways; greedy outputs are the same.
@@ -135,13 +137,16 @@ class Engine:
         decode_kernels: "xla" (default) or "pallas": fused Pallas kernels for the norms and
             projections of decode steps of up to 16 rows, in target and head
             (`layers.with_decode_kernels`); the engine uses copies, the modules given are unchanged.
+        mesh: a `jax.sharding.Mesh` with a "tensor" axis (`sharding.make_mesh`): the target is
+            split over it Megatron-style and the head replicated (`sharding`); XLA SPMD places
+            the collectives inside the same compiled programs. None runs on one device.
     """
 
     def __init__(self, target: llama.Llama, head=None, *, num_speculative_tokens: int = 0,
                  tree: tree_lib.TreeOptions | None = None, max_length: int = 2048, batch_size: int = 1,
                  eager: bool = False, cache_dir=None, fixed_shapes: bool = False, steps_per_check: int = 1,
                  scheduler: str = "static", speculative_disable_by_batch_size: int | None = None,
-                 decode_kernels: str = "xla"):
+                 decode_kernels: str = "xla", mesh: jax.sharding.Mesh | None = None):
         if num_speculative_tokens < 0:
             raise InputError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
         if (num_speculative_tokens or tree is not None) and head is None:
@@ -170,10 +175,16 @@ class Engine:
             target = layers.with_decode_kernels(target, decode_kernels)
             head = layers.with_decode_kernels(head, decode_kernels) if head is not None else None
         self.decode_kernels = decode_kernels
+        if mesh is not None and decode_kernels != "xla":
+            raise InputError("decode_kernels='pallas' runs on one device; it does not take a mesh")
+        self.mesh = mesh
+        if mesh is not None:
+            target = sharding_lib.shard_target(target, mesh)
+            head = sharding_lib.replicate(head, mesh) if head is not None else None
         self._target_def, self.target_params = nnx.split(target)
         self._head_def, self.head_params = nnx.split(head) if head is not None else (None, None)
         self.head_config = head.config if head is not None else None
-        self.compile_cache = compile_cache_lib.CompileCache(cache_dir)
+        self.compile_cache = compile_cache_lib.CompileCache(cache_dir, mesh)
         self._compiled: dict = {}
         self.compile_seconds = 0.0
 
@@ -203,6 +214,16 @@ class Engine:
             return f"speculative-{method}-topk{tree.topk}-steps{tree.num_steps}-draft{tree.num_draft_tokens}"
         return f"speculative-{method}-k{opts.k}" if opts.k else "decode"
 
+    @property
+    def tensor_parallel_size(self) -> int:
+        return sharding_lib.tensor_parallel_size(self.mesh)
+
+    def _place(self, state):
+        return sharding_lib.pin_state(state, self.config, self.mesh)
+
+    def _state_shape(self, shape):
+        return sharding_lib.abstract_state(shape, self.config, self.mesh)
+
     # Pure functions of (params, inputs): the jit boundary merges modules inside.
     def _modules(self, target_params, head_params):
         target = nnx.merge(self._target_def, target_params)
@@ -211,15 +232,19 @@ class Engine:
 
     def _start(self, target_params, head_params, tokens, lengths, rng, opts):
         target, head = self._modules(target_params, head_params)
-        return speculative.start(target, head, tokens, lengths, rng, opts)
+        return self._place(speculative.start(target, head, tokens, lengths, rng, opts))
 
     def _start_rows(self, target_params, head_params, tokens, lengths, budgets, rng, opts):
         target, head = self._modules(target_params, head_params)
-        return speculative.start(target, head, tokens, lengths, rng, opts, budgets)
+        return self._place(speculative.start(target, head, tokens, lengths, rng, opts, budgets))
 
     def _run(self, target_params, head_params, state, num_steps, opts, stop_on_finish=False):
         target, head = self._modules(target_params, head_params)
-        return speculative.run_steps(target, head, state, num_steps, opts, self.steps_per_check, stop_on_finish)
+        return self._place(speculative.run_steps(target, head, state, num_steps, opts, self.steps_per_check,
+                                                 stop_on_finish))
+
+    def _insert(self, state, row, slot):
+        return self._place(scheduler_lib.insert(state, row, slot))
 
     def _program(self, name: str, function, args, static: dict, width: int, donate: tuple[str, ...] = ()):
         """The compiled program for this prefill width and static settings, compiled once.
@@ -331,7 +356,9 @@ class Engine:
         max_length // 2 (one program each, all compiled here so that none compiles mid-run),
         cache length max_length, an output buffer for the largest budget any prompt could have;
         budgets are per row. A prefilled row's state does not depend on its width, so one
-        insert program serves every bucket.
+        insert program serves every bucket. Run programs: one per attention length (a quarter,
+        half and all of the cache, `Options.attend_length`); the scheduler picks the shortest that
+        covers every slot its active rows can reach in the call.
         """
         width = self.max_length // 2
         opts = self.options(sampling=sampling, eos_ids=eos_ids, max_new_tokens=self.max_length - self.headroom - 1,
@@ -346,18 +373,30 @@ class Engine:
             row_shape = jax.eval_shape(functools.partial(self._start_rows, opts=opts), *row_args(width))
         else:
             row_shape = prefills[width].out_info
-        empty = lambda rng: scheduler_lib.empty_state(row_shape, self.batch_size, rng)
-        state_shape = jax.eval_shape(empty, jax.random.key(0))
-        insert = self._program("insert", scheduler_lib.insert, (state_shape, row_shape, np.int32(0)), {}, 0,
-                               donate=("state",))
+        def empty(rng):
+            state = scheduler_lib.empty_state(row_shape, self.batch_size, rng)
+            if self.mesh is None:
+                return state
+            return jax.device_put(state, sharding_lib.state_shardings(state, self.config, self.mesh))
+
+        state_shape = self._state_shape(jax.eval_shape(empty, jax.random.key(0)))
+        insert = self._program("insert", self._insert, (state_shape, self._state_shape(row_shape), np.int32(0)), {},
+                               0, donate=("state",))
         # Its own name: a static batch with the same options would lower the same step, but for
         # the prefill's output types rather than these (weak types may differ).
-        run = self._program("slots-run", self._run, params + (state_shape,),
-                            dict(num_steps=steps_per_call, opts=opts, stop_on_finish=True), 0, donate=("state",))
+        attend_lengths = [self.max_length] if self.tree is not None else sorted(
+            {max(self.max_length // 4, MIN_BUCKET), max(self.max_length // 2, MIN_BUCKET), self.max_length})
+        runs = {}
+        for length in attend_lengths:
+            run_opts = opts if length == self.max_length else dataclasses.replace(opts, attend_length=length)
+            runs[length] = self._program("slots-run", self._run, params + (state_shape,),
+                                         dict(num_steps=steps_per_call, opts=run_opts, stop_on_finish=True), 0,
+                                         donate=("state",))
         return scheduler_lib.SlotPrograms(
             prefill=lambda tokens, *inputs: prefills[tokens.shape[1]](*params, tokens, *inputs), insert=insert,
-            run=lambda state: run(*params, state), empty=empty, batch_size=self.batch_size, widths=tuple(widths),
-            compile_seconds=self.compile_seconds - compile_before, opts=opts)
+            run=lambda state, attend_length: runs[attend_length](*params, state), empty=empty,
+            batch_size=self.batch_size, widths=tuple(widths), attend_lengths=tuple(attend_lengths),
+            steps_per_call=steps_per_call, compile_seconds=self.compile_seconds - compile_before, opts=opts)
 
     def batch_programs(self, prompts: Sequence[np.ndarray], rng: jax.Array, opts: speculative.Options,
                        steps_per_call: int) -> scheduler_lib.BatchPrograms:
@@ -382,7 +421,7 @@ class Engine:
         start = self._program("start", self._start, args, dict(opts=opts), width)
         # The step program is lowered for the state that `start` returns: the compiled prefill
         # knows its output shapes (tracing the 30-layer prefill again would cost seconds).
-        state_shape = None if self.eager else start.out_info
+        state_shape = None if self.eager else self._state_shape(start.out_info)
         run_args = (self.target_params, self.head_params, state_shape)
         # The step program does not depend on the prefill width: one serves every bucket.
         run = self._program("run", self._run, run_args, dict(num_steps=steps_per_call, opts=opts), 0,

@@ -23,6 +23,7 @@ from eagle_jax import hf_files
 from eagle_jax import layers
 from eagle_jax import models
 from eagle_jax import sampling as sampling_lib
+from eagle_jax import sharding
 from eagle_jax import speculative
 from eagle_jax import tokenization
 from eagle_jax import tree as tree_lib
@@ -70,6 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "a batch size above 1, else static)")
     parser.add_argument("--max-length", type=int, default=2048,
                         help="largest KV cache (the continuous scheduler fits its slots' cache to the prompts, up to this)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                        help="split the target over N devices (Megatron-style, XLA SPMD); the head is replicated")
     parser.add_argument("--cache-dir", help=f"compilation cache root (default: ${compile_cache.ENV_VAR}/xla or "
                                             "~/.cache/eagle_jax/xla)")
     parser.add_argument("--no-compile-cache", action="store_true")
@@ -88,6 +91,7 @@ def check_flags(args) -> None:
               ("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 1, ">= 1"),
               ("--max-length", args.max_length, args.max_length >= 1, ">= 1"),
               ("--batch-size/--max-num-seqs", args.batch_size, args.batch_size >= 1, ">= 1"),
+              ("--tensor-parallel-size", args.tensor_parallel_size, args.tensor_parallel_size >= 1, ">= 1"),
               ("--temperature", args.temperature, 0 <= args.temperature < math.inf, ">= 0 and finite"),
               ("--top-p", args.top_p, 0 < args.top_p <= 1, "in (0, 1]"),
               ("--speculative-disable-by-batch-size", disable, disable is None or disable >= 1, ">= 1"),
@@ -138,6 +142,7 @@ def choose_scheduler(args, num_prompts: int) -> str:
 
 def load(args, prompts: list[str]):
     """(engine, tokenizer, method, the prompts' token ids) for the parsed arguments."""
+    mesh = sharding.make_mesh(args.tensor_parallel_size) if args.tensor_parallel_size > 1 else None
     target, tokenizer_dir = models.load_target(args.model, args.dtype)
     tokenizer = tokenization.load(tokenizer_dir)
     token_ids = [tokenization.encode(tokenizer, text, not args.no_chat) for text in prompts]
@@ -159,7 +164,8 @@ def load(args, prompts: list[str]):
                                                  args.max_length)
     engine = engine_lib.Engine(target, head, max_length=max_length, batch_size=args.batch_size, eager=args.eager,
                                cache_dir=cache_dir, scheduler=scheduler, decode_kernels=args.decode_kernels,
-                               speculative_disable_by_batch_size=args.speculative_disable_by_batch_size, **drafting)
+                               speculative_disable_by_batch_size=args.speculative_disable_by_batch_size, mesh=mesh,
+                               **drafting)
     return engine, tokenizer, method, token_ids
 
 
@@ -167,6 +173,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         check_flags(args)
+        if sharding.initialize_distributed() and jax.process_index() > 0:
+            # Every process computes the same tokens: process 0 prints them (fd 1, for native libraries too).
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sampling = sampling_lib.Sampling(temperature=args.temperature, top_p=args.top_p)
         prompts = read_prompts(args)
         engine, tokenizer, method, token_ids = load(args, prompts)
@@ -208,7 +217,7 @@ def report(args, prompt, tokenizer, result, method, engine, streamed) -> None:
                       speculative_eagle_topk=tree and tree.topk, speculative_num_steps=tree and tree.num_steps,
                       speculative_num_draft_tokens=tree and tree.num_draft_tokens,
                       scheduler=engine.scheduler, batch_size=engine.batch_size, decode_kernels=engine.decode_kernels,
-                      **result.stats)
+                      tensor_parallel_size=engine.tensor_parallel_size, **result.stats)
         print(json.dumps(record), flush=True)
         return
     if not streamed:

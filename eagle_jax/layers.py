@@ -150,6 +150,9 @@ class Attention(nnx.Module):
         self.qkv_proj = linear(input_size, sum(qkv_sizes(cfg)), cfg.attention_bias)
         self.o_proj = linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.attention_bias)
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        # Blocks the fused output axis is laid out in: P under tensor parallelism, where block p
+        # holds device p's own q, k and v heads (`sharding.shard_target` reorders and sets it).
+        self.num_shards = 1
         # Hashable rope settings, not an array: module attributes that are not Params are static.
         self.rope = (cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
@@ -161,7 +164,8 @@ class Attention(nnx.Module):
         """`project` from qkv_proj's output [B, T, (N + 2K) H]."""
         batch, length, _ = qkv.shape
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = jnp.split(qkv, [q_size, q_size + kv_size], axis=-1)
+        fused = qkv.reshape(batch, length, self.num_shards, -1)  # [B, T, P, (N + 2K) H / P]
+        q, k, v = jnp.split(fused, [q_size // self.num_shards, (q_size + kv_size) // self.num_shards], axis=-1)
         q = q.reshape(batch, length, self.num_heads, self.head_dim)
         k = k.reshape(batch, length, self.num_kv_heads, self.head_dim)
         v = v.reshape(batch, length, self.num_kv_heads, self.head_dim)
@@ -169,7 +173,7 @@ class Attention(nnx.Module):
         return apply_rotary(q, positions, inv_freq), apply_rotary(k, positions, inv_freq), v
 
     def __call__(self, x: jax.Array, positions: jax.Array, keys: jax.Array | None, values: jax.Array | None,
-                 implementation: str = "xla", mask: SlotMask | None = None):
+                 implementation: str = "xla", mask: SlotMask | None = None, attend_length: int | None = None):
         """Attends T new tokens to the cache after writing their keys and values into it.
 
         Args:
@@ -179,6 +183,8 @@ class Attention(nnx.Module):
                 self-attention among the inputs (then None is returned for both).
             implementation: of the cache-free attention (`causal_attention`).
             mask: where to write and what to see when positions are not slots (a tree's nodes).
+            attend_length: read only cache slots [0, attend_length) (None: all S). The caller
+                guarantees that every visible slot lies below it; the writes may go anywhere.
 
         Returns:
             ([B, T, D] output, updated keys, updated values). Without a mask, slot s is visible
@@ -187,11 +193,13 @@ class Attention(nnx.Module):
         q, k, v = self.project(x, positions)
         if keys is None:  # no cache: causal self-attention over the T inputs (training features)
             return self.output(causal_attention(q, k, v, implementation)), None, None
-        attended, keys, values = self.attend(q, k, v, positions, keys, values, mask)
+        attended, keys, values = self.attend(q, k, v, positions, keys, values, mask, attend_length)
         return self.output(attended), keys, values
 
-    def attend(self, q, k, v, positions: jax.Array, keys: jax.Array, values: jax.Array, mask: SlotMask | None = None):
-        """Writes k and v [B, T, K, H] into the cache [B, S, K, H], then attends q [B, T, N, H] over it.
+    def attend(self, q, k, v, positions: jax.Array, keys: jax.Array, values: jax.Array, mask: SlotMask | None = None,
+               attend_length: int | None = None):
+        """Writes k and v [B, T, K, H] into the cache [B, S, K, H], then attends q [B, T, N, H] over
+        its first `attend_length` slots (all S if None).
 
         Returns:
             (attended values [B, T, N, H] before o_proj, updated keys, updated values).
@@ -199,12 +207,15 @@ class Attention(nnx.Module):
         start = positions[:, 0] if mask is None else mask.start
         keys = write_rows(keys, k, start)
         values = write_rows(values, v, start)
+        # Attention cost grows with the slots it reads: a cache sized for the longest request
+        # would otherwise be read whole at every step, filled or not.
+        read = keys.shape[1] if attend_length is None else attend_length
         if mask is None:
-            slots = jnp.arange(keys.shape[1], dtype=jnp.int32)
-            visible = slots[None, None, :] <= positions[:, :, None]  # [B, T, S]
+            slots = jnp.arange(read, dtype=jnp.int32)
+            visible = slots[None, None, :] <= positions[:, :, None]  # [B, T, read]
         else:
-            visible = mask.visible
-        return grouped_attention(q, keys, values, visible), keys, values
+            visible = mask.visible[..., :read]
+        return grouped_attention(q, keys[:, :read], values[:, :read], visible), keys, values
 
     def output(self, attended: jax.Array) -> jax.Array:
         """o_proj of attended values [B, T, N, H]."""
@@ -310,10 +321,12 @@ class MLP(nnx.Module):
         linear = lambda i, o: nnx.Linear(i, o, use_bias=cfg.mlp_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.gate_up_proj = linear(cfg.hidden_size, sum(gate_up_sizes(cfg)))  # gate and up, fused like q/k/v
         self.down_proj = linear(cfg.intermediate_size, cfg.hidden_size)
+        self.num_shards = 1  # blocks [gate_p | up_p] of gate_up_proj's output, as in `Attention`
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)
-        return self.down_proj(jax.nn.silu(gate) * up)
+        fused = self.gate_up_proj(x).reshape(*x.shape[:-1], self.num_shards, -1)  # [..., P, 2F / P]
+        gate, up = jnp.split(fused, 2, axis=-1)
+        return self.down_proj((jax.nn.silu(gate) * up).reshape(*x.shape[:-1], -1))
 
 
 class DecoderLayer(nnx.Module):
@@ -327,25 +340,27 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, rngs=rngs, **kw)
         self.decode_kernels = "xla"  # static: see `with_decode_kernels`
 
-    def __call__(self, x, positions, keys, values, implementation: str = "xla", mask: SlotMask | None = None):
+    def __call__(self, x, positions, keys, values, implementation: str = "xla", mask: SlotMask | None = None,
+                 attend_length: int | None = None):
         attention = self.self_attn
         linears = (attention.qkv_proj, attention.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
         # Cached calls only: cache-free calls compute training features, which need gradients
         # (the Pallas kernels define none).
         if keys is not None and uses_decode_kernels(self.decode_kernels, x, *linears):
-            return self._fused_decode(x, positions, keys, values, mask)
-        attended, keys, values = attention(self.input_layernorm(x), positions, keys, values, implementation, mask)
+            return self._fused_decode(x, positions, keys, values, mask, attend_length)
+        attended, keys, values = attention(self.input_layernorm(x), positions, keys, values, implementation, mask,
+                                           attend_length)
         x = x + attended
         return residual_mlp(x, self.post_attention_layernorm, self.mlp), keys, values
 
-    def _fused_decode(self, x, positions, keys, values, mask: SlotMask | None):
+    def _fused_decode(self, x, positions, keys, values, mask: SlotMask | None, attend_length: int | None):
         """The cached call with four fused kernels around attention: norm + qkv_proj,
         o_proj + residual, norm + gate_up_proj + silu, down_proj + residual."""
         attention, norm = self.self_attn, self.input_layernorm
         qkv = fused_linear.norm_linear(x, norm.weight[...], norm.eps, attention.qkv_proj.kernel[...],
                                        implementation=self.decode_kernels)
         q, k, v = attention.split_heads(qkv, positions)
-        attended, keys, values = attention.attend(q, k, v, positions, keys, values, mask)
+        attended, keys, values = attention.attend(q, k, v, positions, keys, values, mask, attend_length)
         x = fused_linear.linear_residual(attended.reshape(*x.shape[:2], -1), attention.o_proj.kernel[...], x,
                                          implementation=self.decode_kernels)
         return residual_mlp(x, self.post_attention_layernorm, self.mlp, self.decode_kernels), keys, values

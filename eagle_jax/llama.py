@@ -30,7 +30,7 @@ class Llama(nnx.Module):
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, cache: kv_cache_lib.KVCache | None,
                  capture_layers: tuple[int, ...] = (), implementation: str = "xla",
-                 mask: layers.SlotMask | None = None):
+                 mask: layers.SlotMask | None = None, attend_length: int | None = None):
         """Runs T tokens per row, writing their keys and values at `positions`.
 
         Args:
@@ -42,6 +42,7 @@ class Llama(nnx.Module):
             capture_layers: layer indices whose *inputs* (the residual stream) are returned,
                 concatenated, for EAGLE-3 features.
             mask: cache slots and visibility when positions are not slots (tree verification).
+            attend_length: attention reads only cache slots below it (`layers.Attention`).
 
         Returns:
             (hidden [B, T, D] after the final norm, updated cache, captured [B, T, C*D] or None).
@@ -53,7 +54,8 @@ class Llama(nnx.Module):
         for index, layer in enumerate(self.layers):
             if index in capture_layers:
                 captured[index] = x
-            x, keys[index], values[index] = layer(x, positions, keys[index], values[index], implementation, mask)
+            x, keys[index], values[index] = layer(x, positions, keys[index], values[index], implementation, mask,
+                                                  attend_length)
         if cache is not None:
             cache = cache.replace(keys=tuple(keys), values=tuple(values))
         # In the requested order, repeats allowed (tiny targets give EAGLE-3 defaults like (2, 2, 1)).

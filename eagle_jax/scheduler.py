@@ -85,10 +85,14 @@ class SlotPrograms:
 
     prefill: Callable  # prefill(tokens [1, w], lengths [1], budgets [1], rng) -> batch-1 DecodeState, w in widths
     insert: Callable  # insert(state, row, slot) -> state; `state` is donated
-    run: Callable  # run(state) -> state after up to steps_per_call steps; `state` is donated
+    # run(state, attend_length) -> state after up to steps_per_call steps, attention reading cache
+    # slots below attend_length (one of attend_lengths); `state` is donated.
+    run: Callable
     empty: Callable  # empty(rng) -> a state of idle slots
     batch_size: int
     widths: tuple[int, ...]  # the prefill buckets, ascending; the last is the longest prompt a slot takes
+    attend_lengths: tuple[int, ...]  # ascending; the last is the whole cache
+    steps_per_call: int
     compile_seconds: float
     opts: speculative.Options  # what the programs were compiled for
 
@@ -134,6 +138,7 @@ def generate(programs: SlotPrograms, prompts: Sequence[np.ndarray], budgets: Seq
     prefilled = [0.0] * programs.batch_size
     first_token: list[float | None] = [None] * programs.batch_size
     shown = np.zeros(programs.batch_size, np.int64)
+    generated = np.zeros(programs.batch_size, np.int64)  # per slot, as of the last harvest
     finished: list[Finished | None] = [None] * len(prompts)
     while True:
         for slot in range(programs.batch_size):
@@ -143,11 +148,12 @@ def generate(programs: SlotPrograms, prompts: Sequence[np.ndarray], budgets: Seq
                 row = programs.prefill(*_prefill_inputs(prompts[index], budgets[index], programs.widths),
                                        jax.random.fold_in(prefill_rng, index))
                 state = programs.insert(state, row, np.int32(slot))
-                owner[slot], shown[slot] = index, 0
+                owner[slot], shown[slot], generated[slot] = index, 0, 1  # prefill emitted one token
         if all(index is None for index in owner):
             return finished
-        state = programs.run(state)
+        state = programs.run(state, _attend_length(programs, owner, prompts, budgets, generated))
         output, counts, done = jax.device_get((state.output, state.num_generated, state.done))
+        generated[:] = counts
         now = time.perf_counter()
         harvest = [slot for slot, index in enumerate(owner) if index is not None and done[slot]]
         for slot, index in enumerate(owner):
@@ -207,6 +213,21 @@ def _stream(output: np.ndarray, counts: np.ndarray, shown: np.ndarray, owner: Se
         if index is not None and counts[row] > shown[row]:
             on_tokens(index, output[row, shown[row]:counts[row]].tolist())
             shown[row] = counts[row]
+
+
+def _attend_length(programs: SlotPrograms, owner: Sequence[int | None], prompts: Sequence[np.ndarray],
+                   budgets: Sequence[int], generated: np.ndarray) -> int:
+    """The shortest of `programs.attend_lengths` above every cache slot the next call can touch.
+
+    A row's step writes and reads slots below prompt + generated + headroom; one call adds at
+    most steps_per_call x (k + 1) tokens, and never more than the row's budget.
+    """
+    opts, need = programs.opts, 0
+    for slot, index in enumerate(owner):
+        if index is not None:
+            reach = min(int(generated[slot]) + programs.steps_per_call * (opts.k + 1), budgets[index])
+            need = max(need, len(prompts[index]) + reach + opts.cache_headroom)
+    return next((length for length in programs.attend_lengths if length >= need), programs.attend_lengths[-1])
 
 
 def _prefill_inputs(prompt: np.ndarray, budget: int, widths: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

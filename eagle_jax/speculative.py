@@ -74,10 +74,17 @@ class Options:
     cache_length: int = struct.field(pytree_node=False, default=256)
     # Speculate only in steps where at most this many rows are active; None: always.
     disable_by_batch_size: int | None = struct.field(pytree_node=False, default=None)
+    # Attention reads cache slots [0, attend_length) only (None: the whole cache). The host sets
+    # it per device call to cover every slot the call can write, so that a cache sized for the
+    # longest request is not read whole at every step (`scheduler`). Chains and plain decoding.
+    attend_length: int | None = struct.field(pytree_node=False, default=None)
 
     def __post_init__(self):
         if self.tree is not None and self.k != self.tree.num_steps:  # state shapes follow k
             raise ValueError(f"with a tree, k must be its depth {self.tree.num_steps}, got {self.k}")
+        if self.attend_length is not None and (self.tree is not None or not 0 < self.attend_length <= self.cache_length):
+            raise ValueError(f"attend_length must be in 1..cache_length={self.cache_length} and without a tree, "
+                             f"got {self.attend_length}")
 
     @property
     def num_draft_tokens(self) -> int:
@@ -184,7 +191,7 @@ def _draft_choice(logits, head, opts: Options, rng, vocab_size: int):
     return head.to_target_ids(draft_ids), probs
 
 
-def read_pending(target: llama.Llama, head, state: DecodeState):
+def read_pending(target: llama.Llama, head, state: DecodeState, attend_length: int | None = None):
     """The head's forward over the pending pairs: (features, logits, draft cache holding them).
 
     The pairs fill slots draft length .. committed length - 1; the forward runs over all k+1
@@ -194,7 +201,8 @@ def read_pending(target: llama.Llama, head, state: DecodeState):
     """
     first_slot = state.draft_cache.lengths  # == committed length - pending count
     positions = first_slot[:, None] + jnp.arange(state.pending_tokens.shape[1], dtype=jnp.int32)
-    return head(state.pending_tokens, state.pending_features, positions, state.draft_cache, target)
+    return head(state.pending_tokens, state.pending_features, positions, state.draft_cache, target,
+                attend_length=attend_length)
 
 
 def last_pending(state: DecodeState, x: jax.Array) -> jax.Array:
@@ -209,7 +217,7 @@ def draft(target: llama.Llama, head, state: DecodeState, opts: Options, rng: jax
         (draft ids [B, k] int32, draft probs [B, k, V] or None, updated draft cache).
     """
     batch, k, vocab = state.next_token.shape[0], opts.k, target.config.vocab_size
-    features, logits, cache = read_pending(target, head, state)
+    features, logits, cache = read_pending(target, head, state, opts.attend_length)
     feature, logits = last_pending(state, features), last_pending(state, logits)
     rngs = jax.random.split(rng, k)
     token, probs = _draft_choice(logits, head, opts, rngs[0], vocab)
@@ -220,7 +228,8 @@ def draft(target: llama.Llama, head, state: DecodeState, opts: Options, rng: jax
     def body(j, carry):
         ids, all_probs, feature, cache = carry
         token = ids[:, j - 1]
-        out, logits, cache = head(token[:, None], feature[:, None], (position + j - 1)[:, None], cache, target)
+        out, logits, cache = head(token[:, None], feature[:, None], (position + j - 1)[:, None], cache, target,
+                                  attend_length=opts.attend_length)
         token, probs = _draft_choice(logits[:, 0], head, opts, rngs[j], vocab)
         ids = ids.at[:, j].set(token)
         if all_probs is not None:
@@ -258,11 +267,12 @@ def _step(target: llama.Llama, head, state: DecodeState, opts: Options, k: int) 
     else:
         draft_ids, draft_probs, draft_cache = jnp.zeros((batch, 0), jnp.int32), None, None
         if uses_head:  # no drafts, but the pending pairs still enter the draft cache
-            _, _, draft_cache = read_pending(target, head, state)
+            _, _, draft_cache = read_pending(target, head, state, opts.attend_length)
     committed = state.cache.lengths
     verify_tokens = jnp.concatenate([state.next_token[:, None], draft_ids], axis=1)  # [B, k+1]
     positions = committed[:, None] + jnp.arange(k + 1, dtype=jnp.int32)
-    hidden, cache, captured = target(verify_tokens, positions, state.cache, _capture_layers(head) if uses_head else ())
+    hidden, cache, captured = target(verify_tokens, positions, state.cache, _capture_layers(head) if uses_head else (),
+                                     attend_length=opts.attend_length)
     logits = target.logits(hidden)  # [B, k+1, V]
     if opts.sampling.greedy:
         num_accepted, next_token = acceptance.greedy(draft_ids, jnp.argmax(logits, axis=-1).astype(jnp.int32))

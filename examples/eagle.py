@@ -5,11 +5,12 @@
     python examples/eagle.py --method none --max_num_seqs 1,4,16
     python examples/eagle.py --method none,eagle3 --max_num_seqs 16,64 --scheduler continuous,static
     python examples/eagle.py --method eagle3 --speculative_eagle_topk 1,4 --speculative_num_steps 3,5 --speculative_num_draft_tokens 5,16
+    python examples/eagle.py --method none,eagle3 --tensor_parallel_size 1,2
 
 EAGLE-2 trees run for every valid (topk, num_steps, num_draft_tokens) combination of the lists.
-For each (method, k or tree, batch size, scheduler) it builds one Engine, compiles it on
-`--warmup` untimed prompts, then generates the first turns of `--num_prompts` MT-Bench questions
-(chat template). Static batching runs the prompts batch after batch; continuous batching takes
+For each (method, k or tree, batch size, scheduler, tensor parallel size) it builds one Engine,
+compiles it on `--warmup` untimed prompts, then generates the first turns of `--num_prompts`
+MT-Bench questions (chat template). Static batching runs the prompts batch after batch; continuous batching takes
 them all in one call and refills each of the batch size's decode slots as its row finishes.
 Output tokens per second = generated tokens / device-loop seconds (compilation excluded): the sum
 of the batches' seconds (static), or the call's time to its last token (continuous). As a serving
@@ -18,7 +19,8 @@ time to first token and the median and 90th-percentile request latency, counted 
 (read at the host loop's syncs: their resolution is one call of --steps_per_call steps).
 Acceptance length is pooled over all drafts, vLLM's convention (1 + accepted / drafts). One row
 per setting is appended to `--out` (a JSON list) as soon as it is measured, so an interrupted
-sweep keeps what it finished.
+sweep keeps what it finished. In a multi-process job (`sharding.initialize_distributed`) every
+process runs the sweep and process 0 writes the rows.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from eagle_jax import heads
 from eagle_jax import layers
 from eagle_jax import models
 from eagle_jax import sampling as sampling_lib
+from eagle_jax import sharding
 from eagle_jax import speculative
 from eagle_jax import tokenization
 from eagle_jax import tree as tree_lib
@@ -97,6 +100,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="static | continuous, or a comma list to record both (default static)")
     parser.add_argument("--speculative_disable_by_batch_size", "--speculative-disable-by-batch-size", type=int,
                         help="decode without drafts in steps where more rows than this are active")
+    parser.add_argument("--tensor_parallel_size", "--tensor-parallel-size", type=int_list, default=[1],
+                        help="devices the target is split over (Megatron-style), or a comma list")
     parser.add_argument("--model", help="target (HF dir, converted dir or .gguf; default SmolLM2-135M-Instruct)")
     parser.add_argument("--draft", help="EAGLE head directory, or a comma list (the method of each is read from "
                                         "its config); default: the shipped head for each method")
@@ -121,6 +126,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--num_prompts and --max_new_tokens must be >= 1, --warmup >= 0")
     if min(args.max_num_seqs) < 1 or (args.num_spec_tokens and min(args.num_spec_tokens) < 1):
         parser.error("batch sizes and k must be >= 1 (use --method none for plain decoding)")
+    if min(args.tensor_parallel_size) < 1:
+        parser.error("--tensor_parallel_size must be >= 1")
     if args.speculative_disable_by_batch_size is not None and args.speculative_disable_by_batch_size < 1:
         parser.error("--speculative_disable_by_batch_size must be >= 1")
     tree_lists = (args.speculative_eagle_topk, args.speculative_num_steps, args.speculative_num_draft_tokens)
@@ -210,13 +217,14 @@ def tree_label(row: dict) -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    header = (f"{'method':<8}{'k':>3}{'tree K/D/N':>12}{'mode':>10}{'batch':>7}{'scheduler':>12}{'accept len':>12}"
-              f"{'tok/s':>10}{'tokens':>9}{'ttft ms':>9}{'p90 s':>8}{'compile s':>11}")
+    header = (f"{'method':<8}{'k':>3}{'tree K/D/N':>12}{'mode':>10}{'batch':>7}{'scheduler':>12}{'tp':>4}"
+              f"{'accept len':>12}{'tok/s':>10}{'tokens':>9}{'ttft ms':>9}{'p90 s':>8}{'compile s':>11}")
     print("\n" + header)
     print("-" * len(header))
     for row in rows:
         print(f"{row['method']:<8}{row['k']:>3}{tree_label(row):>12}{row['mode']:>10}{row['batch_size']:>7}"
-              f"{row['scheduler']:>12}{row['acceptance_length']:>12.3f}{row['output_tokens_per_second']:>10.1f}"
+              f"{row['scheduler']:>12}{row['tensor_parallel_size']:>4}{row['acceptance_length']:>12.3f}"
+              f"{row['output_tokens_per_second']:>10.1f}"
               f"{row['total_tokens']:>9}{row['ttft_ms_p50']:>9.1f}{row['latency_s_p90']:>8.2f}"
               f"{row['compile_seconds']:>11.1f}")
         if row["acceptance_rate_per_position"]:
@@ -225,6 +233,9 @@ def print_table(rows: list[dict]) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    sharding.initialize_distributed()
+    writes = jax.process_index() == 0  # every process runs the same sweep; one writes the rows
+    meshes = {size: sharding.make_mesh(size) if size > 1 else None for size in args.tensor_parallel_size}
     questions = data.load_mtbench(args.dataset)
     if args.num_prompts > len(questions):
         print(f"[eagle.py] only {len(questions)} questions; using all", file=sys.stderr)
@@ -251,11 +262,11 @@ def main(argv=None) -> int:
                 best = [heads.best_k(method, device.platform, batch_size)]
                 ks = args.num_spec_tokens or ([] if args.trees else best)
                 drafting = [(k, None) for k in ks] + [(tree.num_steps, tree) for tree in args.trees]
-            settings += [(method, k, tree, batch_size, scheduler)
-                         for k, tree in drafting for scheduler in args.scheduler]
+            settings += [(method, k, tree, batch_size, scheduler, size) for k, tree in drafting
+                         for scheduler in args.scheduler for size in args.tensor_parallel_size]
 
     rows = []
-    for method, k, tree, batch_size, scheduler in settings:
+    for method, k, tree, batch_size, scheduler, tensor_parallel_size in settings:
         head, head_path = drafts.get(method, (None, None))
         longest = max(len(p) for p in prompts)
         # One prefill width and one cache length for every prompt: two compiled programs per setting.
@@ -267,13 +278,14 @@ def main(argv=None) -> int:
                                    cache_dir=cache_dir, fixed_shapes=True, steps_per_check=args.steps_per_check,
                                    scheduler=scheduler, decode_kernels=args.decode_kernels,
                                    speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
-                                   **drafting)
+                                   mesh=meshes[tensor_parallel_size], **drafting)
         name = f"tree {tree.topk}/{tree.num_steps}/{tree.num_draft_tokens}" if tree else f"k={k}"
-        desc = f"{method} {name} bs={batch_size} {scheduler}"
+        desc = f"{method} {name} bs={batch_size} {scheduler} tp={tensor_parallel_size}"
         measured = run_setting(engine, prompts, warmup_prompts, args, sampling, desc=f"{desc} {mode}")
         stats = engine_lib.pooled_stats(measured["results"], k)
         row = dict(
             method=method, k=k, mode=mode, batch_size=batch_size, scheduler=scheduler,
+            tensor_parallel_size=tensor_parallel_size,
             speculative_eagle_topk=tree and tree.topk, speculative_num_steps=tree and tree.num_steps,
             speculative_num_draft_tokens=tree and tree.num_draft_tokens,
             acceptance_length=round(stats["acceptance_length"], 4),
@@ -297,7 +309,8 @@ def main(argv=None) -> int:
             latency_s_p90=round(float(measured["latency_s_p90"]), 4),
         )
         row = {key: value for key, value in row.items() if value is not None}
-        append_rows(args.out, [row])
+        if writes:
+            append_rows(args.out, [row])
         rows.append(row)
         print(f"[eagle.py] {desc}: {row['output_tokens_per_second']:.1f} tok/s, "
               f"acceptance length {row['acceptance_length']:.3f}, compile {row['compile_seconds']:.1f} s "

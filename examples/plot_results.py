@@ -271,8 +271,9 @@ def plot_scale(profile, out: Path) -> None:
     date = rows[-1]["date"]
     rows = [r for r in rows if r["date"] == date]  # the latest run only
     fig, ax = plt.subplots(figsize=(8, 4.8))
+    tp = lambda r: f" tp={r['tensor_parallel_size']}" if r.get("tensor_parallel_size", 1) > 1 else ""
     names = [r["what"] + (f" {LABELS.get(r['method'], r['method'])}" if "method" in r else "")
-             + (f" k={r['k']}" if "k" in r else "") for r in rows]
+             + (f" k={r['k']}" if "k" in r else "") + tp(r) for r in rows]
     positions = range(len(rows))
     ax.bar([p - 0.2 for p in positions], [r["ms"] for r in rows], width=0.4, color="tab:blue", label="measured (jit)")
     ax.bar([p + 0.2 for p in positions], [r["floor_ms"] for r in rows], width=0.4, color="lightgray",

@@ -2,6 +2,7 @@
 
     python examples/scale_8b.py --cache-length 1024 --filled 512 --ks 1,2,3,4,5,6,7
     python examples/scale_8b.py --tiny   # a small model of the same structure, for CPU tests
+    python examples/scale_8b.py --ks 1,3,5 --tensor_parallel_size 1,2   # each step on 1 and on 2 GPUs
 
 The target (hidden 4096, 32 layers, 32 heads / 8 kv heads of 128, FFN 14336, vocab 128256,
 llama3 rope scaling) and its heads (EAGLE-1: one layer of the same shape with fc 8192->4096;
@@ -17,6 +18,9 @@ the bandwidth measured here with a large on-device array op (bytes read + writte
 Then, using acceptance lengths measured with SmolLM2-135M on MT-Bench (docs/results/mtbench.json),
 projected tokens/s = acceptance_length(k) / (k * draft_step + verify(k)). That is a projection
 for a hypothetical 8B pair with SmolLM2's acceptance, not a measurement of a trained 8B head.
+With `--tensor_parallel_size 1,2` every measurement runs once per size, the target split
+Megatron-style over that many devices (`eagle_jax.sharding`) and the heads replicated; rows carry
+`tensor_parallel_size`, and floors count the bytes one device reads (its shards).
 """
 
 from __future__ import annotations
@@ -42,10 +46,12 @@ import jax.numpy as jnp
 import numpy as np
 import tqdm
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from eagle_jax import config as config_lib
 from eagle_jax import eagle
 from eagle_jax import llama
+from eagle_jax import sharding
 import script_errors  # examples/ is on sys.path when run as a script
 from results_file import append_rows
 
@@ -72,11 +78,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--iterations", type=int, default=20, help="timed calls per measurement (median)")
     parser.add_argument("--copy-gib", type=float, help="array size for the bandwidth test (default 4, --tiny 0.0625)")
     parser.add_argument("--results", default="docs/results/mtbench.json", help="acceptance lengths for the projection")
+    parser.add_argument("--tensor_parallel_size", "--tensor-parallel-size", default="1",
+                        help="comma list of devices to split the target over (Megatron-style); each is measured")
     parser.add_argument("--tiny", action="store_true", help="hidden 256, 2 layers, vocab 1000: a CPU smoke test")
     parser.add_argument("--out", default="docs/results/profile.json", help="JSON list the rows are appended to")
     args = parser.parse_args(argv)
     args.ks = sorted({int(part) for part in args.ks.split(",") if part.strip()})
     args.methods = [part.strip() for part in args.methods.split(",") if part.strip()]
+    args.tensor_parallel_size = [int(part) for part in args.tensor_parallel_size.split(",") if part.strip()]
+    if not args.tensor_parallel_size or min(args.tensor_parallel_size) < 1:
+        parser.error("--tensor_parallel_size must list sizes >= 1")
     if bad := [m for m in args.methods if m not in ("eagle", "eagle3")]:
         parser.error(f"--methods must be among eagle, eagle3; got {bad}")
     if not args.ks or min(args.ks) < 1:
@@ -160,9 +171,130 @@ def load_acceptance(path: str) -> dict[tuple[str, int], float]:
     return found
 
 
+def shard_bytes(tree) -> int:
+    """Bytes one device holds of `tree`: what it reads per step when the tree is split over several."""
+    return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(tree))
+
+
+def head_config(cfg: config_lib.LlamaConfig, method: str, tiny: bool) -> eagle.EagleConfig:
+    layer = dataclasses.replace(cfg, num_layers=1)
+    if method == "eagle3":
+        draft_vocab_size = EAGLE3_DRAFT_VOCAB["tiny" if tiny else "full"]
+        return eagle.EagleConfig(method="eagle3", layer=layer, draft_vocab_size=draft_vocab_size,
+                                 target_hidden_size=cfg.hidden_size,
+                                 feature_layers=eagle.default_feature_layers(cfg.num_layers))
+    return eagle.EagleConfig(method="eagle", layer=layer, fc_bias=False)
+
+
+def measure(target: llama.Llama, heads: dict, mesh, args, bandwidth: float, record,
+            tensor_parallel_size: int) -> dict:
+    """Times decode, verify(k) and each head's draft step with the target split over `mesh` (None: one device).
+
+    Floors count the bytes one device reads: its shard of the target, the whole (replicated) head.
+
+    Returns:
+        {"verify": {width: ms}, "draft": {method: ms}}.
+    """
+    cfg = target.config
+    if mesh is not None:
+        target = sharding.shard_target(target, mesh)
+        heads = {method: sharding.replicate(head, mesh) for method, head in heads.items()}
+    target_def, target_params = nnx.split(target)
+    row_bytes = cfg.hidden_size * 2
+    target_read = shard_bytes(target_params) - shard_bytes(target.embed_tokens.embedding[...])  # gathers T rows
+
+    def cache_shardings(cache, split: bool):
+        """Where a cache lives on the mesh: the target's split like its attention, the head's replicated."""
+        if split:
+            return sharding.cache_shardings(cache, cfg, mesh)
+        return jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), cache)
+
+    def filled_cache(cache, split: bool):
+        cache = cache.replace(lengths=jnp.full((1,), args.filled, jnp.int32))
+        return cache if mesh is None else jax.device_put(cache, cache_shardings(cache, split))
+
+    def pin(cache, split: bool):
+        """The output cache kept where the input was, so that it feeds the next call as compiled."""
+        return cache if mesh is None else jax.lax.with_sharding_constraint(cache, cache_shardings(cache, split))
+
+    def verify(params, tokens, cache):
+        model = nnx.merge(target_def, params)
+        positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
+        hidden, cache, _ = model(tokens, positions, cache)  # lengths unchanged: every call does the same work
+        return jnp.argmax(model.logits(hidden), axis=-1), pin(cache, split=True)
+
+    cache = filled_cache(target.init_cache(1, args.cache_length, jnp.bfloat16), split=True)
+    kv_per_slot = shard_bytes((cache.keys, cache.values)) / args.cache_length
+    verify_ms = {}
+    for width in tqdm.tqdm(sorted({1} | {k + 1 for k in args.ks}), desc="verify widths", file=sys.stderr):
+        tokens = jnp.ones((1, width), jnp.int32)
+        ms, compile_seconds, cache = compile_and_time(verify, (target_params, tokens, cache), args.iterations,
+                                                      f"verify {width}", carry_index=1)
+        verify_ms[width] = ms
+        weights = target_read + width * row_bytes
+        floor_ms = 1e3 * (weights + kv_per_slot * (args.filled + width)) / bandwidth
+        floor_full_ms = 1e3 * (weights + kv_per_slot * args.cache_length) / bandwidth
+        row = dict(what="decode" if width == 1 else "verify", ms=round(ms, 4), tokens=width,
+                   floor_ms=round(floor_ms, 4), ratio_to_floor=round(ms / floor_ms, 3),
+                   floor_full_cache_ms=round(floor_full_ms, 4), weight_bytes=weights,
+                   compile_seconds=round(compile_seconds, 2), tensor_parallel_size=tensor_parallel_size)
+        if width > 1:
+            row["k"] = width - 1
+        record(row)
+
+    draft_ms = {}
+    for method, head in heads.items():
+        head_def, head_params = nnx.split(head)
+
+        def draft_step(target_params, head_params, token, feature, cache):
+            model, head = nnx.merge(target_def, target_params), nnx.merge(head_def, head_params)
+            out, logits, cache = head(token[:, None], feature[:, None], cache.lengths[:, None], cache, model)
+            return head.to_target_ids(jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)), pin(cache, split=False)
+
+        draft_cache = filled_cache(eagle.init_cache(head.config, 1, args.cache_length, jnp.bfloat16), split=False)
+        draft_kv = shard_bytes((draft_cache.keys, draft_cache.values)) * (args.filled + 1) / args.cache_length
+        token, feature = jnp.ones((1,), jnp.int32), jnp.ones((1, cfg.hidden_size), jnp.bfloat16)
+        ms, compile_seconds, _ = compile_and_time(draft_step, (target_params, head_params, token, feature, draft_cache),
+                                                  args.iterations, f"draft step {method}", carry_index=1)
+        draft_ms[method] = ms
+        head_read = shard_bytes(head_params) + row_bytes
+        if method == "eagle":
+            head_read += shard_bytes(target.lm_head.kernel[...])  # EAGLE-1 drafts through the target's lm_head
+        else:
+            head_read -= shard_bytes(head.fc.kernel[...])  # EAGLE-3's fc projects target features in the verify
+        floor_ms = 1e3 * (head_read + draft_kv) / bandwidth
+        record(dict(what="draft_step", method=method, ms=round(ms, 4), floor_ms=round(floor_ms, 4),
+                    ratio_to_floor=round(ms / floor_ms, 3), weight_bytes=head_read,
+                    head_bytes=shard_bytes(head_params), compile_seconds=round(compile_seconds, 2),
+                    tensor_parallel_size=tensor_parallel_size))
+    return dict(verify=verify_ms, draft=draft_ms)
+
+
+def project(measured: dict, acceptance: dict, args, record, tensor_parallel_size: int) -> list[dict]:
+    """Projection rows: acceptance_length(k) / (k draft steps + verify(k)), against plain decoding."""
+    verify_ms, draft_ms = measured["verify"], measured["draft"]
+    plain_otps = 1e3 / verify_ms[1]
+    projections = []
+    for method in args.methods:
+        for k in args.ks:
+            if (method, k) not in acceptance:
+                continue
+            step_ms = k * draft_ms[method] + verify_ms[k + 1]
+            otps = 1e3 * acceptance[(method, k)] / step_ms
+            row = dict(what="projection", method=method, k=k, acceptance_length_smollm2=acceptance[(method, k)],
+                       projected_step_ms=round(step_ms, 4), projected_output_tokens_per_second=round(otps, 1),
+                       plain_output_tokens_per_second=round(plain_otps, 1),
+                       projected_speedup=round(otps / plain_otps, 3), tensor_parallel_size=tensor_parallel_size,
+                       note="PROJECTION: 8B-shaped timings x SmolLM2-135M acceptance lengths, not a measured 8B run")
+            record(row)
+            projections.append(row)
+    return projections
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     acceptance = load_acceptance(args.results)  # before measuring: a bad results file fails fast
+    meshes = {size: sharding.make_mesh(size) if size > 1 else None for size in args.tensor_parallel_size}
     cfg = TINY if args.tiny else LLAMA_31_8B
     label = "tiny" if args.tiny else "llama-3.1-8b"
     dtype = jnp.bfloat16
@@ -183,6 +315,7 @@ def main(argv=None) -> int:
         else:
             text = f"projected {row['projected_output_tokens_per_second']:.1f} tok/s ({row['projected_speedup']:.2f}x)"
         name = row["what"] + (f" {row['method']}" if "method" in row else "") + (f" k={row['k']}" if "k" in row else "")
+        name += f" tp={row['tensor_parallel_size']}" if "tensor_parallel_size" in row else ""
         print(f"[scale_8b.py] {name}: {text}", file=sys.stderr)
 
     bandwidth = copy_bandwidth(args.copy_gib, args.iterations)
@@ -190,107 +323,35 @@ def main(argv=None) -> int:
 
     began = time.perf_counter()
     target = random_module(lambda: llama.Llama(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype), seed=0)
-    init_seconds = time.perf_counter() - began
-    target_def, target_params = nnx.split(target)
-    embed_bytes = target.embed_tokens.embedding[...].nbytes
-    row_bytes = cfg.hidden_size * 2
-    target_read = nbytes(target_params) - embed_bytes  # the embedding gather reads only T rows
-    print(f"[scale_8b.py] target: {nbytes(target_params) / 1e9:.2f} GB of bf16 weights, random init "
-          f"{init_seconds:.1f} s", file=sys.stderr)
-
-    def verify(params, tokens, cache):
-        model = nnx.merge(target_def, params)
-        positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
-        hidden, cache, _ = model(tokens, positions, cache)  # lengths unchanged: every call does the same work
-        return jnp.argmax(model.logits(hidden), axis=-1), cache
-
-    cache = target.init_cache(1, args.cache_length, dtype)
-    cache = cache.replace(lengths=jnp.full((1,), args.filled, jnp.int32))
-    verify_ms = {}
-    for width in tqdm.tqdm(sorted({1} | {k + 1 for k in args.ks}), desc="verify widths", file=sys.stderr):
-        tokens = jnp.ones((1, width), jnp.int32)
-        ms, compile_seconds, cache = compile_and_time(verify, (target_params, tokens, cache), args.iterations,
-                                                      f"verify {width}", carry_index=1)
-        verify_ms[width] = ms
-        weights = target_read + width * row_bytes
-        floor_ms = 1e3 * (weights + kv_bytes(cfg, cfg.num_layers, args.filled + width)) / bandwidth
-        floor_full_ms = 1e3 * (weights + kv_bytes(cfg, cfg.num_layers, args.cache_length)) / bandwidth
-        row = dict(what="decode" if width == 1 else "verify", ms=round(ms, 4), tokens=width,
-                   floor_ms=round(floor_ms, 4), ratio_to_floor=round(ms / floor_ms, 3),
-                   floor_full_cache_ms=round(floor_full_ms, 4), weight_bytes=weights,
-                   compile_seconds=round(compile_seconds, 2))
-        if width > 1:
-            row["k"] = width - 1
-        record(row)
-
-    draft_ms = {}
-    head_layer = dataclasses.replace(cfg, num_layers=1)
-    for method in args.methods:
-        if method == "eagle3":
-            head_cfg = eagle.EagleConfig(method="eagle3", layer=head_layer,
-                                         draft_vocab_size=EAGLE3_DRAFT_VOCAB["tiny" if args.tiny else "full"],
-                                         target_hidden_size=cfg.hidden_size,
-                                         feature_layers=eagle.default_feature_layers(cfg.num_layers))
-        else:
-            head_cfg = eagle.EagleConfig(method="eagle", layer=head_layer, fc_bias=False)
-        head = random_module(lambda: eagle.make_head(head_cfg, rngs=nnx.Rngs(1), dtype=dtype, param_dtype=dtype), 1)
-        head_def, head_params = nnx.split(head)
-
-        def draft_step(target_params, head_params, token, feature, cache):
-            model, head = nnx.merge(target_def, target_params), nnx.merge(head_def, head_params)
-            out, logits, cache = head(token[:, None], feature[:, None], cache.lengths[:, None], cache, model)
-            return head.to_target_ids(jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)), cache
-
-        draft_cache = eagle.init_cache(head_cfg, 1, args.cache_length, dtype)
-        draft_cache = draft_cache.replace(lengths=jnp.full((1,), args.filled, jnp.int32))
-        token, feature = jnp.ones((1,), jnp.int32), jnp.ones((1, cfg.hidden_size), dtype)
-        ms, compile_seconds, _ = compile_and_time(draft_step, (target_params, head_params, token, feature, draft_cache),
-                                                  args.iterations, f"draft step {method}", carry_index=1)
-        draft_ms[method] = ms
-        head_read = nbytes(head_params) + row_bytes
-        if method == "eagle":
-            head_read += target.lm_head.kernel[...].nbytes  # EAGLE-1 drafts through the target's lm_head
-        else:
-            head_read -= head.fc.kernel[...].nbytes  # EAGLE-3's fc projects target features in the verify, not here
-        floor_ms = 1e3 * (head_read + kv_bytes(cfg, 1, args.filled + 1)) / bandwidth
-        record(dict(what="draft_step", method=method, ms=round(ms, 4), floor_ms=round(floor_ms, 4),
-                    ratio_to_floor=round(ms / floor_ms, 3), weight_bytes=head_read,
-                    head_bytes=nbytes(head_params), compile_seconds=round(compile_seconds, 2)))
-        del head, head_params
-
-    plain_otps = 1e3 / verify_ms[1]
+    print(f"[scale_8b.py] target: {nbytes(nnx.state(target)) / 1e9:.2f} GB of bf16 weights, random init "
+          f"{time.perf_counter() - began:.1f} s", file=sys.stderr)
+    heads = {method: random_module(lambda: eagle.make_head(head_config(cfg, method, args.tiny), rngs=nnx.Rngs(1),
+                                                           dtype=dtype, param_dtype=dtype), 1)
+             for method in args.methods}
     projections = []
-    for method in args.methods:
-        for k in args.ks:
-            if (method, k) not in acceptance:
-                continue
-            step_ms = k * draft_ms[method] + verify_ms[k + 1]
-            otps = 1e3 * acceptance[(method, k)] / step_ms
-            row = dict(what="projection", method=method, k=k, acceptance_length_smollm2=acceptance[(method, k)],
-                       projected_step_ms=round(step_ms, 4), projected_output_tokens_per_second=round(otps, 1),
-                       plain_output_tokens_per_second=round(plain_otps, 1),
-                       projected_speedup=round(otps / plain_otps, 3),
-                       note="PROJECTION: 8B-shaped timings x SmolLM2-135M acceptance lengths, not a measured 8B run")
-            record(row)
-            projections.append(row)
+    for size, mesh in meshes.items():
+        measured = measure(target, heads, mesh, args, bandwidth, record, tensor_parallel_size=size)
+        projections += project(measured, acceptance, args, record, tensor_parallel_size=size)
     if not acceptance:
         print(f"[scale_8b.py] no EAGLE rows (batch 1, compiled, temperature 0) in {args.results}: no projection",
               file=sys.stderr)
 
     append_rows(args.out, rows)
     print(f"\n{label}: copy bandwidth {bandwidth / 1e12:.3f} TB/s; cache {args.cache_length}, filled {args.filled}")
-    print(f"{'what':<18}{'k':>3}{'ms':>10}{'floor ms':>10}{'x floor':>9}")
+    print(f"{'what':<18}{'k':>3}{'tp':>4}{'ms':>10}{'floor ms':>10}{'x floor':>9}")
     for row in rows:
         if "ms" in row:
             print(f"{row['what'] + (' ' + row['method'] if 'method' in row else ''):<18}{row.get('k', ''):>3}"
-                  f"{row['ms']:>10.3f}{row['floor_ms']:>10.3f}{row['ratio_to_floor']:>9.2f}")
+                  f"{row['tensor_parallel_size']:>4}{row['ms']:>10.3f}{row['floor_ms']:>10.3f}"
+                  f"{row['ratio_to_floor']:>9.2f}")
     if projections:
-        print(f"\nPROJECTION (8B-shaped timings, SmolLM2-135M acceptance); plain decoding {plain_otps:.1f} tok/s")
-        print(f"{'method':<8}{'k':>3}{'accept len':>12}{'step ms':>10}{'tok/s':>9}{'speedup':>9}")
+        print("\nPROJECTION (8B-shaped timings, SmolLM2-135M acceptance)")
+        print(f"{'method':<8}{'k':>3}{'tp':>4}{'accept len':>12}{'step ms':>10}{'tok/s':>9}{'plain':>9}{'speedup':>9}")
         for row in projections:
-            print(f"{row['method']:<8}{row['k']:>3}{row['acceptance_length_smollm2']:>12.3f}"
-                  f"{row['projected_step_ms']:>10.3f}"
-                  f"{row['projected_output_tokens_per_second']:>9.1f}{row['projected_speedup']:>9.2f}")
+            print(f"{row['method']:<8}{row['k']:>3}{row['tensor_parallel_size']:>4}"
+                  f"{row['acceptance_length_smollm2']:>12.3f}{row['projected_step_ms']:>10.3f}"
+                  f"{row['projected_output_tokens_per_second']:>9.1f}{row['plain_output_tokens_per_second']:>9.1f}"
+                  f"{row['projected_speedup']:>9.2f}")
     return 0
 
 

@@ -13,6 +13,11 @@ import os
 # backend; subprocesses started by tests inherit it.
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+# Four CPU devices for the tensor-parallel tests (test_sharding.py); programs without a mesh run
+# on the first, as before. Here rather than in that module: jax reads the flag once, at its first
+# use, which an earlier test module may make.
+if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=4"
 
 import jax.numpy as jnp  # noqa: E402 (after the flags)
 import numpy as np  # noqa: E402

@@ -70,6 +70,24 @@ def test_second_engine_loads_everything(target, filled, cache_copy):
     assert tokens == filled[2]
 
 
+def test_mesh_is_part_of_the_key_and_split_programs_reload(random_target, filled, tmp_path):
+    """A program partitioned over 2 devices gets its own directories, saves, and loads in a new engine."""
+    from eagle_jax import sharding
+
+    root = tmp_path / "xla"
+    key = lambda mesh: compile_cache.CompileCache(root, mesh).module_dir(MODULE, KEY)
+    assert len({key(None), key(sharding.make_mesh(2)), key(sharding.make_mesh(4))}) == 3
+    target = random_target(seed=3, vocab_size=128)  # the vocabulary must divide the mesh
+    runs = []
+    for _ in range(2):
+        engine = engine_lib.Engine(target, max_length=64, cache_dir=root, mesh=sharding.make_mesh(2))
+        runs.append((engine, [r.token_ids for r in engine.generate(PROMPTS, max_new_tokens=MAX_NEW, ignore_eos=True)]))
+    (first, tokens), (second, again) = runs
+    assert (first.compile_cache.misses, second.compile_cache.misses, second.compile_cache.hits) == (2, 0, 2)
+    assert again == tokens == [r.token_ids for r in engine_lib.Engine(target, max_length=64).generate(
+        PROMPTS, max_new_tokens=MAX_NEW, ignore_eos=True)]
+
+
 def test_removing_one_module_recompiles_only_it(target, filled, cache_copy):
     [decode_dir] = cache_copy.glob("decode-*")
     shutil.rmtree(decode_dir)

@@ -1,5 +1,7 @@
 """The Flax Llama target against HF transformers' LlamaForCausalLM (torch, float32)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -80,6 +82,31 @@ def test_cached_decode_equals_full_forward(hf_llama):
                                 jnp.full((2, 1), position, jnp.int32), cache)
         stepped.append(logits)
     assert relative_error(np.concatenate(stepped, axis=1), full) < 1e-5
+
+
+def test_attending_to_the_filled_prefix_only(hf_llama):
+    """attend_length reads only the first slots of the cache: while every visible slot lies below
+    it, logits and the written cache equal a read of the whole cache."""
+    _, _, model = hf_llama(seed=4)
+    graphdef, params = nnx.split(model)
+
+    @functools.partial(jax.jit, static_argnames="attend_length")
+    def forward(params, tokens, positions, cache, attend_length=None):
+        module = nnx.merge(graphdef, params)
+        hidden, cache, _ = module(tokens, positions, cache, attend_length=attend_length)
+        return module.logits(hidden), cache
+
+    ids = jnp.asarray(np.random.default_rng(5).integers(0, 101, (2, 40)), jnp.int32)
+    cache = model.init_cache(2, 128)
+    _, cache = forward(params, ids[:, :32], jnp.broadcast_to(jnp.arange(32), (2, 32)), cache)
+    step = (ids[:, 32:40], jnp.broadcast_to(jnp.arange(32, 40), (2, 8)))
+    whole, whole_cache = forward(params, *step, cache)
+    prefix, prefix_cache = forward(params, *step, cache, attend_length=64)
+    assert relative_error(prefix, whole) < 1e-6
+    for a, b in zip(jax.tree.leaves(prefix_cache), jax.tree.leaves(whole_cache)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    short, _ = forward(params, *step, cache, attend_length=16)  # too short: drops visible slots
+    assert relative_error(short, whole) > 1e-3
 
 
 def test_bfloat16_runs_and_is_close_to_float32(hf_llama):

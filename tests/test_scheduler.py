@@ -7,6 +7,7 @@ enter and leave slots.
 
 import collections
 import functools
+import types
 
 import jax
 import numpy as np
@@ -14,14 +15,16 @@ import pytest
 
 from eagle_jax import engine as engine_lib
 from eagle_jax import sampling as sampling_lib
+from eagle_jax import scheduler as scheduler_lib
 from eagle_jax import speculative
 
 MAX_LENGTH = 64  # prompts up to 32 tokens (prefills 16 and 32 wide), one 64-slot cache
 PROMPT_LENGTHS = (3, 17, 1, 9, 26, 6, 12)  # 7 prompts through 3 slots
 BUDGETS = (14, 5, 9, 1, 11, 16, 7)
 SLOTS = 3
-# Slot programs: one prefill per width bucket (16 and 32 here), one insert, one run.
-SLOT_PROGRAMS = len({engine_lib.bucket_length(n, MAX_LENGTH // 2) for n in range(1, MAX_LENGTH // 2 + 1)}) + 2
+# Slot programs: one prefill per width bucket (16 and 32 here), one insert, and one run per
+# attention length (16, 32 and 64 slots here: a quarter, half and all of the cache).
+SLOT_PROGRAMS = len({engine_lib.bucket_length(n, MAX_LENGTH // 2) for n in range(1, MAX_LENGTH // 2 + 1)}) + 1 + 3
 DRAFT_VOCAB = 64
 K = {"plain": 0, "eagle": 3, "eagle3": 4}
 
@@ -96,7 +99,7 @@ def test_continuous_equals_batch_one(target, prompts, heads, eos_id, reference, 
     assert [streamed[i] for i in range(len(prompts))] == expected
     # Prefill (per bucket), insert and run: compiled once, before the first prompt; the prompts
     # compile nothing, nor does a second call with other budgets.
-    assert SLOT_PROGRAMS == 4 and engine.num_compilations == SLOT_PROGRAMS
+    assert SLOT_PROGRAMS == 6 and engine.num_compilations == SLOT_PROGRAMS
     with xla_compilations() as compiled:
         again = engine.generate(prompts[::-1], max_new_tokens=list(BUDGETS[::-1]), eos_ids=[eos_id],
                                 steps_per_call=2)
@@ -206,3 +209,17 @@ def test_slot_run_stops_when_a_running_row_finishes(target):
     assert np.asarray(stopped.num_generated).tolist()[:2] == [3, 3]  # the long row ran exactly as long
     finished = speculative.run_steps(target, None, state, 64, opts)
     assert np.asarray(finished.done).all() and int(finished.num_generated[1]) == 20
+
+
+def test_each_call_attends_over_the_shortest_length_that_covers_its_rows():
+    """`scheduler._attend_length`: prompt + tokens reachable in one call + the step's headroom."""
+    programs = types.SimpleNamespace(opts=speculative.Options(k=3, cache_length=64), steps_per_call=2,
+                                     attend_lengths=(16, 32, 64))
+    prompts = [np.zeros(n) for n in (3, 20, 9)]
+    budgets = [30, 4, 10]
+    choose = lambda owner, generated: scheduler_lib._attend_length(programs, owner, prompts, budgets,
+                                                                   np.array(generated))
+    assert choose([0, None], [1, 0]) == 16  # 3 + min(1 + 2 * 4, 30) + 4 = 16
+    assert choose([0, None], [2, 0]) == 32  # 17
+    assert choose([1, 2], [1, 1]) == 32  # 20 + 4 + 4 = 28 (the budget caps the call)
+    assert choose([0, None], [29, 0]) == 64  # 37

@@ -18,7 +18,7 @@ strip of the weight in block_k chunks through `dot` with its rows of x. Norms ar
 every program: a row has K = 576 values, cheaper than a second launch. Triton's dot needs every
 dimension >= 16, so rows come in blocks of 16 whatever M is (absent rows load as zeros and are
 never stored), and Triton tensors have power-of-two sizes, so ragged edges (K = 576 in chunks of
-128, N not a multiple of block_n) are masked. Accumulation is float32; outputs take x's dtype and
+256, N not a multiple of block_n) are masked. Accumulation is float32; outputs take x's dtype and
 weights are cast to it, as `nnx.Linear` casts to its computation dtype.
 """
 
@@ -51,7 +51,7 @@ class Tiling:
 
     block_m: int = 16
     block_n: int = 32
-    block_k: int = 128
+    block_k: int = 256  # the fastest in the H200 sweep (docs/BENCHMARKS.md)
     num_warps: int = 4
     num_stages: int = 3
 

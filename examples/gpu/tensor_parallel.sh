@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Issue 13 on two GPUs (nvidia-h200-x2), from the repo root after `source examples/gpu/setup.sh`:
+#   bash examples/gpu/tensor_parallel.sh
+# 1. SmolLM2-135M greedy outputs at tensor parallel size 2 equal size 1 (float32; plain and EAGLE-3
+#    k = 5; 3 kv heads: attention replicated, MLP and vocabulary split). Prints IDENTICAL or DIFFER.
+# 2. Llama-3.1-8B-shaped plain and draft steps (random bf16 weights) at sizes 1 and 2.
+# 3. SmolLM2 MT-Bench throughput at sizes 1 and 2 (a 135M model is too small to gain from a split).
+set -ex
+export EAGLE_JAX_MTBENCH=.stage/mtbench_question.jsonl
+r=${RESULTS:-docs/results}; mkdir -p $r
+head -n 20 $EAGLE_JAX_MTBENCH > /tmp/tp_prompts.jsonl
+for drafting in "--draft none" "--method eagle3 --num-speculative-tokens 5"; do
+  for size in 1 2; do
+    python3 -m eagle_jax.generate --prompts-file /tmp/tp_prompts.jsonl --json --dtype float32 --max-new-tokens 128 \
+        --ignore-eos $drafting --tensor-parallel-size $size > /tmp/tp$size.jsonl
+  done
+  python3 -c "
+import json
+rows = [[json.loads(line)['token_ids'] for line in open(f'/tmp/tp{size}.jsonl')] for size in (1, 2)]
+same = sum(a == b for a, b in zip(*rows))
+print('$drafting:', 'IDENTICAL' if same == len(rows[0]) == len(rows[1]) else 'DIFFER', f'{same}/{len(rows[0])} prompts')"
+done
+python3 examples/scale_8b.py --ks 1,3,5 --iterations 20 --tensor_parallel_size 1,2 --out $r/profile.json
+python3 examples/eagle.py --method none,eagle3 --num_spec_tokens 5 --max_num_seqs 1 --tensor_parallel_size 1,2 \
+    --num_prompts 20 --max_new_tokens 256 --out $r/mtbench.json
