@@ -44,8 +44,10 @@ LABELS = {"none": "plain decoding", "eagle": "EAGLE-1", "eagle3": "EAGLE-3", "hf
 COLORS = {"none": "black", "eagle": "tab:blue", "eagle3": "tab:orange"}
 EAGLE_METHODS = ("eagle", "eagle3")
 KEY = ("method", "k", "mode", "batch_size", "temperature", "max_new_tokens", "num_prompts", "scheduler",
-       "speculative_disable_by_batch_size")
-KEY_DEFAULTS = {"scheduler": "static"}  # rows written before the field existed were static batches
+       "speculative_disable_by_batch_size", "decode_kernels", "tensor_parallel_size", "steps_per_check",
+       "speculative_eagle_topk", "speculative_num_steps", "speculative_num_draft_tokens")
+# Rows written before a field existed: static batches, XLA kernels, one device, a test every step.
+KEY_DEFAULTS = {"scheduler": "static", "decode_kernels": "xla", "tensor_parallel_size": 1, "steps_per_check": 1}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -287,6 +289,51 @@ def plot_scale(profile, out: Path) -> None:
     finish(fig, ax, out / "scale_8b.png", "Llama-3.1-8B-shaped step times vs their HBM floor", sub)
 
 
+def plot_trees(trees, batch1, sub, out: Path) -> None:
+    """EAGLE-2 trees: acceptance length and tokens/s vs verified nodes N, a line per top-k,
+    beside the chain at the same depth and plain decoding."""
+    if not trees:
+        return
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.6))
+    tree_colors = iter(["tab:green", "tab:red", "tab:purple", "tab:brown", "tab:olive"])
+    for topk in sorted({r["speculative_eagle_topk"] for r in trees}):
+        rows = sorted((r for r in trees if r["speculative_eagle_topk"] == topk),
+                      key=lambda r: r["speculative_num_draft_tokens"])
+        nodes = [r["speculative_num_draft_tokens"] for r in rows]
+        depth = "/".join(sorted({str(r["speculative_num_steps"]) for r in rows}))
+        label = f"{LABELS[rows[0]['method']]} tree, top-{topk}, depth {depth}"
+        color = next(tree_colors, None)
+        left.plot(nodes, [r["acceptance_length"] for r in rows], "o-", label=label, linewidth=2, color=color)
+        right.plot(nodes, [r["output_tokens_per_second"] for r in rows], "o-", label=label, linewidth=2, color=color)
+    depths, methods = {r["speculative_num_steps"] for r in trees}, {r["method"] for r in trees}
+    for row in batch1:
+        if row["method"] in methods and row["k"] in depths:
+            left.axhline(row["acceptance_length"], color=COLORS[row["method"]], linestyle="--", linewidth=1.3,
+                         label=f"{LABELS[row['method']]} chain, k={row['k']}")
+            right.axhline(row["output_tokens_per_second"], color=COLORS[row["method"]], linestyle="--",
+                          linewidth=1.3, label=f"{LABELS[row['method']]} chain, k={row['k']}")
+        elif row["method"] == "none":
+            right.axhline(row["output_tokens_per_second"], color="black", linestyle=":", linewidth=1.3,
+                          label=LABELS["none"])
+    for ax, ylabel in ((left, "acceptance length"), (right, "output tokens / s")):
+        ax.set_xscale("log", base=2)
+        ticks = sorted({r["speculative_num_draft_tokens"] for r in trees})
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.set_xlabel("verified tree nodes N (--speculative-num-draft-tokens)")
+        ax.set_ylabel(ylabel)
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+    left.legend(fontsize=8, frameon=True)
+    right.legend(fontsize=8, frameon=True)
+    fig.suptitle("EAGLE-2 dynamic trees vs the chain (batch 1, greedy)", fontsize=13)
+    fig.text(0.5, 0.92, sub, ha="center", fontsize=8.5, color="dimgray")
+    fig.tight_layout(rect=(0, 0, 1, 0.9))
+    path = out / "tree_sweep.png"
+    fig.savefig(path, dpi=150)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
 def latest_by(rows: list[dict], kind: str, key: tuple[str, ...]) -> list[dict]:
     found = {}
     for row in rows:
@@ -299,8 +346,12 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    # Chains only: a tree row's k is its depth, not comparable with a chain's k (trees are not plotted yet).
-    rows = latest([r for r in load_rows(Path(args.results)) if "speculative_eagle_topk" not in r])
+    every = latest(load_rows(Path(args.results)))
+    # The default settings only: XLA kernels, one device, the exit test every step; trees apart
+    # (a tree row's k is its depth, not comparable with a chain's k).
+    rows = [r for r in every if not r.get("speculative_eagle_topk") and all(
+        r.get(name, KEY_DEFAULTS[name]) == KEY_DEFAULTS[name] for name in ("decode_kernels", "tensor_parallel_size",
+                                                                           "steps_per_check"))]
     setting = reference_setting(rows, args)
     if setting is None:
         print(f"no compiled greedy rows in {args.results}: no MT-Bench plots", file=sys.stderr)
@@ -318,6 +369,9 @@ def main(argv=None) -> int:
         plot_otps(batch1, peers, sub, out)
         plot_per_position(batch1, sub, out)
         plot_batch_scaling(ours, batch1, sub, out)
+        trees = [r for r in every if r.get("speculative_eagle_topk") and r["batch_size"] == 1
+                 and (r["num_prompts"], r["max_new_tokens"]) == setting and float(r.get("temperature", 0)) == 0]
+        plot_trees(trees, batch1, sub, out)
     profile = load_rows(Path(args.profile))
     plot_step_breakdown(profile, out)
     plot_scale(profile, out)

@@ -76,6 +76,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--ks", default="1,2,3,4,5,6,7", help="comma list of k for verify(k)")
     parser.add_argument("--methods", default="eagle,eagle3", help="heads whose draft step is timed")
     parser.add_argument("--iterations", type=int, default=20, help="timed calls per measurement (median)")
+    parser.add_argument("--steps_per_call", "--steps-per-call", type=int, default=1,
+                        help="steps per timed call, in one program (a fori_loop, as the Engine's device loop); "
+                             "times are per step. A call's fixed launch cost, larger on several GPUs, is "
+                             "then shared by the steps as it is in generation")
     parser.add_argument("--copy-gib", type=float, help="array size for the bandwidth test (default 4, --tiny 0.0625)")
     parser.add_argument("--results", default="docs/results/mtbench.json", help="acceptance lengths for the projection")
     parser.add_argument("--tensor_parallel_size", "--tensor-parallel-size", default="1",
@@ -90,6 +94,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--tensor_parallel_size must list sizes >= 1")
     if bad := [m for m in args.methods if m not in ("eagle", "eagle3")]:
         parser.error(f"--methods must be among eagle, eagle3; got {bad}")
+    if args.steps_per_call < 1:
+        parser.error("--steps_per_call must be >= 1")
     if not args.ks or min(args.ks) < 1:
         parser.error("--ks must list k >= 1")
     if args.filled + max(args.ks) + 1 > args.cache_length:
@@ -221,15 +227,26 @@ def measure(target: llama.Llama, heads: dict, mesh, args, bandwidth: float, reco
         model = nnx.merge(target_def, params)
         positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
         hidden, cache, _ = model(tokens, positions, cache)  # lengths unchanged: every call does the same work
-        return jnp.argmax(model.logits(hidden), axis=-1), pin(cache, split=True)
+        return jnp.argmax(model.logits(hidden), axis=-1).astype(jnp.int32), pin(cache, split=True)
+
+    def repeat(step, num_params: int):
+        """`step(*params, *carry) -> carry`, --steps_per_call times in one program."""
+        if args.steps_per_call == 1:
+            return step
+
+        def run(*call_args):
+            params, carry = call_args[:num_params], tuple(call_args[num_params:])
+            return jax.lax.fori_loop(0, args.steps_per_call, lambda _, carry: step(*params, *carry), carry)
+        return run
 
     cache = filled_cache(target.init_cache(1, args.cache_length, jnp.bfloat16), split=True)
     kv_per_slot = shard_bytes((cache.keys, cache.values)) / args.cache_length
     verify_ms = {}
     for width in tqdm.tqdm(sorted({1} | {k + 1 for k in args.ks}), desc="verify widths", file=sys.stderr):
         tokens = jnp.ones((1, width), jnp.int32)
-        ms, compile_seconds, cache = compile_and_time(verify, (target_params, tokens, cache), args.iterations,
-                                                      f"verify {width}", carry_index=1)
+        ms, compile_seconds, cache = compile_and_time(repeat(verify, 1), (target_params, tokens, cache),
+                                                      args.iterations, f"verify {width}", carry_index=1)
+        ms /= args.steps_per_call
         verify_ms[width] = ms
         weights = target_read + width * row_bytes
         floor_ms = 1e3 * (weights + kv_per_slot * (args.filled + width)) / bandwidth
@@ -249,13 +266,16 @@ def measure(target: llama.Llama, heads: dict, mesh, args, bandwidth: float, reco
         def draft_step(target_params, head_params, token, feature, cache):
             model, head = nnx.merge(target_def, target_params), nnx.merge(head_def, head_params)
             out, logits, cache = head(token[:, None], feature[:, None], cache.lengths[:, None], cache, model)
-            return head.to_target_ids(jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)), pin(cache, split=False)
+            next_token = head.to_target_ids(jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32))
+            return next_token, out[:, 0].astype(feature.dtype), pin(cache, split=False)
 
         draft_cache = filled_cache(eagle.init_cache(head.config, 1, args.cache_length, jnp.bfloat16), split=False)
         draft_kv = shard_bytes((draft_cache.keys, draft_cache.values)) * (args.filled + 1) / args.cache_length
         token, feature = jnp.ones((1,), jnp.int32), jnp.ones((1, cfg.hidden_size), jnp.bfloat16)
-        ms, compile_seconds, _ = compile_and_time(draft_step, (target_params, head_params, token, feature, draft_cache),
-                                                  args.iterations, f"draft step {method}", carry_index=1)
+        ms, compile_seconds, _ = compile_and_time(repeat(draft_step, 2),
+                                                  (target_params, head_params, token, feature, draft_cache),
+                                                  args.iterations, f"draft step {method}", carry_index=2)
+        ms /= args.steps_per_call
         draft_ms[method] = ms
         head_read = shard_bytes(head_params) + row_bytes
         if method == "eagle":
@@ -301,7 +321,7 @@ def main(argv=None) -> int:
     device = jax.devices()[0]
     meta = dict(kind="scale_8b", model_shape=label, device=device.device_kind, platform=device.platform,
                 jax_version=jax.__version__, dtype="bfloat16", cache_length=args.cache_length, filled=args.filled,
-                batch_size=1, iterations=args.iterations,
+                batch_size=1, iterations=args.iterations, steps_per_call=args.steps_per_call,
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 command="python examples/scale_8b.py " + shlex.join(sys.argv[1:]))
     rows = []

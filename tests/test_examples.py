@@ -1,5 +1,7 @@
 """The example scripts: a missing optional package or data file is one `error:` line, status 2; the
-benchmark records the schedulers it is asked to compare and expands its tree option lists."""
+benchmark records the schedulers it is asked to compare and expands its tree option lists; the
+plots read only default-setting rows into the method comparison and draw the tree sweep; the
+8B-shaped timing runs several steps per call."""
 
 import json
 import os
@@ -72,3 +74,41 @@ def test_eagle_records_both_schedulers(model_dir, tmp_path, capsys, monkeypatch)
         assert row["batch_size"] == 2 and row["num_prompts"] == 3 and row["output_tokens_per_second"] > 0
         assert 0 < row["ttft_ms_p50"] / 1000 <= row["latency_s_p50"] <= row["latency_s_p90"] <= row["wall_seconds"]
     assert rows[0]["total_tokens"] == rows[1]["total_tokens"]
+
+
+def mtbench_row(method, k, tokens_per_second, acceptance, **settings):
+    return dict(method=method, k=k, mode="compiled", batch_size=1, temperature=0.0, max_new_tokens=256,
+                num_prompts=80, output_tokens_per_second=tokens_per_second, acceptance_length=acceptance,
+                acceptance_rate_per_position=[0.5] * k, device="NVIDIA H200", dtype="bfloat16", **settings)
+
+
+def test_plots_compare_default_settings_and_draw_the_tree_sweep(tmp_path, monkeypatch):
+    sys.path.insert(0, str(REPO / "examples"))
+    import plot_results
+    rows = [mtbench_row("none", 0, 800.0, 1.0), mtbench_row("eagle3", 5, 1400.0, 2.1),
+            # Later rows of other settings must not replace the default ones in the comparison.
+            mtbench_row("none", 0, 700.0, 1.0, decode_kernels="pallas"),
+            mtbench_row("none", 0, 150.0, 1.0, tensor_parallel_size=2)]
+    rows += [mtbench_row("eagle3", 5, 1300.0 + n, 2.5 + n / 100, speculative_eagle_topk=topk, speculative_num_steps=5,
+                         speculative_num_draft_tokens=n) for topk in (4, 8) for n in (16, 32)]
+    results = tmp_path / "mtbench.json"
+    results.write_text(json.dumps(rows))
+    drawn = []
+    monkeypatch.setattr(plot_results, "plot_otps", lambda batch1, peers, sub, out: drawn.append(batch1))
+    assert plot_results.main(["--results", str(results), "--profile", str(tmp_path / "none.json"),
+                              "--out-dir", str(tmp_path)]) == 0
+    [batch1] = drawn
+    assert sorted((r["method"], r["output_tokens_per_second"]) for r in batch1) == [("eagle3", 1400.0), ("none", 800.0)]
+    assert (tmp_path / "tree_sweep.png").stat().st_size > 0
+
+
+def test_scale_8b_times_several_steps_per_call(tmp_path):
+    out = tmp_path / "profile.json"
+    result = subprocess.run([sys.executable, str(REPO / "examples" / "scale_8b.py"), "--tiny", "--ks", "2",
+                             "--methods", "eagle3", "--iterations", "1", "--steps_per_call", "3",
+                             "--results", str(tmp_path / "none.json"), "--out", str(out)],
+                            capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    timed = [row for row in json.loads(out.read_text()) if "ms" in row]
+    assert {row["what"] for row in timed} == {"decode", "verify", "draft_step"}
+    assert all(row["steps_per_call"] == 3 and row["ms"] > 0 for row in timed)
