@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Packs what a lease has produced so far into $OUT, for a poll call to bring back: the results
+# folder and every exported head under the run folder, as one tar split into 15 MB parts
+# (a call returns at most 8 files of 16 MiB) with their sha256. Run it at the end of every poll,
+# so a machine released early loses only what came after the last poll.
+#   bash examples/gpu/collect.sh [STAGE_DIR]      (default /root/stage)
+# Here: cat results.tar.part* > results.tar && sha256sum -c results.sha256 && tar -xf results.tar
+set -e
+stage=${1:-/root/stage}; out=${OUT:?OUT is where a call returns files}
+cd "$stage"
+paths=$(ls -d results run/*/head 2>/dev/null || true)
+[ -n "$paths" ] || { echo "collect: nothing yet under $stage"; exit 0; }
+rm -f "$out"/results.tar.part*
+tar -cf - $paths | split -b 15000000 -d - "$out/results.tar.part"
+cat "$out"/results.tar.part* | sha256sum | sed 's/-$/results.tar/' > "$out/results.sha256"
+echo "collect: $(ls "$out"/results.tar.part* | wc -l) part(s) of $(du -ch "$out"/results.tar.part* | tail -1 | cut -f1): $paths" | tr '\n' ' '
+echo
