@@ -57,6 +57,7 @@ from eagle_jax import layers
 from eagle_jax import models
 from eagle_jax import speculative
 from eagle_jax import tokenization
+from eagle_jax import tree as tree_lib
 from eagle_jax import train
 import script_errors  # examples/ is on sys.path when run as a script
 import step_trace
@@ -101,6 +102,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                        help="which trace events are kernels: gpu stream events or XLA:CPU op events")
     trace.add_argument("--trace-dir", help="keep the profiler trace here (default: a deleted temporary directory)")
     trace.add_argument("--label", default="", help="free text saved in the step_trace row")
+    trace.add_argument("--tree", metavar="TOPK,STEPS,N",
+                       help="trace an EAGLE-2 tree step (--speculative-eagle-topk, --speculative-num-steps, "
+                            "--speculative-num-draft-tokens) instead of a chain of --k drafts")
     args = parser.parse_args(argv)
     args.parts = [part.strip() for part in args.parts.split(",") if part.strip()]
     if bad := [part for part in args.parts if part not in PARTS]:
@@ -111,6 +115,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.k = 0
     elif args.k < 1:
         parser.error("--k must be >= 1")
+    if args.tree is not None:
+        if args.method == "none" or args.parts != ["step_trace"]:
+            parser.error("--tree needs --method eagle or eagle3 and --parts step_trace")
+        try:
+            topk, num_steps, num_draft_tokens = (int(part) for part in args.tree.split(","))
+            args.tree = tree_lib.TreeOptions(topk, num_steps, num_draft_tokens)
+        except ValueError as error:
+            parser.error(f"--tree TOPK,STEPS,N: {error}")
+        args.k = args.tree.num_steps
     if args.iterations < 1 or args.eager_iterations < 1:
         parser.error("--iterations and --eager-iterations must be >= 1")
     if min(args.batch_size, args.trace_steps, args.steps_per_call, args.steps_per_check) < 1:
@@ -304,15 +317,19 @@ def in_process(args, target, head, prompt: list[int], head_is_random: bool) -> l
 
 def trace_part(args, target, head, prompt: list[int], head_is_random: bool) -> dict:
     """The step_trace row: the Engine built as `generate` builds it, traced by `step_trace.measure`."""
-    engine = engine_lib.Engine(target, head, num_speculative_tokens=args.k, batch_size=args.batch_size,
-                               steps_per_check=args.steps_per_check, decode_kernels=args.decode_kernels,
-                               max_length=max(2048, args.cache_length or 0))
+    drafting = dict(tree=args.tree) if args.tree is not None else dict(num_speculative_tokens=args.k)
+    engine = engine_lib.Engine(target, head, batch_size=args.batch_size, steps_per_check=args.steps_per_check,
+                               decode_kernels=args.decode_kernels, max_length=max(2048, args.cache_length or 0),
+                               **drafting)
     measured = step_trace.measure(engine, prompt, trace_steps=args.trace_steps, steps_per_call=args.steps_per_call,
                                   cache_length=args.cache_length, device=args.trace_device, trace_dir=args.trace_dir)
     print(f"[profile_step.py] step_trace {args.method} k={args.k} batch {args.batch_size}: "
           f"{measured['kernels_per_step']} kernels, {measured['busy_us_per_step']} us busy, "
           f"{measured['wall_us_per_step']} us wall per step", file=sys.stderr)
+    tree = args.tree
     return dict(kind="step_trace", label=args.label, method=args.method, k=args.k, batch_size=args.batch_size,
+                speculative_eagle_topk=tree and tree.topk, speculative_num_steps=tree and tree.num_steps,
+                speculative_num_draft_tokens=tree and tree.num_draft_tokens,
                 random_head=head_is_random, random_target=args.random_target, prompt_length=len(prompt), **measured)
 
 

@@ -46,7 +46,6 @@ import jax
 import numpy as np
 
 from eagle_jax import engine as engine_lib
-from eagle_jax import speculative
 
 DEVICES = ("auto", "gpu", "cpu")
 # XLA:CPU control flow: its events time the loop's or branch's bookkeeping; the body's ops have their own.
@@ -223,14 +222,14 @@ def measure(engine: engine_lib.Engine, prompt, *, trace_steps: int = 64, steps_p
     prompt = engine_lib.as_token_ids(prompt, engine.config.vocab_size)
     # The warm-up call, the traced ones, and the token the prefill emits: no row may finish.
     max_new_tokens = ((1 + calls) * steps_per_call + 1) * (k + 1)
-    needed = len(prompt) + max_new_tokens + k + 1
+    needed = len(prompt) + max_new_tokens + engine.headroom
     if cache_length is None:
         cache_length = engine_lib.bucket_length(needed, engine.max_length)
     if needed > min(cache_length, engine.max_length):
         raise engine_lib.InputError(f"{calls + 1} calls of {steps_per_call} steps at k={k} after a {len(prompt)}-token "
                                     f"prompt need {needed} cache slots; cache_length={cache_length}, "
                                     f"max_length={engine.max_length}")
-    opts = speculative.Options(k=k, eos_ids=(), max_new_tokens=max_new_tokens, cache_length=cache_length)
+    opts = engine.options(eos_ids=(), max_new_tokens=max_new_tokens, cache_length=cache_length)  # chain or tree
     programs = engine.batch_programs([prompt] * engine.batch_size, jax.random.key(seed), opts, steps_per_call)
     state = programs.step(programs.prefill())  # warm-up
     steps_before = jax.device_get(state.num_steps)

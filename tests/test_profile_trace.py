@@ -119,20 +119,24 @@ def test_reads_the_newest_run(tmp_path):
     assert step_trace.kernel_events(step_trace.load_trace(path))[0] == "gpu"
 
 
-@pytest.mark.parametrize("method,decode_kernels", [("none", "xla"), ("eagle3", "xla"), ("none", "pallas")])
-def test_step_trace_part_on_cpu(method, decode_kernels, random_target, random_head, tmp_path):
+@pytest.mark.parametrize("method,decode_kernels,tree", [("none", "xla", None), ("eagle3", "xla", None),
+                                                        ("none", "pallas", None), ("eagle3", "xla", "2,2,3")])
+def test_step_trace_part_on_cpu(method, decode_kernels, tree, random_target, random_head, tmp_path):
     target = random_target()
     head = random_head(target.config, "eagle3", draft_vocab_size=50) if method == "eagle3" else None
     args = profile_step.parse_args(["--parts", "step_trace", "--method", method, "--k", "2", "--batch-size", "2",
                                     "--trace-steps", "6", "--steps-per-call", "3", "--label", "before",
                                     "--dtype", "float32", "--trace-dir", str(tmp_path),
-                                    "--decode-kernels", decode_kernels])
+                                    "--decode-kernels", decode_kernels] + (["--tree", tree] if tree else []))
     row = dict(profile_step.trace_part(args, target, head, [1, 5, 7, 9, 11], False), **profile_step.metadata(args))
     assert {"kind", "label", "method", "k", "batch_size", "kernels_per_step", "busy_us_per_step", "wall_us_per_step",
             "top_kernels", "command", "date", "device", "jax_version", "decode_kernels"} <= set(row)
     assert (row["kind"], row["label"], row["method"], row["batch_size"]) == ("step_trace", "before", method, 2)
     assert row["decode_kernels"] == decode_kernels
     assert row["k"] == (0 if method == "none" else 2)
+    # A tree row names its shape (SGLang's settings); a chain's are None.
+    shape = tuple(row[f"speculative_{name}"] for name in ("eagle_topk", "num_steps", "num_draft_tokens"))
+    assert shape == (tuple(map(int, tree.split(","))) if tree else (None, None, None))
     assert (row["traced_steps"], row["calls"], row["trace_device"]) == (6, 2, "cpu")
     assert row["kernels_per_step"] > 10 and 0 < row["busy_us_per_step"] <= row["span_us_per_step"]
     assert 0 < len(row["top_kernels"]) <= 10 and row["top_kernels"][0]["us_per_step"] > 0

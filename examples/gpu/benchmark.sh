@@ -18,6 +18,10 @@ trees() {  # issue 12: EAGLE-2 trees with the shipped EAGLE-3 head beside its ch
   python3 examples/eagle.py --method none,eagle3 --num_spec_tokens 5 --max_num_seqs 1 $m
   python3 examples/eagle.py --method eagle3 --num_spec_tokens 5 --speculative_eagle_topk 4,8 --speculative_num_steps 5 \
     --speculative_num_draft_tokens 16,32,64 --max_num_seqs 1 $m
+  for tree in 4,5,16 8,5,64; do  # where a tree step's time goes, beside the chain's (issue 12)
+    python3 examples/profile_step.py --parts step_trace --method eagle3 --tree $tree --cache-length 1024 \
+      --label "tree $tree" --out $r/profile.json
+  done
 }
 batch_k() {  # issue 11: EAGLE-3's best k at batch 16 and 64; speculation paused above 16 rows
   python3 examples/eagle.py --method eagle3 --num_spec_tokens 1,2,3 --max_num_seqs 16,64 --scheduler continuous $m
