@@ -384,19 +384,34 @@ class Engine:
                                0, donate=("state",))
         # Its own name: a static batch with the same options would lower the same step, but for
         # the prefill's output types rather than these (weak types may differ).
-        attend_lengths = [self.max_length] if self.tree is not None else sorted(
-            {max(self.max_length // 4, MIN_BUCKET), max(self.max_length // 2, MIN_BUCKET), self.max_length})
-        runs = {}
-        for length in attend_lengths:
-            run_opts = opts if length == self.max_length else dataclasses.replace(opts, attend_length=length)
-            runs[length] = self._program("slots-run", self._run, params + (state_shape,),
-                                         dict(num_steps=steps_per_call, opts=run_opts, stop_on_finish=True), 0,
-                                         donate=("state",))
+        runs = self._run_programs("slots-run", state_shape, steps_per_call, opts, stop_on_finish=True)
         return scheduler_lib.SlotPrograms(
             prefill=lambda tokens, *inputs: prefills[tokens.shape[1]](*params, tokens, *inputs), insert=insert,
             run=lambda state, attend_length: runs[attend_length](*params, state), empty=empty,
-            batch_size=self.batch_size, widths=tuple(widths), attend_lengths=tuple(attend_lengths),
+            batch_size=self.batch_size, widths=tuple(widths), attend_lengths=tuple(runs),
             steps_per_call=steps_per_call, compile_seconds=self.compile_seconds - compile_before, opts=opts)
+
+    def _run_programs(self, name: str, state_shape, steps_per_call: int, opts: speculative.Options,
+                      **static) -> dict[int, Callable]:
+        """The device loop compiled for a quarter, half and all of the cache as attention's reach
+        (`Options.attend_length`), keyed by that length, ascending.
+
+        Attention costs what it reads: the host picks, per call, the shortest length that covers
+        its rows (`scheduler.attend_length`), so a cache sized for the longest request is not
+        read whole at every step. All are compiled here, so none compiles mid-generation. One
+        row reads mostly weights (at 1,024 slots SmolLM2's cache is 24 MB a row, its weights
+        270 MB), so a batch of one compiles the whole-cache program alone, as do trees.
+        """
+        cache = opts.cache_length
+        if self.tree is not None or self.batch_size == 1:
+            lengths = [cache]
+        else:
+            lengths = sorted({max(cache // 4, MIN_BUCKET), max(cache // 2, MIN_BUCKET), cache})
+        args = (self.target_params, self.head_params, state_shape)
+        return {length: self._program(name, self._run, args, dict(
+                    num_steps=steps_per_call, opts=opts if length == cache else opts.replace(attend_length=length),
+                    **static), 0, donate=("state",))
+                for length in lengths}
 
     def batch_programs(self, prompts: Sequence[np.ndarray], rng: jax.Array, opts: speculative.Options,
                        steps_per_call: int) -> scheduler_lib.BatchPrograms:
@@ -422,12 +437,11 @@ class Engine:
         # The step program is lowered for the state that `start` returns: the compiled prefill
         # knows its output shapes (tracing the 30-layer prefill again would cost seconds).
         state_shape = None if self.eager else self._state_shape(start.out_info)
-        run_args = (self.target_params, self.head_params, state_shape)
-        # The step program does not depend on the prefill width: one serves every bucket.
-        run = self._program("run", self._run, run_args, dict(num_steps=steps_per_call, opts=opts), 0,
-                            donate=("state",))
-        return scheduler_lib.BatchPrograms(start=start, run=run, start_args=args,
+        # The step programs do not depend on the prefill width: they serve every bucket.
+        runs = self._run_programs("run", state_shape, steps_per_call, opts)
+        return scheduler_lib.BatchPrograms(start=start, runs=runs, start_args=args, prompt_lengths=lengths,
                                            idle=np.arange(self.batch_size) >= len(prompts),
+                                           steps_per_call=steps_per_call,
                                            compile_seconds=self.compile_seconds - compile_before, opts=opts)
 
     def _generate_batch(self, prompts, rng, opts, steps_per_call, emit, began) -> list[Result]:

@@ -62,9 +62,13 @@ class BatchPrograms:
     """One batch's compiled programs and the prefill's inputs (see `Engine.batch_programs`), static batching."""
 
     start: Callable  # start(*start_args) -> DecodeState
-    run: Callable  # run(target_params, head_params, state) -> state after up to steps_per_call steps
+    # runs[attend_length](target_params, head_params, state) -> state after up to steps_per_call
+    # steps, attention reading cache slots below attend_length (ascending keys; the last is the cache)
+    runs: dict[int, Callable]
     start_args: tuple  # (target_params, head_params, tokens [B, W], lengths [B], rng)
+    prompt_lengths: np.ndarray  # [B] host copy of start_args' lengths
     idle: np.ndarray  # [B] bool: padding rows, marked done after prefill
+    steps_per_call: int
     compile_seconds: float
     opts: speculative.Options  # what the programs were compiled for
 
@@ -74,9 +78,10 @@ class BatchPrograms:
             state = state.replace(done=jnp.asarray(np.asarray(state.done) | self.idle))
         return state
 
-    def step(self, state: speculative.DecodeState) -> speculative.DecodeState:
-        """Up to steps_per_call steps; `state` is donated."""
-        return self.run(self.start_args[0], self.start_args[1], state)
+    def step(self, state: speculative.DecodeState, attend_length: int | None = None) -> speculative.DecodeState:
+        """Up to steps_per_call steps; `state` is donated. attend_length: a key of `runs` (None: the whole cache)."""
+        run = self.runs[max(self.runs) if attend_length is None else attend_length]
+        return run(self.start_args[0], self.start_args[1], state)
 
 
 @dataclasses.dataclass
@@ -151,7 +156,10 @@ def generate(programs: SlotPrograms, prompts: Sequence[np.ndarray], budgets: Seq
                 owner[slot], shown[slot], generated[slot] = index, 0, 1  # prefill emitted one token
         if all(index is None for index in owner):
             return finished
-        state = programs.run(state, _attend_length(programs, owner, prompts, budgets, generated))
+        running = [(len(prompts[index]), budgets[index], generated[slot]) for slot, index in enumerate(owner)
+                   if index is not None]
+        state = programs.run(state, attend_length(programs.attend_lengths, programs.opts, programs.steps_per_call,
+                                                  running))
         output, counts, done = jax.device_get((state.output, state.num_generated, state.done))
         generated[:] = counts
         now = time.perf_counter()
@@ -188,16 +196,18 @@ def generate_static(programs: BatchPrograms, num_rows: int,
     first_token = None
     finish = np.full(num_rows, np.nan)
     while True:
+        output, counts, done = jax.device_get((state.output, state.num_generated, state.done))
         if on_tokens is not None:
-            output, counts = jax.device_get((state.output, state.num_generated))
             _stream(output, counts, shown, list(range(num_rows)), on_tokens)
-        done = jax.device_get(state.done)
         now = time.perf_counter() - began
         first_token = now if first_token is None else first_token  # prefill emits every row's first token
         finish[np.isnan(finish) & done[:num_rows]] = now
         if np.all(done):
             break
-        state = programs.step(state)
+        running = [(programs.prompt_lengths[row], programs.opts.max_new_tokens, counts[row])
+                   for row in range(num_rows) if not done[row]]
+        state = programs.step(state, attend_length(tuple(programs.runs), programs.opts, programs.steps_per_call,
+                                                   running))
     output, counts = jax.device_get((state.output, state.num_generated))
     seconds = time.perf_counter() - prefilled
     stats = speculative.stats(state, programs.opts)
@@ -215,19 +225,20 @@ def _stream(output: np.ndarray, counts: np.ndarray, shown: np.ndarray, owner: Se
             shown[row] = counts[row]
 
 
-def _attend_length(programs: SlotPrograms, owner: Sequence[int | None], prompts: Sequence[np.ndarray],
-                   budgets: Sequence[int], generated: np.ndarray) -> int:
-    """The shortest of `programs.attend_lengths` above every cache slot the next call can touch.
+def attend_length(lengths: Sequence[int], opts: speculative.Options, steps_per_call: int,
+                  running: Sequence[tuple[int, int, int]]) -> int:
+    """The shortest of `lengths` (ascending) above every cache slot the next device call can touch.
 
-    A row's step writes and reads slots below prompt + generated + headroom; one call adds at
-    most steps_per_call x (k + 1) tokens, and never more than the row's budget.
+    Args:
+        running: (prompt length, budget, tokens generated so far) of each row still running.
+            A row's step writes and reads slots below prompt + generated + the step's headroom;
+            one call adds at most steps_per_call x (k + 1) tokens, never past the budget.
     """
-    opts, need = programs.opts, 0
-    for slot, index in enumerate(owner):
-        if index is not None:
-            reach = min(int(generated[slot]) + programs.steps_per_call * (opts.k + 1), budgets[index])
-            need = max(need, len(prompts[index]) + reach + opts.cache_headroom)
-    return next((length for length in programs.attend_lengths if length >= need), programs.attend_lengths[-1])
+    need = 0
+    for prompt_length, budget, generated in running:
+        reach = min(int(generated) + steps_per_call * (opts.k + 1), int(budget))
+        need = max(need, int(prompt_length) + reach + opts.cache_headroom)
+    return next((length for length in lengths if length >= need), lengths[-1])
 
 
 def _prefill_inputs(prompt: np.ndarray, budget: int, widths: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -7,7 +7,6 @@ enter and leave slots.
 
 import collections
 import functools
-import types
 
 import jax
 import numpy as np
@@ -212,14 +211,11 @@ def test_slot_run_stops_when_a_running_row_finishes(target):
 
 
 def test_each_call_attends_over_the_shortest_length_that_covers_its_rows():
-    """`scheduler._attend_length`: prompt + tokens reachable in one call + the step's headroom."""
-    programs = types.SimpleNamespace(opts=speculative.Options(k=3, cache_length=64), steps_per_call=2,
-                                     attend_lengths=(16, 32, 64))
-    prompts = [np.zeros(n) for n in (3, 20, 9)]
-    budgets = [30, 4, 10]
-    choose = lambda owner, generated: scheduler_lib._attend_length(programs, owner, prompts, budgets,
-                                                                   np.array(generated))
-    assert choose([0, None], [1, 0]) == 16  # 3 + min(1 + 2 * 4, 30) + 4 = 16
-    assert choose([0, None], [2, 0]) == 32  # 17
-    assert choose([1, 2], [1, 1]) == 32  # 20 + 4 + 4 = 28 (the budget caps the call)
-    assert choose([0, None], [29, 0]) == 64  # 37
+    """`scheduler.attend_length`: prompt + tokens reachable in one call + the step's headroom."""
+    opts = speculative.Options(k=3, cache_length=64)
+    choose = lambda *running: scheduler_lib.attend_length((16, 32, 64), opts, 2, running)
+    assert choose((3, 30, 1)) == 16  # 3 + min(1 + 2 x 4, 30) + 4 = 16
+    assert choose((3, 30, 2)) == 32  # 17
+    assert choose((20, 4, 1), (9, 10, 1)) == 32  # 20 + 4 + 4 = 28: the budget caps the call
+    assert choose((3, 30, 29)) == 64  # 37
+    assert choose() == 16  # nothing running

@@ -33,8 +33,8 @@ class RecordingHead:
         self.head = head
         self.logits = []
 
-    def __call__(self, *args):
-        out, logits, cache = self.head(*args)
+    def __call__(self, *args, **kwargs):
+        out, logits, cache = self.head(*args, **kwargs)
         self.logits.append(np.asarray(logits))
         return out, logits, cache
 
