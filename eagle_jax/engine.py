@@ -134,9 +134,10 @@ class Engine:
             plainly (vLLM's flag of this name): a large batch fills the device without drafts.
             The switch happens inside the compiled step, both ways; greedy outputs are the same.
             None speculates at every step.
-        decode_kernels: "xla" (default) or "pallas": fused Pallas kernels for the norms and
-            projections of decode steps of up to 16 rows, in target and head
-            (`layers.with_decode_kernels`); the engine uses copies, the modules given are unchanged.
+        decode_kernels: "xla" (default) or "pallas": fused Pallas kernels for the norms,
+            projections and (target, no tree) attention of decode steps of up to 16 rows, in
+            target and head (`layers.with_decode_kernels`); the engine uses copies, the modules
+            given are unchanged.
         mesh: a `jax.sharding.Mesh` with a "tensor" axis (`sharding.make_mesh`): the target is
             split over it Megatron-style and the head replicated (`sharding`); XLA SPMD places
             the collectives inside the same compiled programs. None runs on one device.

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from eagle_jax import layers
+from eagle_jax import attention_ops
 
 
 @struct.dataclass
@@ -55,5 +55,5 @@ def compact(cache: KVCache, start: jax.Array, sources: jax.Array) -> KVCache:
         sources: [B, M] int32 offsets from `start` of the entries to keep, in their new order.
     """
     slots = (start[:, None] + sources)[:, :, None, None]  # [B, M, 1, 1]
-    move = lambda array: layers.write_rows(array, jnp.take_along_axis(array, slots, axis=1), start)
+    move = lambda array: attention_ops.write_rows(array, jnp.take_along_axis(array, slots, axis=1), start)
     return cache.replace(keys=tuple(map(move, cache.keys)), values=tuple(map(move, cache.values)))

@@ -17,14 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from eagle_jax import attention_ops
 from eagle_jax import config as config_lib
+from eagle_jax.kernels import decode_attention
 from eagle_jax.kernels import fused_linear
 
 DECODE_KERNELS = fused_linear.IMPLEMENTATIONS  # settings of `with_decode_kernels`
-
-# A large finite negative instead of -inf: a fully masked row (a padded query) then gives a
-# uniform softmax instead of NaNs that would poison the cache through later layers.
-MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 
 class RMSNorm(nnx.Module):
@@ -87,23 +85,6 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: config_lib.Ro
     return np.where(between, interpolated, scaled).astype(np.float32)
 
 
-def apply_rotary(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate-half rotary embedding (HF convention, so q/k weights need no permutation).
-
-    Args:
-        x: [B, T, N, H] queries or keys.
-        positions: [B, T] int32 absolute positions.
-        inv_freq: [H/2] inverse frequencies.
-    """
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, H/2]
-    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, :, None, :]
-    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, :, None, :]
-    x32 = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
-    return (x32 * cos + rotated * sin).astype(x.dtype)
-
-
 class SlotMask(NamedTuple):
     """A cache layout other than "position p lives in slot p, sees slots <= p": tree attention.
 
@@ -117,15 +98,6 @@ class SlotMask(NamedTuple):
 
     start: jax.Array
     visible: jax.Array
-
-
-def write_rows(cache: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Array:
-    """Writes `new` [B, T, ...] into `cache` [B, S, ...] at a per-row start index [B]."""
-
-    def write_one(row_cache, row_new, start):
-        return jax.lax.dynamic_update_slice_in_dim(row_cache, row_new, start, axis=0)
-
-    return jax.vmap(write_one)(cache, new.astype(cache.dtype), starts)
 
 
 def qkv_sizes(cfg: config_lib.LlamaConfig) -> tuple[int, int, int]:
@@ -170,7 +142,8 @@ class Attention(nnx.Module):
         k = k.reshape(batch, length, self.num_kv_heads, self.head_dim)
         v = v.reshape(batch, length, self.num_kv_heads, self.head_dim)
         inv_freq = rope_inverse_frequencies(*self.rope)
-        return apply_rotary(q, positions, inv_freq), apply_rotary(k, positions, inv_freq), v
+        rotate = lambda x: attention_ops.apply_rotary(x, positions, inv_freq)
+        return rotate(q), rotate(k), v
 
     def __call__(self, x: jax.Array, positions: jax.Array, keys: jax.Array | None, values: jax.Array | None,
                  implementation: str = "xla", mask: SlotMask | None = None, attend_length: int | None = None):
@@ -205,8 +178,8 @@ class Attention(nnx.Module):
             (attended values [B, T, N, H] before o_proj, updated keys, updated values).
         """
         start = positions[:, 0] if mask is None else mask.start
-        keys = write_rows(keys, k, start)
-        values = write_rows(values, v, start)
+        keys = attention_ops.write_rows(keys, k, start)
+        values = attention_ops.write_rows(values, v, start)
         # Attention cost grows with the slots it reads: a cache sized for the longest request
         # would otherwise be read whole at every step, filled or not.
         read = keys.shape[1] if attend_length is None else attend_length
@@ -215,30 +188,12 @@ class Attention(nnx.Module):
             visible = slots[None, None, :] <= positions[:, :, None]  # [B, T, read]
         else:
             visible = mask.visible[..., :read]
-        return grouped_attention(q, keys[:, :read], values[:, :read], visible), keys, values
+        return attention_ops.grouped_attention(q, keys[:, :read], values[:, :read], visible), keys, values
 
     def output(self, attended: jax.Array) -> jax.Array:
         """o_proj of attended values [B, T, N, H]."""
         batch, length = attended.shape[:2]
         return self.o_proj(attended.reshape(batch, length, self.num_heads * self.head_dim))
-
-
-def grouped_attention(q: jax.Array, keys: jax.Array, values: jax.Array, visible: jax.Array) -> jax.Array:
-    """Softmax attention with grouped kv heads.
-
-    Args:
-        q: [B, T, N, H] queries; keys, values: [B, S, K, H]; visible: [B, T, S] bool.
-    Returns:
-        [B, T, N, H] attended values.
-    """
-    batch, length, num_heads, head_dim = q.shape
-    num_kv_heads = keys.shape[2]
-    q = q.reshape(batch, length, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, T, K, G, H]
-    scores = jnp.einsum("btkgh,bskh->bkgts", q, keys.astype(q.dtype), preferred_element_type=jnp.float32)
-    scores = jnp.where(visible[:, None, None], scores / math.sqrt(head_dim), MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, values.astype(q.dtype))
-    return out.reshape(batch, length, num_heads, head_dim)
 
 
 def causal_attention(q: jax.Array, keys: jax.Array, values: jax.Array, implementation: str = "xla",
@@ -258,7 +213,7 @@ def causal_attention(q: jax.Array, keys: jax.Array, values: jax.Array, implement
     causal = jnp.tril(jnp.ones((length, length), bool))
     if implementation == "xla":
         if not extra_keys:
-            return grouped_attention(q, keys, values, jnp.broadcast_to(causal, (batch, length, length)))
+            return attention_ops.grouped_attention(q, keys, values, jnp.broadcast_to(causal, (batch, length, length)))
         return _grouped_attention_with_extras(q, keys, values, causal, extra_keys, extra_values)
     if implementation != "cudnn":
         raise ValueError(f"unknown attention implementation {implementation!r} (xla, cudnn)")
@@ -304,7 +259,7 @@ def _grouped_attention_with_extras(q, keys, values, causal, extra_keys, extra_va
     q = q.reshape(batch, length, num_kv_heads, num_heads // num_kv_heads, head_dim)
     scale = 1.0 / math.sqrt(head_dim)
     scores0 = jnp.einsum("btkgh,bskh->bkgts", q, keys, preferred_element_type=jnp.float32) * scale
-    scores0 = jnp.where(causal[None, None, None], scores0, MASK_VALUE)
+    scores0 = jnp.where(causal[None, None, None], scores0, attention_ops.MASK_VALUE)
     extra_k = jnp.stack(extra_keys, axis=-2)  # [B, T, K, J, H]
     extra_v = jnp.stack(extra_values, axis=-2)
     scores_e = jnp.einsum("btkgh,btkjh->bkgtj", q, extra_k, preferred_element_type=jnp.float32) * scale
@@ -354,13 +309,21 @@ class DecoderLayer(nnx.Module):
         return residual_mlp(x, self.post_attention_layernorm, self.mlp), keys, values
 
     def _fused_decode(self, x, positions, keys, values, mask: SlotMask | None, attend_length: int | None):
-        """The cached call with four fused kernels around attention: norm + qkv_proj,
-        o_proj + residual, norm + gate_up_proj + silu, down_proj + residual."""
+        """The cached call in five fused kernels: norm + qkv_proj, attention (rotary, cache write and
+        softmax attention; `kernels.decode_attention`), o_proj + residual, norm + gate_up_proj +
+        silu, down_proj + residual. A tree's verify (a SlotMask) attends in XLA: the attention
+        kernel takes contiguous positions only."""
         attention, norm = self.self_attn, self.input_layernorm
         qkv = fused_linear.norm_linear(x, norm.weight[...], norm.eps, attention.qkv_proj.kernel[...],
                                        implementation=self.decode_kernels)
-        q, k, v = attention.split_heads(qkv, positions)
-        attended, keys, values = attention.attend(q, k, v, positions, keys, values, mask, attend_length)
+        if mask is None:
+            attended, keys, values = decode_attention.attend(
+                qkv, positions, keys, values, num_heads=attention.num_heads, num_kv_heads=attention.num_kv_heads,
+                head_dim=attention.head_dim, inv_freq=rope_inverse_frequencies(*attention.rope),
+                attend_length=attend_length, implementation=self.decode_kernels)
+        else:
+            q, k, v = attention.split_heads(qkv, positions)
+            attended, keys, values = attention.attend(q, k, v, positions, keys, values, mask, attend_length)
         x = fused_linear.linear_residual(attended.reshape(*x.shape[:2], -1), attention.o_proj.kernel[...], x,
                                          implementation=self.decode_kernels)
         return residual_mlp(x, self.post_attention_layernorm, self.mlp, self.decode_kernels), keys, values
@@ -391,9 +354,10 @@ def uses_decode_kernels(decode_kernels: str, x: jax.Array, *linears: nnx.Linear)
 def with_decode_kernels(module: nnx.Module, decode_kernels: str) -> nnx.Module:
     """A copy of a target or head (sharing its weights) whose decode steps use `decode_kernels`.
 
-    "xla" (default) runs norms and projections as XLA compiles them. "pallas" runs them as fused
-    Pallas kernels (`kernels.fused_linear`) in cached calls of up to `fused_linear.MAX_ROWS`
-    rows (batch x tokens): four per target decoder layer, two for a draft head's MLP; in
+    "xla" (default) runs norms, projections and cached attention as XLA compiles them. "pallas"
+    runs them as fused Pallas kernels (`kernels.fused_linear`, `kernels.decode_attention`) in
+    cached calls of up to `fused_linear.MAX_ROWS` rows (batch x tokens): five per target decoder
+    layer (four around a tree's verify, whose attention stays XLA), two for a draft head's MLP; in
     Pallas interpret mode unless the backend is a GPU (so CPU tests run the kernel code).
     The setting is a static attribute, so it is part of the module's graph and of every
     program compiled from it.

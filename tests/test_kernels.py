@@ -120,7 +120,7 @@ def test_decode_step_runs_the_kernels(random_target):
         positions = jnp.arange(length, dtype=jnp.int32)[None]
         return jax.make_jaxpr(lambda t: target(t, positions, cache))(jnp.zeros((1, length), jnp.int32))
 
-    assert str(forward(4)).count("pallas_call") == 4  # norm + qkv, o_proj, norm + gate_up, down_proj
+    assert str(forward(4)).count("pallas_call") == 5  # norm + qkv, attention, o_proj, norm + gate_up, down_proj
     assert "pallas_call" not in str(forward(17))
 
 
@@ -165,9 +165,12 @@ def test_kernel_bench_runs_without_model_files(tmp_path, tiny_hf_config):
     (tmp_path / "config.json").write_text(json.dumps(tiny_hf_config()))
     out = tmp_path / "rows.json"
     assert bench.main(["--config", str(tmp_path / "config.json"), "--dtype", "float32", "--ops",
-                       "norm_gate_up,decoder_layer", "--iterations", "1", "--trace-calls", "1", "--out", str(out)]) == 0
+                       "norm_gate_up,decode_attention,decoder_layer", "--cache-length", "64", "--iterations", "1",
+                       "--trace-calls", "1", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())
-    assert [(r["kind"], r["op"], r["implementation"]) for r in rows] == [
-        ("kernel_bench", "norm_gate_up", "xla"), ("kernel_bench", "norm_gate_up", "pallas"),
-        ("kernel_bench", "decoder_layer", "xla"), ("kernel_bench", "decoder_layer", "pallas")]
+    assert [(r["kind"], r["op"], r["implementation"], r.get("attend_length")) for r in rows] == [
+        ("kernel_bench", "norm_gate_up", "xla", None), ("kernel_bench", "norm_gate_up", "pallas", None),
+        ("kernel_bench", "decode_attention", "xla", None), ("kernel_bench", "decode_attention", "pallas", None),
+        ("kernel_bench", "decode_attention", "xla", 32), ("kernel_bench", "decode_attention", "pallas", 32),
+        ("kernel_bench", "decoder_layer", "xla", None), ("kernel_bench", "decoder_layer", "pallas", None)]
     assert all(r["kernels"] > 0 and r["busy_us"] > 0 and r["wall_us"] > 0 for r in rows)

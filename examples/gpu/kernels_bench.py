@@ -2,11 +2,16 @@
 
     python examples/gpu/kernels_bench.py --out docs/results/kernels.json
     python examples/gpu/kernels_bench.py --rows 1,4 --block-n 16,32,64 --block-k 64,128 --num-warps 2,4
+    python examples/gpu/kernels_bench.py --ops decode_attention --block-s 32,64,128 --num-stages 2,3
 
 Random bf16 weights, no model files. Ops (`kernels.fused_linear`, implementation "xla" vs "pallas"):
   * norm_linear: input_layernorm + qkv_proj (576 -> 960)
   * norm_gate_up: post_attention_layernorm + gate_up_proj + silu(gate) * up (576 -> 2 x 1536 -> 1536)
   * o_proj_residual, down_proj_residual: linear_residual (576 -> 576, 1536 -> 576)
+  * decode_attention: `kernels.decode_attention.attend` of one token in each of `rows` rows, from
+    qkv_proj's output: rotary, cache write and attention over a --cache-length cache whose first
+    half is filled (the new token is the half's last), attend_length None (all the cache) and
+    the half; its weight_bytes are the filled keys and values, which attention must read
   * decoder_layer: one cached decode call of a whole `layers.DecoderLayer` (cache --cache-length),
     decode_kernels "xla" vs "pallas" (default tiling)
 Each is jitted alone. wall_us: median host time of one call ended by `block_until_ready` over
@@ -44,6 +49,7 @@ from flax import nnx
 from eagle_jax import config as config_lib
 from eagle_jax import layers
 from eagle_jax import models
+from eagle_jax.kernels import decode_attention
 from eagle_jax.kernels import fused_linear
 import script_errors
 import step_trace
@@ -52,7 +58,7 @@ from results_file import append_rows
 # SmolLM2-135M's decoder layer.
 DEFAULT_CONFIG = config_lib.LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=1,
                                         num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0)
-OPS = ("norm_linear", "norm_gate_up", "o_proj_residual", "down_proj_residual", "decoder_layer")
+OPS = ("norm_linear", "norm_gate_up", "o_proj_residual", "down_proj_residual", "decode_attention", "decoder_layer")
 
 
 def int_list(text: str) -> list[int]:
@@ -68,11 +74,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--ops", default=",".join(OPS), help=f"comma list of {OPS}")
     parser.add_argument("--block-n", type=int_list, default=[fused_linear.Tiling.block_n])
     parser.add_argument("--block-k", type=int_list, default=[fused_linear.Tiling.block_k])
-    parser.add_argument("--num-warps", type=int_list, default=[fused_linear.Tiling.num_warps])
-    parser.add_argument("--num-stages", type=int_list, default=[fused_linear.Tiling.num_stages])
+    parser.add_argument("--block-s", type=int_list, default=[decode_attention.Tiling.block_s],
+                        help="cache slots per chunk of decode_attention")
+    parser.add_argument("--num-warps", type=int_list, help="default: each kernel's Tiling default")
+    parser.add_argument("--num-stages", type=int_list, help="default: each kernel's Tiling default")
     parser.add_argument("--iterations", type=int, default=200, help="timed calls for the wall-time median")
     parser.add_argument("--trace-calls", type=int, default=100, help="calls traced for kernels and busy time")
-    parser.add_argument("--cache-length", type=int, default=1024, help="KV cache slots of decoder_layer")
+    parser.add_argument("--cache-length", type=int, default=1024,
+                        help="KV cache slots of decode_attention and decoder_layer")
     parser.add_argument("--label", default="", help="free text saved in every row")
     parser.add_argument("--out", default="docs/results/kernels.json", help="JSON list the rows are appended to")
     args = parser.parse_args(argv)
@@ -157,9 +166,34 @@ def layer_case(cfg: config_lib.LlamaConfig, rows: int, dtype, setting: str, cach
     return call, (params, x, cache(), cache()), weight_bytes
 
 
-def tilings(args) -> list[fused_linear.Tiling]:
-    return [fused_linear.Tiling(block_n=n, block_k=k, num_warps=w, num_stages=s)
-            for n, k, w, s in itertools.product(args.block_n, args.block_k, args.num_warps, args.num_stages)]
+def attention_case(cfg: config_lib.LlamaConfig, rows: int, dtype, cache_length: int, attend_length: int | None,
+                   implementation: str, tiling: decode_attention.Tiling | None):
+    """(decode_attention call of one token a row, updating a donated cache, its inputs, filled cache bytes)."""
+    rng = np.random.default_rng(0)
+    width = sum(layers.qkv_sizes(cfg))
+    qkv = jnp.asarray(rng.standard_normal((rows, 1, width)), dtype)
+    cache_shape = (rows, cache_length, cfg.num_kv_heads, cfg.head_dim)
+    cache = lambda: jnp.asarray(rng.standard_normal(cache_shape), dtype)
+    positions = jnp.full((rows, 1), cache_length // 2 - 1, jnp.int32)  # slots below cache_length // 2 are filled
+    kw = dict(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+              attend_length=attend_length, inv_freq=layers.rope_inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
+              implementation=implementation) | (dict(tiling=tiling) if tiling else {})
+    step = jax.jit(lambda qkv, keys, values: decode_attention.attend(qkv, positions, keys, values, **kw),
+                   donate_argnums=(1, 2))
+
+    def call(qkv, keys, values):
+        out, keys, values = step(qkv, keys, values)
+        return out, (qkv, keys, values)
+
+    filled_bytes = 2 * rows * (cache_length // 2) * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+    return call, (qkv, cache(), cache()), filled_bytes
+
+
+def tilings(args, tiling_class, **blocks: list[int]) -> list:
+    """Every combination of the block sizes and launch settings asked for (`tiling_class`'s defaults if not)."""
+    launch = {name: getattr(args, name) or [getattr(tiling_class, name)] for name in ("num_warps", "num_stages")}
+    options = blocks | launch
+    return [tiling_class(**dict(zip(options, values))) for values in itertools.product(*options.values())]
 
 
 def run(args) -> list[dict]:
@@ -181,8 +215,20 @@ def run(args) -> list[dict]:
                     rows.append(dict(op=op, implementation=setting, rows=count, weight_bytes=weight_bytes,
                                      cache_length=args.cache_length, **measure(call, inputs, args), **common))
                 continue
+            if op == "decode_attention":
+                pallas = tilings(args, decode_attention.Tiling, block_s=args.block_s)
+                settings = [("xla", None)] + [("pallas", tiling) for tiling in pallas]
+                for attend_length, (implementation, tiling) in itertools.product((None, args.cache_length // 2),
+                                                                                  settings):
+                    call, inputs, weight_bytes = attention_case(cfg, count, dtype, args.cache_length, attend_length,
+                                                                implementation, tiling)
+                    rows.append(dict(op=op, implementation=implementation, rows=count, weight_bytes=weight_bytes,
+                                     cache_length=args.cache_length, attend_length=attend_length,
+                                     tiling=tiling and vars(tiling), **measure(call, inputs, args), **common))
+                continue
             function, inputs, weight_bytes = cases[op]
-            settings = [("xla", None)] + [("pallas", tiling) for tiling in tilings(args)]
+            pallas = tilings(args, fused_linear.Tiling, block_n=args.block_n, block_k=args.block_k)
+            settings = [("xla", None)] + [("pallas", tiling) for tiling in pallas]
             for implementation, tiling in settings:
                 kw = dict(implementation=implementation) | (dict(tiling=tiling) if tiling else {})
                 jitted = jax.jit(lambda *i, kw=kw, function=function: function(i, **kw))
@@ -195,15 +241,16 @@ def run(args) -> list[dict]:
 
 
 def print_table(rows: list[dict]) -> None:
-    header = (f"{'op':<20}{'impl':>8}{'rows':>6}{'tiling n/k/warps/stages':>25}{'kernels':>9}{'busy us':>9}"
-              f"{'vs xla':>8}{'wall us':>9}{'GB/s':>8}")
+    header = (f"{'op':<20}{'impl':>8}{'rows':>6}{'attend':>7}{'tiling n/k|s/warps/stages':>27}{'kernels':>9}"
+              f"{'busy us':>9}{'vs xla':>8}{'wall us':>9}{'GB/s':>8}")
     print("\n" + header + "\n" + "-" * len(header))
-    xla = {(r["op"], r["rows"]): r["busy_us"] for r in rows if r["implementation"] == "xla"}
+    case = lambda r: (r["op"], r["rows"], r.get("attend_length"))
+    xla = {case(r): r["busy_us"] for r in rows if r["implementation"] == "xla"}
     for r in rows:
-        t = r.get("tiling")
-        tiling = f"{t['block_n']}/{t['block_k']}/{t['num_warps']}/{t['num_stages']}" if t else "-"
-        print(f"{r['op']:<20}{r['implementation']:>8}{r['rows']:>6}{tiling:>25}{r['kernels']:>9}{r['busy_us']:>9.2f}"
-              f"{xla[r['op'], r['rows']] / r['busy_us']:>7.2f}x{r['wall_us']:>9.1f}{r['gb_per_s']:>8.0f}")
+        tiling = "/".join(map(str, r["tiling"].values())) if r.get("tiling") else "-"
+        attend = r.get("attend_length") or "-"
+        print(f"{r['op']:<20}{r['implementation']:>8}{r['rows']:>6}{attend:>7}{tiling:>27}{r['kernels']:>9}"
+              f"{r['busy_us']:>9.2f}{xla[case(r)] / r['busy_us']:>7.2f}x{r['wall_us']:>9.1f}{r['gb_per_s']:>8.0f}")
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,61 @@
+"""Attention math shared by `layers` and the decode kernel's XLA reference (`kernels.decode_attention`).
+
+Pure functions of arrays: rotate-half rotary embeddings, per-row cache writes and grouped
+softmax attention. Einsum letters as in `layers`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# A large finite negative instead of -inf: a fully masked row (a padded query) then gives a
+# uniform softmax instead of NaNs that would poison the cache through later layers.
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+def apply_rotary(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate-half rotary embedding (HF convention, so q/k weights need no permutation).
+
+    Args:
+        x: [B, T, N, H] queries or keys.
+        positions: [B, T] int32 absolute positions.
+        inv_freq: [H/2] inverse frequencies.
+    """
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, H/2]
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, :, None, :]
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, :, None, :]
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    return (x32 * cos + rotated * sin).astype(x.dtype)
+
+
+def write_rows(cache: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Array:
+    """Writes `new` [B, T, ...] into `cache` [B, S, ...] at a per-row start index [B]."""
+
+    def write_one(row_cache, row_new, start):
+        return jax.lax.dynamic_update_slice_in_dim(row_cache, row_new, start, axis=0)
+
+    return jax.vmap(write_one)(cache, new.astype(cache.dtype), starts)
+
+
+def grouped_attention(q: jax.Array, keys: jax.Array, values: jax.Array, visible: jax.Array) -> jax.Array:
+    """Softmax attention with grouped kv heads.
+
+    Args:
+        q: [B, T, N, H] queries; keys, values: [B, S, K, H]; visible: [B, T, S] bool.
+    Returns:
+        [B, T, N, H] attended values.
+    """
+    batch, length, num_heads, head_dim = q.shape
+    num_kv_heads = keys.shape[2]
+    q = q.reshape(batch, length, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, T, K, G, H]
+    scores = jnp.einsum("btkgh,bskh->bkgts", q, keys.astype(q.dtype), preferred_element_type=jnp.float32)
+    scores = jnp.where(visible[:, None, None], scores / math.sqrt(head_dim), MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, values.astype(q.dtype))
+    return out.reshape(batch, length, num_heads, head_dim)

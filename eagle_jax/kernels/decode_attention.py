@@ -1,0 +1,234 @@
+"""Decode attention in one kernel: rotary, KV cache write and grouped attention of a few new tokens.
+
+Between qkv_proj and o_proj a cached decode call (plain decoding, or a chain's verify: T <= 16
+tokens a row) runs ~8 XLA kernels a layer: rotary on q and k, the two cache writes, scores,
+mask, softmax max and sum, probs @ values. `attend` is all of them:
+
+  qkv [B, T, (N + 2K) H] (qkv_proj's output), caches [B, S, K, H]
+      -> attended [B, T, N, H], the caches with the T new keys and values written at positions[:, 0]
+
+`implementation="xla"` is the reference: what `layers.Attention.split_heads` and `.attend`
+compute without a `SlotMask`. `"pallas"` is one Triton kernel (GPU) that writes the caches in
+place (`input_output_aliases`); `interpret=None` runs it in Pallas interpret mode unless the
+default backend is a GPU, so CPU tests run the kernel code.
+
+Kernel layout: a grid of (rows B, kv heads K). A program owns one row's T tokens for the
+G = N / K query heads sharing its kv head: a block of T G query rows, padded to a power of two
+>= 16 (Triton's dot), as are the head dim and the T new keys (masked edges). It
+  1. rotates its queries and the new keys in float32; Triton cannot slice registers, so the
+     rotate-half partner of each element is loaded from memory with a permuted column index;
+  2. stores the new keys and values into its (row, kv head) of the caches;
+  3. streams the older slots [0, min(start, attend_length)) in `block_s` chunks through an
+     online softmax (flash decoding: running max and sum in float32), start = positions[b, 0];
+  4. folds in the new keys and values from registers, causally.
+Positions are contiguous from start and a position is its slot, so every query sees every
+older slot and new key t' is visible to query t iff t' <= t. Taking the new keys from
+registers and the older ones from below start means no load touches a slot the program
+writes: no barrier, and no ordering of reads after writes to aliased memory, is needed. The
+loop also ends at the row's own length, so a row never reads the slots past it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from eagle_jax import attention_ops
+
+IMPLEMENTATIONS = ("xla", "pallas")
+MAX_TOKENS = 16  # the most tokens a row sends to the kernel (decode steps and chain verifies)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """Static block size and Triton launch settings of the Pallas kernel.
+
+    Attributes:
+        block_s: cache slots per chunk of the online softmax (Triton's dot needs >= 16).
+        num_warps: Triton warps per program.
+        num_stages: Triton software-pipelining depth of the chunk loop (cache loads in flight).
+    """
+
+    block_s: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        if self.block_s < 16 or self.block_s & (self.block_s - 1):
+            raise ValueError(f"block_s must be a power of two >= 16 (Triton's dot), got {self.block_s}")
+
+
+def attend(qkv: jax.Array, positions: jax.Array, keys: jax.Array, values: jax.Array, *, num_heads: int,
+           num_kv_heads: int, head_dim: int, inv_freq: np.ndarray, attend_length: int | None = None,
+           implementation: str = "xla", interpret: bool | None = None,
+           tiling: Tiling = Tiling()) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Rotary on q and k, the new keys and values written into the cache, then causal attention.
+
+    Args:
+        qkv: [B, T, (N + 2K) H] `qkv_proj` output: N query heads, then K key heads, then K value heads.
+        positions: [B, T] int32 positions, contiguous per row; position p lives in cache slot p
+            and sees slots <= p.
+        keys, values: [B, S, K, H] the layer's cache. positions[:, 0] + T <= S: the writes are
+            not clamped into the cache as `lax.dynamic_update_slice` clamps them.
+        num_heads, num_kv_heads, head_dim: N, K and H.
+        inv_freq: [H/2] rotary inverse frequencies (`layers.rope_inverse_frequencies`).
+        attend_length: read only cache slots [0, attend_length) (None: all S); every visible
+            slot must lie below it.
+        implementation: "xla" (reference) or "pallas".
+        interpret: run the Pallas kernel in interpret mode; None: unless the backend is a GPU.
+        tiling: the Pallas kernel's block size and launch settings.
+    Returns:
+        (attended [B, T, N, H] in qkv's dtype, updated keys, updated values).
+    """
+    batch, length, width = qkv.shape
+    cache_length = keys.shape[1]
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown implementation {implementation!r} ({', '.join(IMPLEMENTATIONS)})")
+    if width != (num_heads + 2 * num_kv_heads) * head_dim or num_heads % num_kv_heads:
+        raise ValueError(f"qkv width {width} does not hold {num_heads} + 2 x {num_kv_heads} heads of {head_dim}")
+    if keys.shape != (batch, cache_length, num_kv_heads, head_dim) or values.shape != keys.shape:
+        raise ValueError(f"caches {keys.shape}, {values.shape} do not fit qkv {qkv.shape}")
+    read = cache_length if attend_length is None else attend_length
+    if not 0 < read <= cache_length:
+        raise ValueError(f"attend_length must be in 1..{cache_length}, got {attend_length}")
+    heads = qkv.reshape(batch, length, num_heads + 2 * num_kv_heads, head_dim)  # a bitcast: no copy
+    if implementation == "xla":
+        return _reference(heads, positions, keys, values, num_heads, inv_freq, read)
+    if length > MAX_TOKENS:
+        raise ValueError(f"the Pallas kernel takes at most {MAX_TOKENS} tokens a row, got {length}")
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    frequencies = jnp.asarray(np.concatenate([inv_freq, inv_freq]), jnp.float32)  # [H]: h turns at inv_freq[h % H/2]
+    kernel = functools.partial(_kernel, num_heads=num_heads, read=read, tiling=tiling)
+    return pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((batch, length, num_heads, head_dim), qkv.dtype),
+                   jax.ShapeDtypeStruct(keys.shape, keys.dtype), jax.ShapeDtypeStruct(values.shape, values.dtype)),
+        grid=(batch, num_kv_heads),
+        input_output_aliases={3: 1, 4: 2},  # the caches, updated in place
+        compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
+        interpret=interpret,
+        name="decode_attention",
+    )(positions.astype(jnp.int32), frequencies, heads, keys, values)
+
+
+def _reference(heads, positions, keys, values, num_heads: int, inv_freq: np.ndarray, read: int):
+    """The XLA path of `attend` from heads [B, T, N + 2K, H]: `layers.Attention.split_heads` and
+    `.attend` without a SlotMask, in the same `attention_ops` functions."""
+    num_kv_heads = keys.shape[2]
+    rotate = lambda x: attention_ops.apply_rotary(x, positions, inv_freq)
+    q, k = rotate(heads[:, :, :num_heads]), rotate(heads[:, :, num_heads:num_heads + num_kv_heads])
+    start = positions[:, 0]
+    keys = attention_ops.write_rows(keys, k, start)
+    values = attention_ops.write_rows(values, heads[:, :, num_heads + num_kv_heads:], start)
+    visible = jnp.arange(read, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]  # [B, T, read]
+    return attention_ops.grouped_attention(q, keys[:, :read], values[:, :read], visible), keys, values
+
+
+# ---- the Pallas kernel ---------------------------------------------------------------------
+
+def _block(size: int) -> int:
+    """The Triton block holding `size` elements: a power of two, >= 16 for dot."""
+    return max(16, pl.next_power_of_2(size))
+
+
+def _load(ref, index: tuple, mask: jax.Array) -> jax.Array:
+    """ref[index] gathered (index: broadcastable int arrays, one per dimension), zeros where not mask."""
+    return plgpu.load(ref.at[index], mask=mask, other=0)
+
+
+def _rotated(heads_ref, frequencies_ref, row, tokens, head, positions, mask) -> jax.Array:
+    """Rotate-half rotary of heads[row, tokens, head] [M, H'] at positions [M], in float32.
+
+    `attention_ops.apply_rotary` with its concatenations done by indexing: element h pairs with
+    h + H/2 (negated) in the first half and with h - H/2 in the second.
+    """
+    size = heads_ref.shape[-1]  # H
+    columns = jnp.arange(_block(size))
+    first_half = columns < size // 2
+    partner = jnp.where(first_half, columns + size // 2, columns - size // 2)
+    mask = mask[:, None] & (columns < size)[None, :]
+    x = _load(heads_ref, (row, tokens[:, None], head[:, None], columns[None, :]), mask).astype(jnp.float32)
+    rotated = _load(heads_ref, (row, tokens[:, None], head[:, None], partner[None, :]), mask).astype(jnp.float32)
+    rotated = jnp.where(first_half[None, :], -rotated, rotated)
+    frequencies = _load(frequencies_ref, (columns,), columns < size)
+    angles = positions.astype(jnp.float32)[:, None] * frequencies[None, :]  # [M, H']
+    return x * jnp.cos(angles) + rotated * jnp.sin(angles)
+
+
+def _scores(q: jax.Array, keys: jax.Array, visible: jax.Array, head_dim: int) -> jax.Array:
+    """[M, C] float32 scores of q [M, H'] against keys [C, H'] over sqrt(H), MASK_VALUE where not visible."""
+    scores = lax.dot_general(q, keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return jnp.where(visible, scores / math.sqrt(head_dim), attention_ops.MASK_VALUE)
+
+
+def _fold(state: tuple, scores: jax.Array, values: jax.Array) -> tuple:
+    """One online-softmax step: state (max [M], sum [M], unnormalised output [M, H']) after scores
+    [M, C] and their values [C, H']. Masked scores are finite, so no step makes a NaN."""
+    maximum, total, out = state
+    new_maximum = jnp.maximum(maximum, jnp.max(scores, axis=1))
+    correction = jnp.exp(maximum - new_maximum)
+    probs = jnp.exp(scores - new_maximum[:, None])
+    out = out * correction[:, None] + jnp.dot(probs.astype(values.dtype), values, preferred_element_type=jnp.float32)
+    return new_maximum, total * correction + jnp.sum(probs, axis=1), out
+
+
+def _kernel(positions_ref, frequencies_ref, heads_ref, keys_ref, values_ref, out_ref, keys_out_ref, values_out_ref,
+            *, num_heads: int, read: int, tiling: Tiling):
+    """One (row, kv head): heads_ref [B, T, N + 2K, H]; caches [B, S, K, H], out_ref [B, T, N, H]."""
+    row, kv_head = pl.program_id(0), pl.program_id(1)
+    length = heads_ref.shape[1]
+    cache_length, num_kv_heads, head_dim = keys_ref.shape[1:]
+    group, dtype = num_heads // num_kv_heads, out_ref.dtype
+    columns = jnp.arange(_block(head_dim))
+    in_head = (columns < head_dim)[None, :]
+
+    # Queries: block row r is token r // G of query head kv_head G + r % G.
+    rows = jnp.arange(_block(length * group))
+    tokens, query_heads = rows // group, kv_head * group + rows % group
+    real = tokens < length
+    query_positions = _load(positions_ref, (row, tokens), real)
+    q = _rotated(heads_ref, frequencies_ref, row, tokens, query_heads, query_positions, real).astype(dtype)
+
+    # The new keys and values into the cache, then rounded as the reference reads them back.
+    new = jnp.arange(_block(length))
+    is_new = new < length
+    start = positions_ref[row, jnp.int32(0)]
+    key_head = jnp.broadcast_to(num_heads + kv_head, new.shape)
+    keys = _rotated(heads_ref, frequencies_ref, row, new, key_head, _load(positions_ref, (row, new), is_new), is_new)
+    values = _load(heads_ref, (row, new[:, None], key_head[:, None] + num_kv_heads, columns[None, :]),
+                   is_new[:, None] & in_head)
+    slots = start + new
+    cache_index = (row, slots[:, None], kv_head, columns[None, :])
+    written = (is_new & (slots < cache_length))[:, None] & in_head
+    plgpu.store(keys_out_ref.at[cache_index], keys.astype(dtype).astype(keys_out_ref.dtype), mask=written)
+    plgpu.store(values_out_ref.at[cache_index], values.astype(values_out_ref.dtype), mask=written)
+    keys = keys.astype(dtype).astype(keys_out_ref.dtype).astype(dtype)
+    values = values.astype(values_out_ref.dtype).astype(dtype)
+
+    # The older slots, all visible to every query: [0, start), and of those only the ones read.
+    older = jnp.minimum(start, read)
+
+    def chunk(index, state):
+        chunk_slots = index * tiling.block_s + jnp.arange(tiling.block_s)
+        keep = chunk_slots < older
+        chunk_index, mask = (row, chunk_slots[:, None], kv_head, columns[None, :]), keep[:, None] & in_head
+        chunk_keys = _load(keys_ref, chunk_index, mask).astype(dtype)
+        chunk_values = _load(values_ref, chunk_index, mask).astype(dtype)
+        return _fold(state, _scores(q, chunk_keys, keep[None, :], head_dim), chunk_values)
+
+    state = (jnp.full(rows.shape, attention_ops.MASK_VALUE, jnp.float32), jnp.zeros(rows.shape, jnp.float32),
+             jnp.zeros((rows.size, columns.size), jnp.float32))
+    state = lax.fori_loop(0, pl.cdiv(older, tiling.block_s), chunk, state)
+    visible = (slots[None, :] <= query_positions[:, None]) & (is_new & (slots < read))[None, :]
+    _, total, out = _fold(state, _scores(q, keys, visible, head_dim), values)
+    plgpu.store(out_ref.at[row, tokens[:, None], query_heads[:, None], columns[None, :]],
+                (out / total[:, None]).astype(dtype), mask=real[:, None] & in_head)

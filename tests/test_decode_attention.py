@@ -1,0 +1,153 @@
+"""Decode attention (`kernels.decode_attention`): Pallas against the XLA reference, and in the model.
+
+On CPU the kernel runs in Pallas interpret mode; lowering it for CUDA checks, without a GPU, that
+the decoder layer's program holds five Triton calls and that the attention call updates the
+caches in place.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax import export
+
+from eagle_jax import config as config_lib
+from eagle_jax import engine as engine_lib
+from eagle_jax import layers
+from eagle_jax import scheduler as scheduler_lib
+from eagle_jax.kernels import decode_attention
+
+# SmolLM2-135M's attention: 9 query heads, 3 kv heads (groups of 3), head dim 64.
+REAL = dict(num_heads=9, num_kv_heads=3, head_dim=64)
+# One kv head for 4 query heads, and a head dim below Triton's 16 (padded and masked).
+NARROW = dict(num_heads=4, num_kv_heads=1, head_dim=8)
+INV_FREQ = {h: layers.rope_inverse_frequencies(h, 10000.0, None) for h in (8, 64)}
+
+
+def operands(heads: dict, batch: int, length: int, cache_length: int, starts, dtype, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    width = (heads["num_heads"] + 2 * heads["num_kv_heads"]) * heads["head_dim"]
+    cache_shape = (batch, cache_length, heads["num_kv_heads"], heads["head_dim"])
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)
+    positions = jnp.asarray(np.asarray(starts)[:, None] + np.arange(length), jnp.int32)
+    return normal(batch, length, width), positions, normal(*cache_shape), normal(*cache_shape)
+
+
+def run(implementation: str, heads: dict, inputs, attend_length=None):
+    kw = dict(heads, inv_freq=INV_FREQ[heads["head_dim"]], attend_length=attend_length, implementation=implementation)
+    return jax.jit(lambda *i: decode_attention.attend(*i, **kw))(*inputs)
+
+
+@pytest.mark.parametrize("heads,length,cache_length,starts,attend_length,dtype", [
+    (REAL, 1, 128, [5], None, jnp.float32),  # near the cache start: a part of one chunk
+    (REAL, 3, 256, [200, 131], None, jnp.float32),  # deep: several chunks, rows of other lengths
+    (REAL, 6, 256, [90, 0], 128, jnp.float32),  # attend_length < S; a row with no older slots
+    (REAL, 1, 256, [190, 67], None, jnp.bfloat16),
+    (REAL, 6, 128, [100], 112, jnp.bfloat16),
+    (NARROW, 16, 128, [37], None, jnp.float32),  # 16 tokens x 4 heads: 64 query rows
+], ids=["real-1", "real-3-deep", "real-6-attend", "real-1-bf16", "real-6-bf16", "narrow-16"])
+def test_pallas_matches_xla(heads, length, cache_length, starts, attend_length, dtype):
+    inputs = operands(heads, len(starts), length, cache_length, starts, dtype)
+    want, want_keys, want_values = run("xla", heads, inputs, attend_length)
+    got, keys, values = run("pallas", heads, inputs, attend_length)
+    assert got.shape == want.shape == (len(starts), length, heads["num_heads"], heads["head_dim"])
+    assert got.dtype == dtype
+    want, got = np.asarray(want, np.float32), np.asarray(got, np.float32)
+    # float32: summation order only; bf16: the probabilities are rounded before or after normalising
+    assert np.abs(got - want).max() <= (1e-5 if dtype == jnp.float32 else 2e-2) * np.abs(want).max()
+    np.testing.assert_array_equal(np.asarray(values, np.float32), np.asarray(want_values, np.float32))
+    # Keys are rotated in float32 by another program than XLA's fusion, which may contract
+    # x cos + y sin into a fused multiply-add: the new rows agree to a rounding, the rest exactly.
+    keys, want_keys = np.asarray(keys, np.float32), np.asarray(want_keys, np.float32)
+    new = np.zeros(keys.shape[:2], bool)
+    for row, start in enumerate(starts):
+        new[row, start:start + length] = True
+    np.testing.assert_array_equal(keys[~new], want_keys[~new])
+    np.testing.assert_allclose(keys[new], want_keys[new], rtol=1e-6 if dtype == jnp.float32 else 2 ** -7, atol=1e-6)
+
+
+def test_xla_reference_is_what_the_attention_layer_computes():
+    cfg = config_lib.LlamaConfig(vocab_size=8, hidden_size=16, intermediate_size=8, num_layers=1, num_heads=4,
+                                 num_kv_heads=2, head_dim=8, rope_theta=10000.0)
+    attention = layers.Attention(cfg, rngs=nnx.Rngs(0))
+    heads = dict(num_heads=4, num_kv_heads=2, head_dim=8)
+    qkv, positions, keys, values = operands(heads, 2, 3, 32, [4, 20], jnp.float32)
+    q, k, v = attention.split_heads(qkv, positions)
+    for attend_length in (None, 24):
+        want = attention.attend(q, k, v, positions, keys, values, attend_length=attend_length)
+        got = decode_attention.attend(qkv, positions, keys, values, **heads, inv_freq=INV_FREQ[8],
+                                      attend_length=attend_length)
+        for w, g in zip(want, got):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_rejects_what_it_does_not_take():
+    inputs = operands(NARROW, 1, 17, 32, [0], jnp.float32)
+    kw = dict(NARROW, inv_freq=INV_FREQ[8])
+    with pytest.raises(ValueError, match="at most 16 tokens"):
+        decode_attention.attend(*inputs, **kw, implementation="pallas")
+    with pytest.raises(ValueError, match="attend_length"):
+        decode_attention.attend(*inputs, **kw, attend_length=33)
+    with pytest.raises(ValueError, match="implementation"):
+        decode_attention.attend(*inputs, **kw, implementation="triton")
+    with pytest.raises(ValueError, match="qkv width"):
+        decode_attention.attend(*inputs, **dict(kw, num_kv_heads=2))
+    with pytest.raises(ValueError, match="block_s"):
+        decode_attention.Tiling(block_s=48)
+
+
+def test_decoder_layer_lowers_to_five_triton_calls_writing_the_cache_in_place(monkeypatch):
+    """A pallas decode call of one SmolLM2-shaped layer, lowered for CUDA: four fused linears and
+    the attention kernel, whose keys and values outputs alias its cache operands, so that XLA
+    need not copy a donated cache."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the kernels' interpret=None: compile them
+    cfg = config_lib.LlamaConfig(vocab_size=8, hidden_size=576, intermediate_size=1536, num_layers=1, num_heads=9,
+                                 num_kv_heads=3, head_dim=64, rope_theta=100000.0)
+    layer = nnx.eval_shape(lambda: layers.DecoderLayer(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16,
+                                                       param_dtype=jnp.bfloat16))
+    graphdef, params = nnx.split(layers.with_decode_kernels(layer, "pallas"))
+    cache = jax.ShapeDtypeStruct((1, 1024, 3, 64), jnp.bfloat16)
+
+    def step(params, x, keys, values):
+        positions = jnp.full((1, 1), 512, jnp.int32)
+        return nnx.merge(graphdef, params)(x, positions, keys, values, attend_length=768)
+
+    x = jax.ShapeDtypeStruct((1, 1, 576), jnp.bfloat16)
+    lowered = export.export(jax.jit(step, donate_argnums=(2, 3)), platforms=["cuda"],
+                            disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])
+    text = lowered(params, x, cache, cache).mlir_module()
+    calls = [line for line in text.splitlines() if "stablehlo.custom_call @__gpu$xla.gpu.triton" in line]
+    assert len(calls) == 5
+    [attention] = [line for line in calls if "output_operand_aliases" in line]
+    assert "output_tuple_indices = [1], operand_index = 3" in attention
+    assert "output_tuple_indices = [2], operand_index = 4" in attention
+
+
+def test_a_tree_verify_attends_in_xla(random_target):
+    """With a SlotMask (positions are not slots) the layer keeps XLA attention between its four linears."""
+    target = layers.with_decode_kernels(random_target(num_layers=1), "pallas")
+    cache = target.init_cache(1, 32)
+    positions = jnp.array([[4, 5, 5, 6]], jnp.int32)  # siblings share a depth
+    mask = layers.SlotMask(start=jnp.array([4], jnp.int32), visible=jnp.ones((1, 4, 32), bool))
+    jaxpr = jax.make_jaxpr(lambda tokens: target(tokens, positions, cache, mask=mask))(jnp.zeros((1, 4), jnp.int32))
+    assert str(jaxpr).count("pallas_call") == 4
+
+
+def test_continuous_batching_gives_the_same_tokens(aligned_target, agreeing_head, monkeypatch):
+    """Continuous batching's runs read half or all of the cache (attend_length): EAGLE greedy
+    tokens with the attention kernel equal XLA's (`test_kernels` compares static batches)."""
+    chosen = []
+    choose = scheduler_lib._attend_length
+    monkeypatch.setattr(scheduler_lib, "_attend_length", lambda *a: chosen.append(choose(*a)) or chosen[-1])
+    target = aligned_target(seed=14, num_layers=1)
+    head = agreeing_head(target.config, 0.3, residual=1.0, seed=1)
+    prompts = [np.random.default_rng(length).integers(0, 101, length).tolist() for length in (3, 4, 9)]
+    tokens = {}
+    for setting in ("xla", "pallas"):
+        engine = engine_lib.Engine(target, head, num_speculative_tokens=3, max_length=32, batch_size=2,
+                                   scheduler="continuous", decode_kernels=setting)
+        results = engine.generate(prompts, max_new_tokens=[8, 6, 12], ignore_eos=True, steps_per_call=2)
+        tokens[setting] = [r.token_ids for r in results]
+    assert tokens["pallas"] == tokens["xla"]
+    assert set(chosen) == {16, 32}
