@@ -11,7 +11,7 @@
 # INIT_FROM_SHIPPED=1 starts each head from the shipped one (eagle_jax/heads/) instead of random;
 # TRAIN_TOKENS=N trains on a nested random subset of N generated tokens (data-scaling runs).
 # HEADS=eagle3 trains EAGLE-3 alone (on GPU 0); a second GPU then runs examples/gpu/benchmark.sh
-# with the shipped heads, its rows in RESULTS/gpu1/.
+# with the shipped heads (the sections in BENCH_SECTIONS, default all), its rows in RESULTS/gpu1/.
 # A staged .stage/extra_turns.npz (prompt sources beyond ShareGPT, docs/TRAINING.md) is distilled
 # too, at EXTRA_TEMPERATURES (default 0,0.8), into parts named extra-*.
 set -x
@@ -81,7 +81,7 @@ if [ "$gpus" -ge 2 ] && [ "$heads" != eagle3 ]; then
   train 0 eagle3 7 & train 1 eagle 3 & wait
   evaluate 0 eagle3 & ( evaluate 1 eagle; trace_steps 1 ) & wait
 else
-  [ "$gpus" -ge 2 ] && (CUDA_VISIBLE_DEVICES=1 RESULTS=$r/gpu1 bash examples/gpu/benchmark.sh > "$r/benchmark_log.txt" 2>&1) &
+  [ "$gpus" -ge 2 ] && (CUDA_VISIBLE_DEVICES=1 RESULTS=$r/gpu1 bash examples/gpu/benchmark.sh $BENCH_SECTIONS > "$r/benchmark_log.txt" 2>&1) &
   profile 0 eagle3 cudnn || profile 0 eagle3 xla
   distill 0 "$run/distill" --rounds 3 --temperatures 0,0.8,1.0,0.7
   distill_extra 0
