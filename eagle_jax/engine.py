@@ -172,12 +172,12 @@ class Engine:
         self.speculative_disable_by_batch_size = speculative_disable_by_batch_size
         if decode_kernels not in layers.DECODE_KERNELS:
             raise InputError(f"decode_kernels must be one of {layers.DECODE_KERNELS}, got {decode_kernels!r}")
+        if mesh is not None and decode_kernels != "xla":
+            raise InputError("decode_kernels='pallas' runs on one device; it does not take a mesh")
         if decode_kernels != "xla":
             target = layers.with_decode_kernels(target, decode_kernels)
             head = layers.with_decode_kernels(head, decode_kernels) if head is not None else None
         self.decode_kernels = decode_kernels
-        if mesh is not None and decode_kernels != "xla":
-            raise InputError("decode_kernels='pallas' runs on one device; it does not take a mesh")
         self.mesh = mesh
         if mesh is not None:
             target = sharding_lib.shard_target(target, mesh)

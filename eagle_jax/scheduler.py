@@ -196,9 +196,9 @@ def generate_static(programs: BatchPrograms, num_rows: int,
     first_token = None
     finish = np.full(num_rows, np.nan)
     while True:
-        output, counts, done = jax.device_get((state.output, state.num_generated, state.done))
-        if on_tokens is not None:
-            _stream(output, counts, shown, list(range(num_rows)), on_tokens)
+        counts, done = jax.device_get((state.num_generated, state.done))
+        if on_tokens is not None:  # only streaming needs the tokens before the batch ends
+            _stream(jax.device_get(state.output), counts, shown, list(range(num_rows)), on_tokens)
         now = time.perf_counter() - began
         first_token = now if first_token is None else first_token  # prefill emits every row's first token
         finish[np.isnan(finish) & done[:num_rows]] = now
