@@ -64,7 +64,8 @@ trace_steps() {  # trace_steps GPU: issue 10's step_trace rows (plain and EAGLE-
 distill_extra() {  # distill_extra GPU: .stage/extra_turns.npz (examples/prepare_data.py --extra-turns-out), if staged
   [ -f .stage/extra_turns.npz ] || return 0
   CUDA_VISIBLE_DEVICES=$1 python3 -m eagle_jax.distill --turns .stage/extra_turns.npz --out "$run/distill-extra" \
-    --max-prompt-tokens 384 --max-new-tokens 256 --batch-size 1024 --rounds 1 --temperatures "${EXTRA_TEMPERATURES:-0,0.8}"
+    --max-prompt-tokens 384 --max-new-tokens 256 --batch-size 1024 --rounds 1 --temperatures "${EXTRA_TEMPERATURES:-0,0.8}" \
+    --max-seconds "${DISTILL_SECONDS:-240}"
   for part in "$run"/distill-extra/*.npz; do mv "$part" "$run/distill/extra-$(basename "$part")"; done
 }
 
