@@ -104,6 +104,18 @@ def pooled_stats(results: Sequence[Result], k: int) -> dict:
                 num_accepted_tokens=accepted, acceptance_rate_per_position=(per_position / max(drafts, 1)).tolist())
 
 
+def choose_decode_kernels(backend: str, speculative: bool, batch_size: int, mesh) -> str:
+    """What decode_kernels="auto" runs: "pallas" where it measured faster, else "xla".
+
+    H200, bf16, MT-Bench 80 x 256, 2026-11-30 (docs/BENCHMARKS.md): plain decoding at batch 1
+    ran 942 tokens/s with the Pallas kernels against 785 with XLA's (168 kernels and 943 µs of
+    GPU time a step against 620 and 1,209); EAGLE-3 k = 5 ran slower with them (1,189 against
+    1,384 tokens/s: the attention kernel costs 24 µs a layer on a 6-token verify). Larger
+    batches were not measured, and the kernels run on one GPU only.
+    """
+    return "pallas" if backend == "gpu" and not speculative and batch_size == 1 and mesh is None else "xla"
+
+
 class Engine:
     """Compiles and runs (speculative) generation for one target and optional EAGLE head.
 
@@ -134,10 +146,11 @@ class Engine:
             plainly (vLLM's flag of this name): a large batch fills the device without drafts.
             The switch happens inside the compiled step, both ways; greedy outputs are the same.
             None speculates at every step.
-        decode_kernels: "xla" (default) or "pallas": fused Pallas kernels for the norms,
+        decode_kernels: "auto" (default), "xla" or "pallas": fused Pallas kernels for the norms,
             projections and (target, no tree) attention of decode steps of up to 16 rows, in
             target and head (`layers.with_decode_kernels`); the engine uses copies, the modules
-            given are unchanged.
+            given are unchanged. "auto" picks them where they measured faster
+            (`choose_decode_kernels`), XLA elsewhere; `self.decode_kernels` holds the choice.
         mesh: a `jax.sharding.Mesh` with a "tensor" axis (`sharding.make_mesh`): the target is
             split over it Megatron-style and the head replicated (`sharding`); XLA SPMD places
             the collectives inside the same compiled programs. None runs on one device.
@@ -147,7 +160,7 @@ class Engine:
                  tree: tree_lib.TreeOptions | None = None, max_length: int = 2048, batch_size: int = 1,
                  eager: bool = False, cache_dir=None, fixed_shapes: bool = False, steps_per_check: int = 1,
                  scheduler: str = "static", speculative_disable_by_batch_size: int | None = None,
-                 decode_kernels: str = "xla", mesh: jax.sharding.Mesh | None = None):
+                 decode_kernels: str = "auto", mesh: jax.sharding.Mesh | None = None):
         if num_speculative_tokens < 0:
             raise InputError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
         if (num_speculative_tokens or tree is not None) and head is None:
@@ -170,8 +183,10 @@ class Engine:
         if speculative_disable_by_batch_size is not None and speculative_disable_by_batch_size < 1:
             raise InputError(f"speculative_disable_by_batch_size must be >= 1, got {speculative_disable_by_batch_size}")
         self.speculative_disable_by_batch_size = speculative_disable_by_batch_size
-        if decode_kernels not in layers.DECODE_KERNELS:
-            raise InputError(f"decode_kernels must be one of {layers.DECODE_KERNELS}, got {decode_kernels!r}")
+        if decode_kernels not in ("auto",) + layers.DECODE_KERNELS:
+            raise InputError(f"decode_kernels must be one of {('auto',) + layers.DECODE_KERNELS}, got {decode_kernels!r}")
+        if decode_kernels == "auto":
+            decode_kernels = choose_decode_kernels(jax.default_backend(), head is not None, batch_size, mesh)
         if mesh is not None and decode_kernels != "xla":
             raise InputError("decode_kernels='pallas' runs on one device; it does not take a mesh")
         if decode_kernels != "xla":

@@ -106,9 +106,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--draft", help="EAGLE head directory, or a comma list (the method of each is read from "
                                         "its config); default: the shipped head for each method")
     parser.add_argument("--eager", action="store_true", help="op by op without jit (very slow; use few prompts)")
-    parser.add_argument("--decode_kernels", "--decode-kernels", choices=layers.DECODE_KERNELS, default="xla",
-                        help="pallas: fused norm + projection kernels in decode steps of up to 16 rows "
-                             "(Engine.decode_kernels); recorded in each row")
+    parser.add_argument("--decode_kernels", "--decode-kernels", choices=("auto",) + layers.DECODE_KERNELS,
+                        default="auto",
+                        help="pallas: fused Pallas kernels in decode steps of up to 16 rows; auto: pallas for "
+                             "plain decoding at batch 1 on a GPU, xla elsewhere (Engine.decode_kernels); the "
+                             "choice is recorded in each row")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top_p", "--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -302,7 +304,7 @@ def main(argv=None) -> int:
             draft=None if head_path is None else str(head_path), seed=args.seed,
             dataset=Path(args.dataset).name if args.dataset else "mt_bench",
             steps_per_call=args.steps_per_call, steps_per_check=args.steps_per_check,
-            decode_kernels=args.decode_kernels,
+            decode_kernels=engine.decode_kernels,
             speculative_disable_by_batch_size=args.speculative_disable_by_batch_size if k else None,
             ttft_ms_p50=round(float(measured["ttft_ms_p50"]), 2),
             latency_s_p50=round(float(measured["latency_s_p50"]), 4),

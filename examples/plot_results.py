@@ -12,11 +12,13 @@ data exists:
   * batch_scaling.png: tokens/s vs batch size, plain decoding and each method at its best k.
   All from static batches with speculation never disabled (rows with a `scheduler` of
   continuous or a `speculative_disable_by_batch_size` are left out).
+From docs/results/training/*_metrics.json (`eagle_jax.train`): training_curves.png.
 From profile.json (examples/profile_step.py and examples/scale_8b.py rows), when present:
   * step_breakdown.png: draft / verify / rest of a speculative step;
   * scale_8b.png: 8B-shaped step times against their HBM floors.
 Rows repeating a setting (method, k, mode, batch, temperature, max_new_tokens, num_prompts,
-scheduler, speculative_disable_by_batch_size) count once: the latest wins.
+scheduler, speculative_disable_by_batch_size, kernels, devices, tree) count once: the latest by date
+wins. The tree plot's chain is the one drafted by the trees' head.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import collections
 import json
 import sys
 from pathlib import Path
+
+import numpy as np
 
 import script_errors  # examples/ is on sys.path when run as a script
 
@@ -55,6 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--results", default="docs/results/mtbench.json")
     parser.add_argument("--profile", default="docs/results/profile.json")
+    parser.add_argument("--training", default="docs/results/training", help="folder of train metrics.json files")
     parser.add_argument("--out-dir", default="docs")
     parser.add_argument("--num-prompts", type=int, help="plot rows of this many prompts (default: the most common)")
     parser.add_argument("--max-new-tokens", type=int, help="plot rows of this budget (default: the most common)")
@@ -74,11 +79,27 @@ def load_rows(path: Path) -> list[dict]:
 
 
 def latest(rows: list[dict]) -> list[dict]:
-    """One row per setting, the latest (rows are appended in time order)."""
+    """One row per setting, the last in `rows`."""
     by_key = {}
     for row in rows:
         by_key[tuple(row.get(name, KEY_DEFAULTS.get(name)) for name in KEY)] = row
     return list(by_key.values())
+
+
+def default_settings(rows: list[dict]) -> list[dict]:
+    """Chain rows at the default settings: XLA kernels, one device, the exit test every step
+    (trees apart: a tree row's k is its depth, not comparable with a chain's k)."""
+    return [r for r in rows if not r.get("speculative_eagle_topk") and all(
+        r.get(name, KEY_DEFAULTS[name]) == KEY_DEFAULTS[name] for name in ("decode_kernels", "tensor_parallel_size",
+                                                                           "steps_per_check"))]
+
+
+def static_greedy(rows: list[dict], setting: tuple[int, int]) -> list[dict]:
+    """Compiled greedy rows of `setting` (num_prompts, max_new_tokens) on static batches, speculation
+    never disabled: the plots compare methods there; continuous rows are read from the JSON."""
+    return [r for r in rows if (r["num_prompts"], r["max_new_tokens"]) == setting and float(r.get("temperature", 0)) == 0
+            and r.get("mode") == "compiled" and r["method"] in ("none",) + EAGLE_METHODS
+            and r.get("scheduler", "static") == "static" and not r.get("speculative_disable_by_batch_size")]
 
 
 def reference_setting(rows: list[dict], args) -> tuple[int, int] | None:
@@ -240,6 +261,30 @@ def plot_batch_scaling(all_rows, batch1, sub, out: Path) -> None:
     finish(fig, ax, out / "batch_scaling.png", "Throughput vs batch size (greedy)", sub)
 
 
+def plot_training(directory: Path, out: Path) -> None:
+    """training_curves.png: each run's top-1 agreement with the target at unrolled step 0 vs train
+    step, from `eagle_jax.train`'s metrics.json files (NAME_runN_metrics.json; no run tag: run 1)."""
+    runs = sorted(directory.glob("*_metrics.json")) if directory.is_dir() else []
+    if not runs:
+        return
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for path in runs:
+        record = json.loads(path.read_text())
+        log = [entry for entry in record.get("log", []) if "accuracy_0" in entry]
+        if len(log) < 2:
+            continue
+        method, _, run = path.stem.removesuffix("_metrics").partition("_run")
+        window = min(5, len(log))  # the logged values are single batches: a short running mean
+        smooth = np.convolve([e["accuracy_0"] for e in log], np.ones(window) / window, mode="valid")
+        ax.plot([e["step"] for e in log][window - 1:], smooth, linewidth=2, color=COLORS.get(record["method"]),
+                alpha=0.35 + 0.65 * (int(run or 1) / 5), label=f"{LABELS[record['method']]}, run {run or 1}")
+    ax.set_xlabel("train step (batch 64 x 640 from run 2 on, 32 x 512 in run 1)")
+    ax.set_ylabel("top-1 agreement with the target, first draft")
+    finish(fig, ax, out / "training_curves.png", "Draft-head training curves (the training mix, per batch)",
+           "running mean of 5 logged batches; a run that starts high continued an earlier run's head "
+           "(docs/TRAINING.md)")
+
+
 def plot_step_breakdown(profile, out: Path) -> None:
     rows = latest_by(profile, "step_breakdown", ("method", "k", "device", "dtype"))
     if not rows:
@@ -346,21 +391,15 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    every = latest(load_rows(Path(args.results)))
-    # The default settings only: XLA kernels, one device, the exit test every step; trees apart
-    # (a tree row's k is its depth, not comparable with a chain's k).
-    rows = [r for r in every if not r.get("speculative_eagle_topk") and all(
-        r.get(name, KEY_DEFAULTS[name]) == KEY_DEFAULTS[name] for name in ("decode_kernels", "tensor_parallel_size",
-                                                                           "steps_per_check"))]
+    # Rows from two GPUs of one lease land in the file out of time order: "latest" goes by date.
+    all_rows = sorted(load_rows(Path(args.results)), key=lambda r: r.get("date", ""))
+    every = latest(all_rows)
+    rows = default_settings(every)
     setting = reference_setting(rows, args)
     if setting is None:
         print(f"no compiled greedy rows in {args.results}: no MT-Bench plots", file=sys.stderr)
     else:
-        chosen = [r for r in rows if (r["num_prompts"], r["max_new_tokens"]) == setting
-                  and float(r.get("temperature", 0)) == 0]
-        # The plots compare methods on static batches; continuous rows are read from the JSON.
-        ours = [r for r in chosen if r.get("mode") == "compiled" and r["method"] in ("none",) + EAGLE_METHODS
-                and r.get("scheduler", "static") == "static" and not r.get("speculative_disable_by_batch_size")]
+        ours = static_greedy(rows, setting)
         batch1 = [r for r in ours if r["batch_size"] == 1]
         # HF peers are slow, so they may be run on fewer prompts: the latest of each, whatever its setting.
         peers = list({r["method"]: r for r in rows if r["method"].startswith("hf-") and r["batch_size"] == 1}.values())
@@ -371,7 +410,13 @@ def main(argv=None) -> int:
         plot_batch_scaling(ours, batch1, sub, out)
         trees = [r for r in every if r.get("speculative_eagle_topk") and r["batch_size"] == 1
                  and (r["num_prompts"], r["max_new_tokens"]) == setting and float(r.get("temperature", 0)) == 0]
-        plot_trees(trees, batch1, sub, out)
+        # The chain beside the trees is the one drafted by the trees' own head (a newer head may
+        # have been measured since), and the latest plain decoding.
+        drafts = {r.get("draft") for r in trees}
+        same_head = [r for r in all_rows if r["method"] == "none" or r.get("draft") in drafts]
+        chains = [r for r in static_greedy(default_settings(latest(same_head)), setting) if r["batch_size"] == 1]
+        plot_trees(trees, chains, sub, out)
+    plot_training(Path(args.training), out)
     profile = load_rows(Path(args.profile))
     plot_step_breakdown(profile, out)
     plot_scale(profile, out)

@@ -112,6 +112,18 @@ def test_with_decode_kernels_copies_and_shares_weights(random_target):
         engine_lib.Engine(target, decode_kernels="cuda")
 
 
+def test_auto_picks_pallas_only_where_it_measured_faster(random_target):
+    choose = engine_lib.choose_decode_kernels
+    assert choose("gpu", speculative=False, batch_size=1, mesh=None) == "pallas"
+    assert choose("gpu", speculative=True, batch_size=1, mesh=None) == "xla"  # slower with EAGLE-3 verifies
+    assert choose("gpu", speculative=False, batch_size=16, mesh=None) == "xla"  # not measured
+    assert choose("gpu", speculative=False, batch_size=1, mesh=object()) == "xla"  # one device only
+    assert choose("cpu", speculative=False, batch_size=1, mesh=None) == "xla"  # interpret mode is slow
+    target = random_target(num_layers=1)
+    assert engine_lib.Engine(target).decode_kernels == "xla"  # this CPU
+    assert engine_lib.Engine(target, decode_kernels="pallas").decode_kernels == "pallas"
+
+
 def test_decode_step_runs_the_kernels(random_target):
     target = layers.with_decode_kernels(random_target(num_layers=1), "pallas")
     cache = target.init_cache(1, 32)

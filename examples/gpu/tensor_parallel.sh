@@ -9,6 +9,12 @@ set -ex
 export EAGLE_JAX_MTBENCH=.stage/mtbench_question.jsonl
 r=${RESULTS:-docs/results}; mkdir -p $r
 head -n 20 $EAGLE_JAX_MTBENCH > /tmp/tp_prompts.jsonl
+# How the GPUs are linked and what one small all-reduce costs (the TP 2 step of 2026-11-30 spent
+# ~70 µs per collective): topology, NCCL's chosen transport, then the timing rows.
+nvidia-smi topo -m > $r/topology.txt 2>&1 || true
+NCCL_DEBUG=INFO python3 examples/gpu/allreduce_latency.py --out $r/profile.json 2>&1 \
+  | grep -i "allreduce_latency\|via\|transport\|NCCL version" | head -40 > $r/allreduce_latency.txt || true
+cat $r/topology.txt $r/allreduce_latency.txt
 for drafting in "--draft none" "--method eagle3 --num-speculative-tokens 5"; do
   for size in 1 2; do
     # Full float32 matmuls (not TF32): 17/20 prompts matched on 2026-11-30 with the default precision.
@@ -19,7 +25,8 @@ for drafting in "--draft none" "--method eagle3 --num-speculative-tokens 5"; do
 import json
 rows = [[json.loads(line)['token_ids'] for line in open(f'/tmp/tp{size}.jsonl')] for size in (1, 2)]
 same = sum(a == b for a, b in zip(*rows))
-print('$drafting:', 'IDENTICAL' if same == len(rows[0]) == len(rows[1]) else 'DIFFER', f'{same}/{len(rows[0])} prompts')"
+print('$drafting:', 'IDENTICAL' if same == len(rows[0]) == len(rows[1]) else 'DIFFER', f'{same}/{len(rows[0])} prompts')" \
+    | tee -a $r/tp_identity.txt  # results/ comes back with every poll; the console may not
 done
 # One step per call (each call's launch on two GPUs counts), then 16 steps per call in one
 # program, as the Engine's device loop runs them (first measured 2026-11-30: decode 6.05 ms at
