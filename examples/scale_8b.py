@@ -26,11 +26,13 @@ Megatron-style over that many devices (`eagle_jax.sharding`) and the heads repli
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import datetime
 import functools
 import json
 import os
+import re
 import shlex
 import sys
 import time
@@ -131,12 +133,28 @@ def nbytes(tree) -> int:
     return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
 
 
-def compile_and_time(function, args: tuple, iterations: int, desc: str, carry_index: int | None = None):
-    """(median ms, compile seconds) of a jitted function; output `carry_index` feeds back as donated input."""
+COLLECTIVE = re.compile(r"= (.+?) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
+
+
+def collectives(hlo_text: str) -> dict[str, int]:
+    """{"all-reduce bf16[1,1,4096]": count, ...} in a compiled program's text (a loop body counts
+    once): which collectives XLA SPMD placed, so a slow tensor-parallel step can be read off its
+    row without a trace. An asynchronous start op's shape is a tuple (operand, result): the result."""
+    def result(shape: str) -> str:
+        return re.sub(r"\{[^}]*\}", "", shape).strip("()").split(", ")[-1]
+    return dict(collections.Counter(f"{op} {result(shape)}" for shape, op in COLLECTIVE.findall(hlo_text)))
+
+
+def compile_and_time(function, args: tuple, iterations: int, desc: str, carry_index: int | None = None,
+                     placed: dict | None = None):
+    """(median ms, compile seconds) of a jitted function; output `carry_index` feeds back as donated input.
+    `placed`, if given, receives the program's collectives (`collectives`)."""
     began = time.perf_counter()
     donate = () if carry_index is None else (len(args) - 1,)
     compiled = jax.jit(function, donate_argnums=donate).lower(*args).compile()
     compile_seconds = time.perf_counter() - began
+    if placed is not None:
+        placed.update(collectives(compiled.as_text()))
     args, times = list(args), []
     for index in tqdm.trange(3 + iterations, desc=desc, leave=False, file=sys.stderr):
         began = time.perf_counter()
@@ -244,8 +262,9 @@ def measure(target: llama.Llama, heads: dict, mesh, args, bandwidth: float, reco
     verify_ms = {}
     for width in tqdm.tqdm(sorted({1} | {k + 1 for k in args.ks}), desc="verify widths", file=sys.stderr):
         tokens = jnp.ones((1, width), jnp.int32)
+        placed = {}
         ms, compile_seconds, cache = compile_and_time(repeat(verify, 1), (target_params, tokens, cache),
-                                                      args.iterations, f"verify {width}", carry_index=1)
+                                                      args.iterations, f"verify {width}", carry_index=1, placed=placed)
         ms /= args.steps_per_call
         verify_ms[width] = ms
         weights = target_read + width * row_bytes
@@ -254,7 +273,8 @@ def measure(target: llama.Llama, heads: dict, mesh, args, bandwidth: float, reco
         row = dict(what="decode" if width == 1 else "verify", ms=round(ms, 4), tokens=width,
                    floor_ms=round(floor_ms, 4), ratio_to_floor=round(ms / floor_ms, 3),
                    floor_full_cache_ms=round(floor_full_ms, 4), weight_bytes=weights,
-                   compile_seconds=round(compile_seconds, 2), tensor_parallel_size=tensor_parallel_size)
+                   compile_seconds=round(compile_seconds, 2), tensor_parallel_size=tensor_parallel_size,
+                   collectives=placed)
         if width > 1:
             row["k"] = width - 1
         record(row)
@@ -272,9 +292,10 @@ def measure(target: llama.Llama, heads: dict, mesh, args, bandwidth: float, reco
         draft_cache = filled_cache(eagle.init_cache(head.config, 1, args.cache_length, jnp.bfloat16), split=False)
         draft_kv = shard_bytes((draft_cache.keys, draft_cache.values)) * (args.filled + 1) / args.cache_length
         token, feature = jnp.ones((1,), jnp.int32), jnp.ones((1, cfg.hidden_size), jnp.bfloat16)
+        placed = {}
         ms, compile_seconds, _ = compile_and_time(repeat(draft_step, 2),
                                                   (target_params, head_params, token, feature, draft_cache),
-                                                  args.iterations, f"draft step {method}", carry_index=2)
+                                                  args.iterations, f"draft step {method}", carry_index=2, placed=placed)
         ms /= args.steps_per_call
         draft_ms[method] = ms
         head_read = shard_bytes(head_params) + row_bytes
@@ -286,7 +307,7 @@ def measure(target: llama.Llama, heads: dict, mesh, args, bandwidth: float, reco
         record(dict(what="draft_step", method=method, ms=round(ms, 4), floor_ms=round(floor_ms, 4),
                     ratio_to_floor=round(ms / floor_ms, 3), weight_bytes=head_read,
                     head_bytes=shard_bytes(head_params), compile_seconds=round(compile_seconds, 2),
-                    tensor_parallel_size=tensor_parallel_size))
+                    tensor_parallel_size=tensor_parallel_size, collectives=placed))
     return dict(verify=verify_ms, draft=draft_ms)
 
 

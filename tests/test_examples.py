@@ -112,3 +112,18 @@ def test_scale_8b_times_several_steps_per_call(tmp_path):
     timed = [row for row in json.loads(out.read_text()) if "ms" in row]
     assert {row["what"] for row in timed} == {"decode", "verify", "draft_step"}
     assert all(row["steps_per_call"] == 3 and row["ms"] > 0 for row in timed)
+    assert all(row["collectives"] == {} for row in timed)  # one device: nothing to communicate
+
+
+def test_scale_8b_lists_the_collectives_xla_placed():
+    sys.path.insert(0, str(REPO / "examples"))
+    import scale_8b
+    text = """
+  %all-reduce.1 = f32[1,1,256]{2,1,0} all-reduce(%select_bitcast_fusion), channel_id=2, to_apply=%add
+  %all-reduce.2 = f32[1,1,256]{2,1,0} all-reduce(%fusion.7), channel_id=3, to_apply=%add
+  %all-gather-start = (s32[1,1]{1,0}, s32[1,2]{0,1}) all-gather-start(%bitcast.51), dimensions={1}
+  %ag = bf16[1,2]{0,1} all-gather(%bitcast.50), channel_id=4, dimensions={1}
+  %fusion.3 = f32[1,1,256]{2,1,0} fusion(%all-reduce.1), kind=kLoop, calls=%fused_computation
+"""
+    assert scale_8b.collectives(text) == {"all-reduce f32[1,1,256]": 2, "all-gather bf16[1,2]": 1,
+                                          "all-gather s32[1,2]": 1}

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Packs what a lease has produced so far into $OUT, for a poll call to bring back: the results
-# folder and every exported head under the run folder, as one tar split into 15 MB parts
+# folder, every exported head under the run folder and the extra distilled parts, as one tar split into 15 MB parts
 # (a call returns at most 8 files of 16 MiB) with their sha256. Run it at the end of every poll,
 # so a machine released early loses only what came after the last poll.
 #   bash examples/gpu/collect.sh [STAGE_DIR]      (default /root/stage)
@@ -8,7 +8,9 @@
 set -e
 stage=${1:-/root/stage}; out=${OUT:?OUT is where a call returns files}
 cd "$stage"
-paths=$(ls -d results run/*/head 2>/dev/null || true)
+# run/distill/extra-*: the extra prompt sources distilled in this lease (a few MB), to be carried
+# into the next one with the rest of the distilled tokens.
+paths=$(ls -d results run/*/head run/distill/extra-*.npz 2>/dev/null || true)
 [ -n "$paths" ] || { echo "collect: nothing yet under $stage"; exit 0; }
 rm -f "$out"/results.tar.part*
 tar -cf - $paths | split -b 15000000 -d - "$out/results.tar.part"
