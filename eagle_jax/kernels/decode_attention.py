@@ -133,7 +133,8 @@ def attend(qkv: jax.Array, positions: jax.Array, keys: jax.Array, values: jax.Ar
     if tiling.splits == 1:
         return results
     outputs, keys, values, maxima, sums = results
-    return _combine_call(outputs, maxima, sums, heads.shape[:2], num_heads, head_dim, qkv.dtype, interpret), keys, values
+    attended = _combine_call(outputs, maxima, sums, (batch, length), num_heads, head_dim, qkv.dtype, interpret)
+    return attended, keys, values
 
 
 def _reference(heads, positions, keys, values, num_heads: int, inv_freq: np.ndarray, read: int):
@@ -209,8 +210,9 @@ def _store_attended(out_ref, row, tokens, query_heads, real, state: tuple) -> No
     """The normalised output of a final online-softmax state into out_ref [B, T, N, H]."""
     _, total, out = state
     columns = jnp.arange(out.shape[1])
+    mask = real[:, None] & (columns < out_ref.shape[3])[None, :]
     plgpu.store(out_ref.at[row, tokens[:, None], query_heads[:, None], columns[None, :]],
-                (out / total[:, None]).astype(out_ref.dtype), mask=real[:, None] & (columns < out_ref.shape[3])[None, :])
+                (out / total[:, None]).astype(out_ref.dtype), mask=mask)
 
 
 def _merge(state: tuple, partial: tuple) -> tuple:
@@ -252,7 +254,7 @@ def _attention_call(heads, positions, keys, values, num_heads: int, inv_freq: np
 
 
 def _combine_call(outputs, maxima, sums, batch_length: tuple, num_heads: int, head_dim: int, dtype, interpret: bool):
-    """attended [B, T, N, H] from the split kernel's partials: one program per (row, kv head)."""
+    """attended [B, T, N, H] (batch_length: (B, T)) from the split kernel's partials: one program per (row, kv head)."""
     return pl.pallas_call(
         _combine_kernel,
         out_shape=jax.ShapeDtypeStruct((*batch_length, num_heads, head_dim), dtype),
