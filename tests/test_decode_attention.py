@@ -1,9 +1,11 @@
 """Decode attention (`kernels.decode_attention`): Pallas against the XLA reference, and in the model.
 
 On CPU the kernel runs in Pallas interpret mode; lowering it for CUDA checks, without a GPU, that
-the decoder layer's program holds five Triton calls and that the attention call updates the
-caches in place.
+the decoder layer's program holds five Triton calls (six with the cache split over programs) and
+that the attention call updates the caches in place.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -34,23 +36,16 @@ def operands(heads: dict, batch: int, length: int, cache_length: int, starts, dt
     return normal(batch, length, width), positions, normal(*cache_shape), normal(*cache_shape)
 
 
-def run(implementation: str, heads: dict, inputs, attend_length=None):
-    kw = dict(heads, inv_freq=INV_FREQ[heads["head_dim"]], attend_length=attend_length, implementation=implementation)
+def run(implementation: str, heads: dict, inputs, attend_length=None, tiling=decode_attention.Tiling()):
+    kw = dict(heads, inv_freq=INV_FREQ[heads["head_dim"]], attend_length=attend_length, implementation=implementation,
+              tiling=tiling)
     return jax.jit(lambda *i: decode_attention.attend(*i, **kw))(*inputs)
 
 
-@pytest.mark.parametrize("heads,length,cache_length,starts,attend_length,dtype", [
-    (REAL, 1, 128, [5], None, jnp.float32),  # near the cache start: a part of one chunk
-    (REAL, 3, 256, [200, 131], None, jnp.float32),  # deep: several chunks, rows of other lengths
-    (REAL, 6, 256, [90, 0], 128, jnp.float32),  # attend_length < S; a row with no older slots
-    (REAL, 1, 256, [190, 67], None, jnp.bfloat16),
-    (REAL, 6, 128, [100], 112, jnp.bfloat16),
-    (NARROW, 16, 128, [37], None, jnp.float32),  # 16 tokens x 4 heads: 64 query rows
-], ids=["real-1", "real-3-deep", "real-6-attend", "real-1-bf16", "real-6-bf16", "narrow-16"])
-def test_pallas_matches_xla(heads, length, cache_length, starts, attend_length, dtype):
+def assert_pallas_matches_xla(heads, length, cache_length, starts, attend_length, dtype, tiling):
     inputs = operands(heads, len(starts), length, cache_length, starts, dtype)
     want, want_keys, want_values = run("xla", heads, inputs, attend_length)
-    got, keys, values = run("pallas", heads, inputs, attend_length)
+    got, keys, values = run("pallas", heads, inputs, attend_length, tiling)
     assert got.shape == want.shape == (len(starts), length, heads["num_heads"], heads["head_dim"])
     assert got.dtype == dtype
     want, got = np.asarray(want, np.float32), np.asarray(got, np.float32)
@@ -65,6 +60,59 @@ def test_pallas_matches_xla(heads, length, cache_length, starts, attend_length, 
         new[row, start:start + length] = True
     np.testing.assert_array_equal(keys[~new], want_keys[~new])
     np.testing.assert_allclose(keys[new], want_keys[new], rtol=1e-6 if dtype == jnp.float32 else 2 ** -7, atol=1e-6)
+
+
+@pytest.mark.parametrize("heads,length,cache_length,starts,attend_length,dtype", [
+    (REAL, 1, 128, [5], None, jnp.float32),  # near the cache start: a part of one chunk
+    (REAL, 3, 256, [200, 131], None, jnp.float32),  # deep: several chunks, rows of other lengths
+    (REAL, 6, 256, [90, 0], 128, jnp.float32),  # attend_length < S; a row with no older slots
+    (REAL, 1, 256, [190, 67], None, jnp.bfloat16),
+    (REAL, 6, 128, [100], 112, jnp.bfloat16),
+    (NARROW, 16, 128, [37], None, jnp.float32),  # 16 tokens x 4 heads: 64 query rows
+], ids=["real-1", "real-3-deep", "real-6-attend", "real-1-bf16", "real-6-bf16", "narrow-16"])
+def test_pallas_matches_xla(heads, length, cache_length, starts, attend_length, dtype):
+    assert_pallas_matches_xla(heads, length, cache_length, starts, attend_length, dtype, decode_attention.Tiling())
+
+
+# The split kernel with chunks of 16 slots, so that a part holds several or none.
+@pytest.mark.parametrize("heads,length,cache_length,starts,attend_length,dtype,splits", [
+    (REAL, 1, 256, [190, 67], None, jnp.bfloat16, 2),  # deep: 12 and 5 chunks
+    (REAL, 1, 128, [5], None, jnp.float32, 4),  # near the start: one part of one chunk, three empty
+    (REAL, 6, 256, [90, 0], 128, jnp.float32, 4),  # attend_length < S; a row with no older slots
+    (REAL, 6, 128, [100], 112, jnp.bfloat16, 2),
+], ids=["real-1-bf16-p2", "real-1-near-p4", "real-6-attend-p4", "real-6-bf16-p2"])
+def test_split_matches_xla(heads, length, cache_length, starts, attend_length, dtype, splits):
+    tiling = decode_attention.Tiling(block_s=16, splits=splits)
+    assert_pallas_matches_xla(heads, length, cache_length, starts, attend_length, dtype, tiling)
+
+
+def test_a_split_wider_than_the_chunks_leaves_neutral_partials():
+    """6 parts (not a power of two) of 3 and 1 chunks of 16 slots, 64 padded query rows of head
+    dim 8: the parts with no chunks (but part 0, which folds the new tokens) write max
+    MASK_VALUE, sum 0 and output 0, and the combine still matches XLA."""
+    tiling, starts, length, splits = decode_attention.Tiling(block_s=16, splits=6), [37, 2], 16, 6
+    qkv, positions, keys, values = operands(NARROW, 2, length, 128, starts, jnp.float32)
+    heads = qkv.reshape(2, length, -1, NARROW["head_dim"])
+
+    @jax.jit
+    def split(heads, positions, keys, values):
+        partials = decode_attention._attention_call(heads, positions, keys, values, NARROW["num_heads"], INV_FREQ[8],
+                                                    128, tiling, True)
+        outputs, _, _, maxima, sums = partials
+        attended = decode_attention._combine_call(outputs, maxima, sums, (2, length), NARROW["num_heads"], 8,
+                                                  jnp.float32, True)
+        return attended, partials
+
+    attended, (outputs, _, _, maxima, sums) = split(heads, positions, keys, values)
+    want, _, _ = run("xla", NARROW, (qkv, positions, keys, values))
+    np.testing.assert_allclose(np.asarray(attended), np.asarray(want), atol=1e-5 * np.abs(np.asarray(want)).max())
+    for row, start in enumerate(starts):
+        chunks = -(-start // tiling.block_s)
+        empty = [p for p in range(1, splits) if p * chunks // splits == (p + 1) * chunks // splits]
+        assert len(empty) == splits - 1 - chunks  # and part 0's range: fewer chunks than parts leave it none
+        assert np.all(np.asarray(maxima)[row, :, empty] == decode_attention.attention_ops.MASK_VALUE)
+        assert not np.any(np.asarray(sums)[row, :, empty]) and not np.any(np.asarray(outputs)[row, :, empty])
+    assert np.isfinite(np.asarray(outputs)).all() and np.isfinite(np.asarray(sums)).all()
 
 
 def test_xla_reference_is_what_the_attention_layer_computes():
@@ -95,13 +143,18 @@ def test_rejects_what_it_does_not_take():
         decode_attention.attend(*inputs, **dict(kw, num_kv_heads=2))
     with pytest.raises(ValueError, match="block_s"):
         decode_attention.Tiling(block_s=48)
+    with pytest.raises(ValueError, match="splits"):
+        decode_attention.Tiling(splits=0)
 
 
-def test_decoder_layer_lowers_to_five_triton_calls_writing_the_cache_in_place(monkeypatch):
+@pytest.mark.parametrize("splits,triton_calls", [(1, 5), (4, 6)])
+def test_decoder_layer_lowers_to_five_triton_calls_writing_the_cache_in_place(monkeypatch, splits, triton_calls):
     """A pallas decode call of one SmolLM2-shaped layer, lowered for CUDA: four fused linears and
     the attention kernel, whose keys and values outputs alias its cache operands, so that XLA
-    need not copy a donated cache."""
+    need not copy a donated cache; split over the cache, the attention adds its combine kernel."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the kernels' interpret=None: compile them
+    tiling = decode_attention.Tiling(splits=splits)
+    monkeypatch.setattr(decode_attention, "attend", functools.partial(decode_attention.attend, tiling=tiling))
     cfg = config_lib.LlamaConfig(vocab_size=8, hidden_size=576, intermediate_size=1536, num_layers=1, num_heads=9,
                                  num_kv_heads=3, head_dim=64, rope_theta=100000.0)
     layer = nnx.eval_shape(lambda: layers.DecoderLayer(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16,
@@ -118,7 +171,7 @@ def test_decoder_layer_lowers_to_five_triton_calls_writing_the_cache_in_place(mo
                             disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])
     text = lowered(params, x, cache, cache).mlir_module()
     calls = [line for line in text.splitlines() if "stablehlo.custom_call @__gpu$xla.gpu.triton" in line]
-    assert len(calls) == 5
+    assert len(calls) == triton_calls
     [attention] = [line for line in calls if "output_operand_aliases" in line]
     assert "output_tuple_indices = [1], operand_index = 3" in attention
     assert "output_tuple_indices = [2], operand_index = 4" in attention

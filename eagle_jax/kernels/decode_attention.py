@@ -8,24 +8,38 @@ mask, softmax max and sum, probs @ values. `attend` is all of them:
       -> attended [B, T, N, H], the caches with the T new keys and values written at positions[:, 0]
 
 `implementation="xla"` is the reference: what `layers.Attention.split_heads` and `.attend`
-compute without a `SlotMask`. `"pallas"` is one Triton kernel (GPU) that writes the caches in
-place (`input_output_aliases`); `interpret=None` runs it in Pallas interpret mode unless the
+compute without a `SlotMask`. `"pallas"` is one Triton kernel (GPU; two with a split, below)
+that writes the caches in place (`input_output_aliases`); `interpret=None` runs it in Pallas interpret mode unless the
 default backend is a GPU, so CPU tests run the kernel code.
 
 Kernel layout: a grid of (rows B, kv heads K). A program owns one row's T tokens for the
-G = N / K query heads sharing its kv head: a block of T G query rows, padded to a power of two
->= 16 (Triton's dot), as are the head dim and the T new keys (masked edges). It
-  1. rotates its queries and the new keys in float32; Triton cannot slice registers, so the
-     rotate-half partner of each element is loaded from memory with a permuted column index;
-  2. stores the new keys and values into its (row, kv head) of the caches;
-  3. streams the older slots [0, min(start, attend_length)) in `block_s` chunks through an
+G = N / K query heads sharing its kv head: a block of M = T G query rows, padded to a power of
+two >= 16 (Triton's dot), as are the head dim and the T new keys (masked edges). It
+  1. rotates its queries in float32; Triton cannot slice registers, so the rotate-half partner
+     of each element is loaded from memory with a permuted column index;
+  2. streams the older slots [0, min(start, attend_length)) in `block_s` chunks through an
      online softmax (flash decoding: running max and sum in float32), start = positions[b, 0];
-  4. folds in the new keys and values from registers, causally.
+  3. rotates the new keys, stores them and the new values into its (row, kv head) of the
+     caches, and folds them in from registers, causally.
 Positions are contiguous from start and a position is its slot, so every query sees every
 older slot and new key t' is visible to query t iff t' <= t. Taking the new keys from
-registers and the older ones from below start means no load touches a slot the program
+registers and the older ones from below start means no load touches a slot any program
 writes: no barrier, and no ordering of reads after writes to aliased memory, is needed. The
 loop also ends at the row's own length, so a row never reads the slots past it.
+
+Split over the cache (`Tiling.splits` = P > 1, flash decoding's split-K): at batch 1 the grid
+above is K = 3 programs on a GPU of 132 SMs, each walking the whole filled cache alone. The
+split kernel's grid is (B, K, P): program p folds chunks [p C / P, (p + 1) C / P) of the row's
+C = cdiv(min(start, attend_length), block_s) older chunks (contiguous, chunk-aligned, sized by
+the row's own length at run time), and only p == 0, whose range floor division makes the
+shortest, also does step 3. Each writes its float32 online-softmax state as a partial,
+unnormalised (a range with no chunks leaves the neutral state: max MASK_VALUE, sum 0):
+
+  outputs [B, K, P, M', H'], maxima and sums [B, K, P, M'] (M', H': M and H padded)
+
+and a second kernel, grid (B, K), merges the P partials of its (row, kv head) by log-sum-exp
+into attended. The no-overlap rule above holds across parts too: all of them read below start,
+and only p == 0 writes, at start and past it.
 """
 
 from __future__ import annotations
@@ -51,19 +65,28 @@ MAX_TOKENS = 16  # the most tokens a row sends to the kernel (decode steps and c
 class Tiling:
     """Static block size and Triton launch settings of the Pallas kernel.
 
+    The defaults were the fastest of the H200 sweep in docs/results/kernels.json (rows of
+    2026-11-30, 1,024-slot cache, 512 filled): 9.79 us at 1 row and 10.46 at 4, against
+    11.94 and 12.40 for the former 64 / 4 / 2 and 15-20 us with 2 warps.
+
     Attributes:
         block_s: cache slots per chunk of the online softmax (Triton's dot needs >= 16).
         num_warps: Triton warps per program.
         num_stages: Triton software-pipelining depth of the chunk loop (cache loads in flight).
+        splits: programs sharing one (row, kv head)'s older slots, merged by a second kernel;
+            1 is the single kernel. A lever still to be measured, so not a default.
     """
 
-    block_s: int = 64
+    block_s: int = 128
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 3
+    splits: int = 1
 
     def __post_init__(self):
         if self.block_s < 16 or self.block_s & (self.block_s - 1):
             raise ValueError(f"block_s must be a power of two >= 16 (Triton's dot), got {self.block_s}")
+        if self.splits < 1:
+            raise ValueError(f"splits must be >= 1, got {self.splits}")
 
 
 def attend(qkv: jax.Array, positions: jax.Array, keys: jax.Array, values: jax.Array, *, num_heads: int,
@@ -84,7 +107,7 @@ def attend(qkv: jax.Array, positions: jax.Array, keys: jax.Array, values: jax.Ar
             slot must lie below it.
         implementation: "xla" (reference) or "pallas".
         interpret: run the Pallas kernel in interpret mode; None: unless the backend is a GPU.
-        tiling: the Pallas kernel's block size and launch settings.
+        tiling: the Pallas kernel's block size, launch settings and split over the cache.
     Returns:
         (attended [B, T, N, H] in qkv's dtype, updated keys, updated values).
     """
@@ -106,18 +129,12 @@ def attend(qkv: jax.Array, positions: jax.Array, keys: jax.Array, values: jax.Ar
         raise ValueError(f"the Pallas kernel takes at most {MAX_TOKENS} tokens a row, got {length}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    frequencies = jnp.asarray(np.concatenate([inv_freq, inv_freq]), jnp.float32)  # [H]: h turns at inv_freq[h % H/2]
-    kernel = functools.partial(_kernel, num_heads=num_heads, read=read, tiling=tiling)
-    return pl.pallas_call(
-        kernel,
-        out_shape=(jax.ShapeDtypeStruct((batch, length, num_heads, head_dim), qkv.dtype),
-                   jax.ShapeDtypeStruct(keys.shape, keys.dtype), jax.ShapeDtypeStruct(values.shape, values.dtype)),
-        grid=(batch, num_kv_heads),
-        input_output_aliases={3: 1, 4: 2},  # the caches, updated in place
-        compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
-        interpret=interpret,
-        name="decode_attention",
-    )(positions.astype(jnp.int32), frequencies, heads, keys, values)
+    results = _attention_call(heads, positions, keys, values, num_heads, inv_freq, read, tiling, interpret)
+    if tiling.splits == 1:
+        return results
+    outputs, keys, values, maxima, sums = results
+    attended = _combine_call(outputs, maxima, sums, (batch, length), num_heads, head_dim, qkv.dtype, interpret)
+    return attended, keys, values
 
 
 def _reference(heads, positions, keys, values, num_heads: int, inv_freq: np.ndarray, read: int):
@@ -181,38 +198,88 @@ def _fold(state: tuple, scores: jax.Array, values: jax.Array) -> tuple:
     return new_maximum, total * correction + jnp.sum(probs, axis=1), out
 
 
+def _query_rows(length: int, group: int, kv_head) -> tuple:
+    """Block rows of a (row, kv head): block row r is token r // G of query head kv_head G + r % G.
+    Returns (rows, tokens, query heads, real: not padding), each [M']."""
+    rows = jnp.arange(_block(length * group))
+    tokens = rows // group
+    return rows, tokens, kv_head * group + rows % group, tokens < length
+
+
+def _store_attended(out_ref, row, tokens, query_heads, real, state: tuple) -> None:
+    """The normalised output of a final online-softmax state into out_ref [B, T, N, H]."""
+    _, total, out = state
+    columns = jnp.arange(out.shape[1])
+    mask = real[:, None] & (columns < out_ref.shape[3])[None, :]
+    plgpu.store(out_ref.at[row, tokens[:, None], query_heads[:, None], columns[None, :]],
+                (out / total[:, None]).astype(out_ref.dtype), mask=mask)
+
+
+def _merge(state: tuple, partial: tuple) -> tuple:
+    """The online-softmax state of two disjoint sets of slots from theirs (log-sum-exp). A neutral
+    partial (MASK_VALUE, 0, 0) changes nothing: its weight is exp(MASK_VALUE - max) = 0, or 1
+    times a zero sum when both are neutral, so no step makes a NaN."""
+    (maximum, total, out), (other_maximum, other_total, other_out) = state, partial
+    new_maximum = jnp.maximum(maximum, other_maximum)
+    correction, other_correction = jnp.exp(maximum - new_maximum), jnp.exp(other_maximum - new_maximum)
+    return (new_maximum, total * correction + other_total * other_correction,
+            out * correction[:, None] + other_out * other_correction[:, None])
+
+
+def _attention_call(heads, positions, keys, values, num_heads: int, inv_freq: np.ndarray, read: int, tiling: Tiling,
+                    interpret: bool):
+    """The attention kernel: (attended, keys, values) with splits 1, else (outputs, keys, values,
+    maxima, sums) with the float32 partials laid out as the module docstring says."""
+    batch, length, _, head_dim = heads.shape
+    num_kv_heads = keys.shape[2]
+    frequencies = jnp.asarray(np.concatenate([inv_freq, inv_freq]), jnp.float32)  # [H]: h turns at inv_freq[h % H/2]
+    caches = (jax.ShapeDtypeStruct(keys.shape, keys.dtype), jax.ShapeDtypeStruct(values.shape, values.dtype))
+    if tiling.splits == 1:
+        grid = (batch, num_kv_heads)
+        out_shape = (jax.ShapeDtypeStruct((batch, length, num_heads, head_dim), heads.dtype), *caches)
+    else:
+        grid = (batch, num_kv_heads, tiling.splits)
+        statistics = (*grid, _block(length * num_heads // num_kv_heads))  # [B, K, P, M']
+        out_shape = (jax.ShapeDtypeStruct((*statistics, _block(head_dim)), jnp.float32), *caches,
+                     jax.ShapeDtypeStruct(statistics, jnp.float32), jax.ShapeDtypeStruct(statistics, jnp.float32))
+    return pl.pallas_call(
+        functools.partial(_kernel, num_heads=num_heads, read=read, tiling=tiling),
+        out_shape=out_shape,
+        grid=grid,
+        input_output_aliases={3: 1, 4: 2},  # the caches, updated in place
+        compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
+        interpret=interpret,
+        name="decode_attention",
+    )(positions.astype(jnp.int32), frequencies, heads, keys, values)
+
+
+def _combine_call(outputs, maxima, sums, batch_length: tuple, num_heads: int, head_dim: int, dtype, interpret: bool):
+    """attended [B, T, N, H] (batch_length: (B, T)) from the split kernel's partials: one program per (row, kv head)."""
+    return pl.pallas_call(
+        _combine_kernel,
+        out_shape=jax.ShapeDtypeStruct((*batch_length, num_heads, head_dim), dtype),
+        grid=outputs.shape[:2],
+        compiler_params=plgpu.CompilerParams(),  # Triton's defaults: without them a GPU gets Mosaic GPU
+        interpret=interpret,
+        name="decode_attention_combine",
+    )(outputs, maxima, sums)
+
+
 def _kernel(positions_ref, frequencies_ref, heads_ref, keys_ref, values_ref, out_ref, keys_out_ref, values_out_ref,
-            *, num_heads: int, read: int, tiling: Tiling):
-    """One (row, kv head): heads_ref [B, T, N + 2K, H]; caches [B, S, K, H], out_ref [B, T, N, H]."""
+            *statistics_refs, num_heads: int, read: int, tiling: Tiling):
+    """One (row, kv head[, part]): heads_ref [B, T, N + 2K, H]; caches [B, S, K, H]; out_ref
+    [B, T, N, H], or with splits > 1 the partial outputs and statistics_refs (maxima, sums)."""
     row, kv_head = pl.program_id(0), pl.program_id(1)
     length = heads_ref.shape[1]
     cache_length, num_kv_heads, head_dim = keys_ref.shape[1:]
-    group, dtype = num_heads // num_kv_heads, out_ref.dtype
+    group, dtype = num_heads // num_kv_heads, heads_ref.dtype
     columns = jnp.arange(_block(head_dim))
     in_head = (columns < head_dim)[None, :]
 
-    # Queries: block row r is token r // G of query head kv_head G + r % G.
-    rows = jnp.arange(_block(length * group))
-    tokens, query_heads = rows // group, kv_head * group + rows % group
-    real = tokens < length
+    rows, tokens, query_heads, real = _query_rows(length, group, kv_head)
     query_positions = _load(positions_ref, (row, tokens), real)
     q = _rotated(heads_ref, frequencies_ref, row, tokens, query_heads, query_positions, real).astype(dtype)
-
-    # The new keys and values into the cache, then rounded as the reference reads them back.
-    new = jnp.arange(_block(length))
-    is_new = new < length
     start = positions_ref[row, jnp.int32(0)]
-    key_head = jnp.broadcast_to(num_heads + kv_head, new.shape)
-    keys = _rotated(heads_ref, frequencies_ref, row, new, key_head, _load(positions_ref, (row, new), is_new), is_new)
-    values = _load(heads_ref, (row, new[:, None], key_head[:, None] + num_kv_heads, columns[None, :]),
-                   is_new[:, None] & in_head)
-    slots = start + new
-    cache_index = (row, slots[:, None], kv_head, columns[None, :])
-    written = (is_new & (slots < cache_length))[:, None] & in_head
-    plgpu.store(keys_out_ref.at[cache_index], keys.astype(dtype).astype(keys_out_ref.dtype), mask=written)
-    plgpu.store(values_out_ref.at[cache_index], values.astype(values_out_ref.dtype), mask=written)
-    keys = keys.astype(dtype).astype(keys_out_ref.dtype).astype(dtype)
-    values = values.astype(values_out_ref.dtype).astype(dtype)
 
     # The older slots, all visible to every query: [0, start), and of those only the ones read.
     older = jnp.minimum(start, read)
@@ -225,10 +292,60 @@ def _kernel(positions_ref, frequencies_ref, heads_ref, keys_ref, values_ref, out
         chunk_values = _load(values_ref, chunk_index, mask).astype(dtype)
         return _fold(state, _scores(q, chunk_keys, keep[None, :], head_dim), chunk_values)
 
+    def new_tokens(state):
+        """The new keys and values into the cache, then folded in, rounded as the reference reads them back."""
+        new = jnp.arange(_block(length))
+        is_new = new < length
+        key_head = jnp.broadcast_to(num_heads + kv_head, new.shape)
+        keys = _rotated(heads_ref, frequencies_ref, row, new, key_head, _load(positions_ref, (row, new), is_new),
+                        is_new)
+        values = _load(heads_ref, (row, new[:, None], key_head[:, None] + num_kv_heads, columns[None, :]),
+                       is_new[:, None] & in_head)
+        slots = start + new
+        cache_index = (row, slots[:, None], kv_head, columns[None, :])
+        written = (is_new & (slots < cache_length))[:, None] & in_head
+        plgpu.store(keys_out_ref.at[cache_index], keys.astype(dtype).astype(keys_out_ref.dtype), mask=written)
+        plgpu.store(values_out_ref.at[cache_index], values.astype(values_out_ref.dtype), mask=written)
+        keys = keys.astype(dtype).astype(keys_out_ref.dtype).astype(dtype)
+        values = values.astype(values_out_ref.dtype).astype(dtype)
+        visible = (slots[None, :] <= query_positions[:, None]) & (is_new & (slots < read))[None, :]
+        return _fold(state, _scores(q, keys, visible, head_dim), values)
+
+    # Every chunk of a range holds a slot below `older`, so its max is finite after the first:
+    # masked slots weigh exp(MASK_VALUE - max) = 0. A range of no chunks keeps the neutral state.
     state = (jnp.full(rows.shape, attention_ops.MASK_VALUE, jnp.float32), jnp.zeros(rows.shape, jnp.float32),
              jnp.zeros((rows.size, columns.size), jnp.float32))
-    state = lax.fori_loop(0, pl.cdiv(older, tiling.block_s), chunk, state)
-    visible = (slots[None, :] <= query_positions[:, None]) & (is_new & (slots < read))[None, :]
-    _, total, out = _fold(state, _scores(q, keys, visible, head_dim), values)
-    plgpu.store(out_ref.at[row, tokens[:, None], query_heads[:, None], columns[None, :]],
-                (out / total[:, None]).astype(dtype), mask=real[:, None] & in_head)
+    chunks = pl.cdiv(older, tiling.block_s)
+    if tiling.splits == 1:
+        state = new_tokens(lax.fori_loop(0, chunks, chunk, state))
+        _store_attended(out_ref, row, tokens, query_heads, real, state)
+        return
+    part = pl.program_id(2)
+    # Floor division spreads the chunks evenly with the remainders last: part 0's range is the
+    # shortest, so it takes the new tokens (and the cache write) too.
+    first, last = lax.div(part * chunks, tiling.splits), lax.div((part + 1) * chunks, tiling.splits)
+    state = lax.fori_loop(first, last, chunk, state)
+    maximum, total, out = lax.cond(part == 0, new_tokens, lambda state: state, state)
+    maxima_ref, sums_ref = statistics_refs
+    plgpu.store(maxima_ref.at[row, kv_head, part, rows], maximum)
+    plgpu.store(sums_ref.at[row, kv_head, part, rows], total)
+    plgpu.store(out_ref.at[row, kv_head, part, rows[:, None], columns[None, :]], out)
+
+
+def _combine_kernel(outputs_ref, maxima_ref, sums_ref, out_ref):
+    """One (row, kv head): its P partials (outputs [B, K, P, M', H'], maxima and sums [B, K, P, M'])
+    merged into out_ref [B, T, N, H]."""
+    row, kv_head = pl.program_id(0), pl.program_id(1)
+    _, num_kv_heads, splits, block_rows, block_columns = outputs_ref.shape
+    rows, columns = jnp.arange(block_rows), jnp.arange(block_columns)
+
+    def partial(part: int) -> tuple:
+        part = jnp.int32(part)
+        return (plgpu.load(maxima_ref.at[row, kv_head, part, rows]), plgpu.load(sums_ref.at[row, kv_head, part, rows]),
+                plgpu.load(outputs_ref.at[row, kv_head, part, rows[:, None], columns[None, :]]))
+
+    state = partial(0)
+    for part in range(1, splits):  # P is small and static: unrolled
+        state = _merge(state, partial(part))
+    _, tokens, query_heads, real = _query_rows(out_ref.shape[1], out_ref.shape[2] // num_kv_heads, kv_head)
+    _store_attended(out_ref, row, tokens, query_heads, real, state)

@@ -40,6 +40,9 @@ kernels() {  # issue 10: fused Pallas decode kernels vs XLA, alone and in the tr
     --block-n 16,32,64 --block-k 128,256 --num-warps 4 --num-stages 3 --out $r/kernels.json
   python3 examples/gpu/kernels_bench.py --rows 1,4 --ops decode_attention --block-s 32,64,128 --num-warps 2,4 \
     --num-stages 2,3 --out $r/kernels.json
+  # the attention kernel split over the cache, at a decode step (1 token a row) and a k = 5 chain's verify (6)
+  python3 examples/gpu/kernels_bench.py --rows 1,4 --ops decode_attention --tokens 1,6 --splits 1,2,4,8 \
+    --out $r/kernels.json
 }
 real_kernels() {  # issue 10: the fused kernels end to end on MT-Bench (real weights)
   python3 examples/eagle.py --method none,eagle3 --num_spec_tokens 5 --max_num_seqs 1 --decode_kernels pallas $m

@@ -3,23 +3,26 @@
     python examples/gpu/kernels_bench.py --out docs/results/kernels.json
     python examples/gpu/kernels_bench.py --rows 1,4 --block-n 16,32,64 --block-k 64,128 --num-warps 2,4
     python examples/gpu/kernels_bench.py --ops decode_attention --block-s 32,64,128 --num-stages 2,3
+    python examples/gpu/kernels_bench.py --ops decode_attention --tokens 1,6 --splits 1,2,4,8
 
 Random bf16 weights, no model files. Ops (`kernels.fused_linear`, implementation "xla" vs "pallas"):
   * norm_linear: input_layernorm + qkv_proj (576 -> 960)
   * norm_gate_up: post_attention_layernorm + gate_up_proj + silu(gate) * up (576 -> 2 x 1536 -> 1536)
   * o_proj_residual, down_proj_residual: linear_residual (576 -> 576, 1536 -> 576)
-  * decode_attention: `kernels.decode_attention.attend` of one token in each of `rows` rows, from
-    qkv_proj's output: rotary, cache write and attention over a --cache-length cache whose first
-    half is filled (the new token is the half's last), attend_length None (all the cache) and
-    the half; its weight_bytes are the filled keys and values, which attention must read
+  * decode_attention: `kernels.decode_attention.attend` of --tokens tokens (1: a plain decode
+    step; 6: a k = 5 chain's verify) in each of `rows` rows, from qkv_proj's output: rotary, cache
+    write and attention over a --cache-length cache whose first half is filled (the new tokens
+    are the half's last), attend_length None (all the cache) and the half; its weight_bytes are
+    the filled keys and values, which attention must read
   * decoder_layer: one cached decode call of a whole `layers.DecoderLayer` (cache --cache-length),
     decode_kernels "xla" vs "pallas" (default tiling)
 Each is jitted alone. wall_us: median host time of one call ended by `block_until_ready` over
 --iterations calls (mostly dispatch for kernels this small). kernels and busy_us per call: from a
 `jax.profiler` trace of --trace-calls calls (examples/step_trace.py: device time, overlaps merged):
 the number that matters inside a compiled step. gb_per_s: weight bytes / busy time. Pallas rows run
-once per tiling in the product of --block-n, --block-k, --num-warps and --num-stages. Every row is
-appended to --out (kind "kernel_bench") and a table is printed.
+once per tiling in the product of --block-n, --block-k, --num-warps and --num-stages (decode_attention:
+--block-s, --splits, --num-warps and --num-stages). Every row is appended to --out (kind
+"kernel_bench") and a table is printed.
 """
 
 from __future__ import annotations
@@ -76,6 +79,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--block-k", type=int_list, default=[fused_linear.Tiling.block_k])
     parser.add_argument("--block-s", type=int_list, default=[decode_attention.Tiling.block_s],
                         help="cache slots per chunk of decode_attention")
+    parser.add_argument("--splits", type=int_list, default=[decode_attention.Tiling.splits],
+                        help="programs sharing a row's cache in decode_attention (1: the single kernel)")
+    parser.add_argument("--tokens", type=int_list, default=[1],
+                        help=f"decode_attention's tokens per row, or a comma list (<= {decode_attention.MAX_TOKENS})")
     parser.add_argument("--num-warps", type=int_list, help="default: each kernel's Tiling default")
     parser.add_argument("--num-stages", type=int_list, help="default: each kernel's Tiling default")
     parser.add_argument("--iterations", type=int, default=200, help="timed calls for the wall-time median")
@@ -90,6 +97,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"unknown --ops {bad}; choose from {OPS}")
     if not args.rows or min(args.rows) < 1 or max(args.rows) > fused_linear.MAX_ROWS:
         parser.error(f"--rows must be in 1..{fused_linear.MAX_ROWS}")
+    if not args.tokens or min(args.tokens) < 1 or max(args.tokens) > decode_attention.MAX_TOKENS:
+        parser.error(f"--tokens must be in 1..{decode_attention.MAX_TOKENS}")
+    if not args.splits or min(args.splits) < 1:
+        parser.error("--splits must be >= 1")
     if min(args.iterations, args.trace_calls) < 1:
         parser.error("--iterations and --trace-calls must be >= 1")
     return args
@@ -166,15 +177,17 @@ def layer_case(cfg: config_lib.LlamaConfig, rows: int, dtype, setting: str, cach
     return call, (params, x, cache(), cache()), weight_bytes
 
 
-def attention_case(cfg: config_lib.LlamaConfig, rows: int, dtype, cache_length: int, attend_length: int | None,
-                   implementation: str, tiling: decode_attention.Tiling | None):
-    """(decode_attention call of one token a row, updating a donated cache, its inputs, filled cache bytes)."""
+def attention_case(cfg: config_lib.LlamaConfig, rows: int, tokens: int, dtype, cache_length: int,
+                   attend_length: int | None, implementation: str, tiling: decode_attention.Tiling | None):
+    """(decode_attention call of `tokens` tokens a row, updating a donated cache, its inputs, filled cache bytes)."""
     rng = np.random.default_rng(0)
     width = sum(layers.qkv_sizes(cfg))
-    qkv = jnp.asarray(rng.standard_normal((rows, 1, width)), dtype)
+    qkv = jnp.asarray(rng.standard_normal((rows, tokens, width)), dtype)
     cache_shape = (rows, cache_length, cfg.num_kv_heads, cfg.head_dim)
     cache = lambda: jnp.asarray(rng.standard_normal(cache_shape), dtype)
-    positions = jnp.full((rows, 1), cache_length // 2 - 1, jnp.int32)  # slots below cache_length // 2 are filled
+    # Slots below cache_length // 2 are filled, the new tokens the last of them.
+    positions = jnp.broadcast_to(jnp.arange(cache_length // 2 - tokens, cache_length // 2, dtype=jnp.int32),
+                                 (rows, tokens))
     kw = dict(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
               attend_length=attend_length, inv_freq=layers.rope_inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
               implementation=implementation) | (dict(tiling=tiling) if tiling else {})
@@ -216,14 +229,15 @@ def run(args) -> list[dict]:
                                      cache_length=args.cache_length, **measure(call, inputs, args), **common))
                 continue
             if op == "decode_attention":
-                pallas = tilings(args, decode_attention.Tiling, block_s=args.block_s)
+                pallas = tilings(args, decode_attention.Tiling, block_s=args.block_s, splits=args.splits)
                 settings = [("xla", None)] + [("pallas", tiling) for tiling in pallas]
-                for attend_length, (implementation, tiling) in itertools.product((None, args.cache_length // 2),
-                                                                                  settings):
-                    call, inputs, weight_bytes = attention_case(cfg, count, dtype, args.cache_length, attend_length,
-                                                                implementation, tiling)
-                    rows.append(dict(op=op, implementation=implementation, rows=count, weight_bytes=weight_bytes,
-                                     cache_length=args.cache_length, attend_length=attend_length,
+                for tokens, attend_length, (implementation, tiling) in itertools.product(
+                        args.tokens, (None, args.cache_length // 2), settings):
+                    call, inputs, weight_bytes = attention_case(cfg, count, tokens, dtype, args.cache_length,
+                                                                attend_length, implementation, tiling)
+                    rows.append(dict(op=op, implementation=implementation, rows=count, tokens=tokens,
+                                     weight_bytes=weight_bytes, cache_length=args.cache_length,
+                                     attend_length=attend_length,
                                      tiling=tiling and vars(tiling), **measure(call, inputs, args), **common))
                 continue
             function, inputs, weight_bytes = cases[op]
@@ -241,15 +255,15 @@ def run(args) -> list[dict]:
 
 
 def print_table(rows: list[dict]) -> None:
-    header = (f"{'op':<20}{'impl':>8}{'rows':>6}{'attend':>7}{'tiling n/k|s/warps/stages':>27}{'kernels':>9}"
-              f"{'busy us':>9}{'vs xla':>8}{'wall us':>9}{'GB/s':>8}")
+    header = (f"{'op':<20}{'impl':>8}{'rows':>6}{'tokens':>7}{'attend':>7}{'tiling m/n/k|s/warps/stages[/splits]':>34}"
+              f"{'kernels':>9}{'busy us':>9}{'vs xla':>8}{'wall us':>9}{'GB/s':>8}")
     print("\n" + header + "\n" + "-" * len(header))
-    case = lambda r: (r["op"], r["rows"], r.get("attend_length"))
+    case = lambda r: (r["op"], r["rows"], r.get("tokens"), r.get("attend_length"))
     xla = {case(r): r["busy_us"] for r in rows if r["implementation"] == "xla"}
     for r in rows:
         tiling = "/".join(map(str, r["tiling"].values())) if r.get("tiling") else "-"
-        attend = r.get("attend_length") or "-"
-        print(f"{r['op']:<20}{r['implementation']:>8}{r['rows']:>6}{attend:>7}{tiling:>27}{r['kernels']:>9}"
+        attend, tokens = r.get("attend_length") or "-", r.get("tokens") or "-"
+        print(f"{r['op']:<20}{r['implementation']:>8}{r['rows']:>6}{tokens:>7}{attend:>7}{tiling:>34}{r['kernels']:>9}"
               f"{r['busy_us']:>9.2f}{xla[case(r)] / r['busy_us']:>7.2f}x{r['wall_us']:>9.1f}{r['gb_per_s']:>8.0f}")
 
 
