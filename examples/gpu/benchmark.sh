@@ -3,7 +3,7 @@
 # $RESULTS/*.json as it finishes a setting, so a run cut short keeps what it measured.
 # From the repo root, after `source examples/gpu/setup.sh`:
 #   bash examples/gpu/benchmark.sh [SECTION ...]      (default: every section, in this order)
-# Sections needing no model files (random weights): kernels, xla_flags.
+# Sections needing no model files (random weights): kernels, attention_split, xla_flags.
 # (heads_pipeline.sh runs the whole queue on the second GPU while the first trains one head.)
 set -x
 export EAGLE_JAX_MTBENCH=.stage/mtbench_question.jsonl
@@ -40,7 +40,9 @@ kernels() {  # issue 10: fused Pallas decode kernels vs XLA, alone and in the tr
     --block-n 16,32,64 --block-k 128,256 --num-warps 4 --num-stages 3 --out $r/kernels.json
   python3 examples/gpu/kernels_bench.py --rows 1,4 --ops decode_attention --block-s 32,64,128 --num-warps 2,4 \
     --num-stages 2,3 --out $r/kernels.json
-  # the attention kernel split over the cache, at a decode step (1 token a row) and a k = 5 chain's verify (6)
+}
+attention_split() {  # issue 10: the attention kernel split over the cache (Tiling.splits), at a decode
+  # step (1 token a row) and a k = 5 chain's verify (6 tokens), at the default tiling
   python3 examples/gpu/kernels_bench.py --rows 1,4 --ops decode_attention --tokens 1,6 --splits 1,2,4,8 \
     --out $r/kernels.json
 }
@@ -65,6 +67,6 @@ sampling() {  # temperature 1.0; cold vs warm start
   python3 examples/profile_step.py --parts cold_warm --out $r/profile.json
 }
 
-for section in ${@:-batching trees batch_k kernels real_kernels xla_flags peers sampling}; do
+for section in ${@:-batching trees batch_k kernels attention_split real_kernels xla_flags peers sampling}; do
   $section
 done
