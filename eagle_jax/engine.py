@@ -83,6 +83,10 @@ class Result:
     # steps_per_call steps (`scheduler.Finished`).
     first_token_seconds: float
     finish_seconds: float
+    # What the host loop that produced it asked of the device (`scheduler.CallCounts.as_dict()`:
+    # run, prefill and insert calls, syncs, sync and host seconds), shared by the prompts of one
+    # continuous call or one static batch.
+    calls: dict = dataclasses.field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -142,6 +146,13 @@ class Engine:
             row finishes (`scheduler`), with prefills in power-of-two widths up to max_length // 2
             and one cache length (max_length), all compiled up front, so nothing recompiles
             across prompts or budgets.
+        refill_at: the continuous scheduler's device call returns (to refill slots) once this many
+            of its rows have finished, or as many as there are prompts left to start if fewer;
+            with none left, a call runs its steps_per_call steps (or until every row is done).
+            Each return is a device-to-host round trip; waiting for more rows costs idle
+            row-steps instead: with rows of ~L steps finishing at random, about (refill_at - 1) / (2
+            x batch_size) of the slots idle. Default: a quarter of the slots, at least 1 (a
+            guess from the H200's ~17 ms per round trip against ~1.2 ms per step, not yet measured).
         speculative_disable_by_batch_size: while more rows than this are active, steps decode
             plainly (vLLM's flag of this name): a large batch fills the device without drafts.
             The switch happens inside the compiled step, both ways; greedy outputs are the same.
@@ -160,7 +171,7 @@ class Engine:
                  tree: tree_lib.TreeOptions | None = None, max_length: int = 2048, batch_size: int = 1,
                  eager: bool = False, cache_dir=None, fixed_shapes: bool = False, steps_per_check: int = 1,
                  scheduler: str = "static", speculative_disable_by_batch_size: int | None = None,
-                 decode_kernels: str = "auto", mesh: jax.sharding.Mesh | None = None):
+                 decode_kernels: str = "auto", mesh: jax.sharding.Mesh | None = None, refill_at: int | None = None):
         if num_speculative_tokens < 0:
             raise InputError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
         if (num_speculative_tokens or tree is not None) and head is None:
@@ -180,6 +191,9 @@ class Engine:
         if scheduler not in ("static", "continuous"):
             raise InputError(f"scheduler must be 'static' or 'continuous', got {scheduler!r}")
         self.scheduler = scheduler
+        if refill_at is not None and refill_at < 1:
+            raise InputError(f"refill_at must be >= 1, got {refill_at}")
+        self.refill_at = min(refill_at or max(1, batch_size // 4), batch_size)
         if speculative_disable_by_batch_size is not None and speculative_disable_by_batch_size < 1:
             raise InputError(f"speculative_disable_by_batch_size must be >= 1, got {speculative_disable_by_batch_size}")
         self.speculative_disable_by_batch_size = speculative_disable_by_batch_size
@@ -223,7 +237,7 @@ class Engine:
         if opts is None:
             return program
         method = self.head_config.method if self.head_config is not None and opts.k else "plain"
-        if program in ("start", "prefill-row"):
+        if program in ("start", "prefill-slots"):
             return f"prefill-{method}"
         if opts.tree is not None:
             tree = opts.tree
@@ -254,13 +268,13 @@ class Engine:
         target, head = self._modules(target_params, head_params)
         return self._place(speculative.start(target, head, tokens, lengths, rng, opts, budgets))
 
-    def _run(self, target_params, head_params, state, num_steps, opts, stop_on_finish=False):
+    def _run(self, target_params, head_params, state, min_finished=1, *, num_steps, opts, stop_on_finish=False):
         target, head = self._modules(target_params, head_params)
         return self._place(speculative.run_steps(target, head, state, num_steps, opts, self.steps_per_check,
-                                                 stop_on_finish))
+                                                 stop_on_finish, min_finished))
 
-    def _insert(self, state, row, slot):
-        return self._place(scheduler_lib.insert(state, row, slot))
+    def _insert(self, state, rows, take):
+        return self._place(scheduler_lib.insert(state, rows, take))
 
     def _program(self, name: str, function, args, static: dict, width: int, donate: tuple[str, ...] = ()):
         """The compiled program for this prefill width and static settings, compiled once.
@@ -361,30 +375,35 @@ class Engine:
         prompts = self.check_prompts(prompts, budgets)
         compile_before = self.compile_seconds
         programs = self.slot_programs(sampling, eos, steps_per_call)
-        finished = scheduler_lib.generate(programs, prompts, budgets, jax.random.key(seed), on_tokens, began)
+        finished = scheduler_lib.generate(programs, prompts, budgets, jax.random.key(seed), on_tokens, began,
+                                          self.refill_at)
         return [_result(f, self.compile_seconds - compile_before) for f in finished]
 
     def slot_programs(self, sampling: sampling_lib.Sampling, eos_ids: tuple[int, ...],
                       steps_per_call: int) -> scheduler_lib.SlotPrograms:
         """Compiles (once per engine and settings) the continuous scheduler's prefill, insert and run.
 
-        Shapes depend on the engine alone: prefill widths in power-of-two buckets up to
-        max_length // 2 (one program each, all compiled here so that none compiles mid-run),
-        cache length max_length, an output buffer for the largest budget any prompt could have;
-        budgets are per row. A prefilled row's state does not depend on its width, so one
+        Shapes depend on the engine alone: prefills of all batch_size slots at once (each free
+        slot's row holds its next prompt, so one call refills every freed slot) in power-of-two
+        widths up to max_length // 2 (one program each, all compiled here so that none compiles
+        mid-run), cache length max_length, an output buffer for the largest budget any prompt
+        could have; budgets are per row. A prefilled state does not depend on its width, so one
         insert program serves every bucket. Run programs: one per attention length (a quarter,
         half and all of the cache, `Options.attend_length`); the scheduler picks the shortest that
-        covers every slot its active rows can reach in the call.
+        covers every slot its active rows can reach in the call, and how many rows must finish
+        before the call returns (`refill_at`, an argument, not a constant of the program).
         """
         width = self.max_length // 2
         opts = self.options(sampling=sampling, eos_ids=eos_ids, max_new_tokens=self.max_length - self.headroom - 1,
                             cache_length=self.max_length)
         compile_before = self.compile_seconds
         params = (self.target_params, self.head_params)
-        row_args = lambda w: params + (np.zeros((1, w), np.int32), np.ones((1,), np.int32), np.ones((1,), np.int32),
-                                       jax.random.key(0))
+        rows = self.batch_size
+        row_args = lambda w: params + (np.zeros((rows, w), np.int32), np.ones((rows,), np.int32),
+                                       np.ones((rows,), np.int32), jax.random.key(0))
         widths = sorted({bucket_length(length, width) for length in range(1, width + 1)})
-        prefills = {w: self._program("prefill-row", self._start_rows, row_args(w), dict(opts=opts), w) for w in widths}
+        prefills = {w: self._program("prefill-slots", self._start_rows, row_args(w), dict(opts=opts), w)
+                    for w in widths}
         if self.eager:
             row_shape = jax.eval_shape(functools.partial(self._start_rows, opts=opts), *row_args(width))
         else:
@@ -396,19 +415,19 @@ class Engine:
             return jax.device_put(state, sharding_lib.state_shardings(state, self.config, self.mesh))
 
         state_shape = self._state_shape(jax.eval_shape(empty, jax.random.key(0)))
-        insert = self._program("insert", self._insert, (state_shape, self._state_shape(row_shape), np.int32(0)), {},
-                               0, donate=("state",))
+        insert = self._program("insert", self._insert, (state_shape, self._state_shape(row_shape),
+                                                        np.zeros((rows,), bool)), {}, 0, donate=("state",))
         # Its own name: a static batch with the same options would lower the same step, but for
         # the prefill's output types rather than these (weak types may differ).
-        runs = self._run_programs("slots-run", state_shape, steps_per_call, opts, stop_on_finish=True)
+        runs = self._run_programs("slots-run", state_shape, steps_per_call, opts, (np.int32(1),), stop_on_finish=True)
         return scheduler_lib.SlotPrograms(
             prefill=lambda tokens, *inputs: prefills[tokens.shape[1]](*params, tokens, *inputs), insert=insert,
-            run=lambda state, attend_length: runs[attend_length](*params, state), empty=empty,
+            run=lambda state, attend_length, refill_at: runs[attend_length](*params, state, refill_at), empty=empty,
             batch_size=self.batch_size, widths=tuple(widths), attend_lengths=tuple(runs),
             steps_per_call=steps_per_call, compile_seconds=self.compile_seconds - compile_before, opts=opts)
 
     def _run_programs(self, name: str, state_shape, steps_per_call: int, opts: speculative.Options,
-                      **static) -> dict[int, Callable]:
+                      extra_args: tuple = (), **static) -> dict[int, Callable]:
         """The device loop compiled for a quarter, half and all of the cache as attention's reach
         (`Options.attend_length`), keyed by that length, ascending.
 
@@ -423,7 +442,7 @@ class Engine:
             lengths = [cache]
         else:
             lengths = sorted({max(cache // 4, MIN_BUCKET), max(cache // 2, MIN_BUCKET), cache})
-        args = (self.target_params, self.head_params, state_shape)
+        args = (self.target_params, self.head_params, state_shape) + extra_args
         return {length: self._program(name, self._run, args, dict(
                     num_steps=steps_per_call, opts=opts if length == cache else opts.replace(attend_length=length),
                     **static), 0, donate=("state",))
@@ -469,4 +488,4 @@ class Engine:
 def _result(finished: scheduler_lib.Finished, compile_seconds: float) -> Result:
     return Result(token_ids=finished.token_ids, seconds=finished.seconds, compile_seconds=compile_seconds,
                   stats=finished.stats, first_token_seconds=finished.first_token_seconds,
-                  finish_seconds=finished.finish_seconds)
+                  finish_seconds=finished.finish_seconds, calls=finished.calls)

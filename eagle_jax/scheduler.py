@@ -6,13 +6,15 @@ Continuous (`generate`): rows refill from a queue as they finish, after JetStrea
 prefill / insert / generate split. The device holds one `DecodeState` of
 `batch_size` rows (slots) with one cache length, so no program recompiles across prompts:
 
-* prefill: the ordinary `speculative.start` on one prompt (batch 1, one fixed width), with
-  the prompt's own budget of new tokens;
-* insert: writes that batch-1 state into a free slot of the big state (donated);
-* run: the ordinary `speculative.run_steps` on all slots; idle slots are `done` and change
-  nothing.
+* prefill: the ordinary `speculative.start` on a batch of `batch_size` rows (one of a few
+  fixed widths): the row of each free slot holds its next prompt, with the prompt's own budget
+  of new tokens, so one call prefills every slot a round frees;
+* insert: writes the prefilled rows into their slots of the big state (donated);
+* run: the ordinary `speculative.run_steps` on all slots, returning once `refill_at` of its
+  rows have finished (a traced argument); idle slots are `done` and change nothing.
 
-The host loop alternates run calls with harvesting finished rows and refilling their slots.
+The host loop alternates run calls with harvesting finished rows and refilling their slots:
+each round is one sync and three device calls, however many slots it refills.
 The engine compiles the programs (`Engine.batch_programs`, `Engine.slot_programs`); this module
 owns the host loops.
 """
@@ -31,20 +33,20 @@ import numpy as np
 from eagle_jax import speculative
 
 
-def insert(state: speculative.DecodeState, row: speculative.DecodeState, slot: jax.Array) -> speculative.DecodeState:
-    """Writes the batch-1 state `row` into slot `slot` of `state`.
+def insert(state: speculative.DecodeState, rows: speculative.DecodeState, take: jax.Array) -> speculative.DecodeState:
+    """Slot b of `state` becomes row b of `rows` where `take[b]` ([B] bool), and stays elsewhere.
 
     Every leaf but `rng` has batch as axis 0 (the caches' per-layer keys and values and their
     lengths, the per-row counters, outputs, budgets and pending draft pairs), so one tree map
     covers them all. `rng` is one key for the whole batch: the big state's is kept.
     """
-    put = lambda big, small: jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), slot, axis=0)
-    merged = jax.tree.map(put, state.replace(rng=None), row.replace(rng=None))
+    pick = lambda big, new: jnp.where(take.reshape((-1,) + (1,) * (big.ndim - 1)), new.astype(big.dtype), big)
+    merged = jax.tree.map(pick, state.replace(rng=None), rows.replace(rng=None))
     return merged.replace(rng=state.rng)
 
 
 def empty_state(row_shape: speculative.DecodeState, batch_size: int, rng: jax.Array) -> speculative.DecodeState:
-    """`batch_size` idle slots shaped like a batch-1 state (arrays or ShapeDtypeStructs).
+    """`batch_size` idle slots shaped like the prefill's rows (arrays or ShapeDtypeStructs).
 
     Built from host zeros (no device program): idle rows are `done`, so steps leave them as
     they are; `pending_count` is 1 so an idle row's draft reads a real pending slot.
@@ -88,10 +90,12 @@ class BatchPrograms:
 class SlotPrograms:
     """The compiled programs of one slot layout (see `Engine.slot_programs`)."""
 
-    prefill: Callable  # prefill(tokens [1, w], lengths [1], budgets [1], rng) -> batch-1 DecodeState, w in widths
-    insert: Callable  # insert(state, row, slot) -> state; `state` is donated
-    # run(state, attend_length) -> state after up to steps_per_call steps, attention reading cache
-    # slots below attend_length (one of attend_lengths); `state` is donated.
+    # prefill(tokens [B, w], lengths [B], budgets [B], rng) -> a B-row DecodeState, w in widths
+    prefill: Callable
+    insert: Callable  # insert(state, rows, take [B] bool) -> state; `state` is donated
+    # run(state, attend_length, refill_at) -> state after up to steps_per_call steps or once
+    # refill_at (int32) of the rows running at entry are done, attention reading cache slots
+    # below attend_length (one of attend_lengths); `state` is donated.
     run: Callable
     empty: Callable  # empty(rng) -> a state of idle slots
     batch_size: int
@@ -103,6 +107,38 @@ class SlotPrograms:
 
 
 @dataclasses.dataclass
+class CallCounts:
+    """What one host loop asked of the device: to attribute time between device and host.
+
+    `sync_seconds` is the host's wall time blocked fetching results (it waits there for the
+    device's queued work); `host_seconds` is the rest of the loop's wall time (inputs, dispatch,
+    harvesting, streaming). On an asynchronous device the two add up to the loop's wall time.
+    """
+
+    run_calls: int = 0
+    prefill_calls: int = 0
+    insert_calls: int = 0
+    syncs: int = 0  # device-to-host fetches that wait for the device
+    sync_seconds: float = 0.0
+    host_seconds: float = 0.0
+
+    @property
+    def device_calls(self) -> int:
+        return self.run_calls + self.prefill_calls + self.insert_calls
+
+    def as_dict(self) -> dict:
+        return dict(dataclasses.asdict(self), device_calls=self.device_calls)
+
+    def fetch(self, arrays):
+        """`jax.device_get(arrays)`, counted as a sync."""
+        began = time.perf_counter()
+        fetched = jax.device_get(arrays)
+        self.syncs += 1
+        self.sync_seconds += time.perf_counter() - began
+        return fetched
+
+
+@dataclasses.dataclass
 class Finished:
     """One prompt's generation, as harvested from its slot.
 
@@ -110,7 +146,9 @@ class Finished:
     caller's start) to the harvest point (a host sync after prefill or after a device call) at
     which the loop first held the prompt's first token, and its last: their resolution is one
     device call of steps_per_call steps. Continuous batching first syncs a new row after the run
-    call that follows its prefill, which is also when it could first stream its tokens.
+    call that follows its prefill, which is also when it could first stream its tokens; a run
+    call returns once `refill_at` rows have finished (or its steps run out), so a row that ends
+    early in a call is read when the call ends, still within that one call.
     """
 
     token_ids: list[int]
@@ -118,24 +156,37 @@ class Finished:
     stats: dict
     first_token_seconds: float
     finish_seconds: float
+    # `CallCounts.as_dict()` of the host loop that produced it (a continuous call, or a static
+    # batch), shared by all its prompts.
+    calls: dict = dataclasses.field(default_factory=dict)
 
 
 def generate(programs: SlotPrograms, prompts: Sequence[np.ndarray], budgets: Sequence[int], rng: jax.Array,
              on_tokens: Callable[[int, list[int]], None] | None = None,
-             began: float | None = None) -> list[Finished]:
+             began: float | None = None, refill_at: int = 1) -> list[Finished]:
     """Generates for every prompt through the slots; results in input order.
+
+    Each round: one prefill call fills every free slot from the queue (one prompt per slot, all
+    at the width of the longest), one insert call writes those rows into their slots, one run
+    call steps until `refill_at` rows have finished (or the queue's prompts, if fewer; with the
+    queue empty, until its steps_per_call steps end or every row is done), then one sync fetches
+    what the host harvests and streams.
 
     Args:
         prompts: int32 prompts, each at most `programs.widths[-1]` tokens.
         budgets: each prompt's max_new_tokens.
-        rng: the seed key. Prompt i's prefill uses `fold_in(prefill key, i)`; the steps share
-            the state's key, so sampled outputs are reproducible for a seed, batch size and
-            steps_per_call (greedy outputs do not depend on them).
+        rng: the seed key. A refill's prefill uses `fold_in(prefill key, i)`, i being the first
+            prompt it starts; the steps share the state's key, so sampled outputs are reproducible
+            for a seed, batch size, steps_per_call and refill_at (greedy outputs do not depend on
+            them).
         on_tokens: called as `on_tokens(prompt_index, new_ids)` after each device call.
         began: `time.perf_counter()` at the caller's start, which every prompt's times count
             from (as if all arrived then); default now.
+        refill_at: how many rows must finish before a run call returns (1 to batch_size).
     """
     began = time.perf_counter() if began is None else began
+    loop_began = time.perf_counter()
+    calls = CallCounts()
     state_rng, prefill_rng = jax.random.split(rng)
     state = programs.empty(state_rng)
     queue = collections.deque(range(len(prompts)))
@@ -146,21 +197,36 @@ def generate(programs: SlotPrograms, prompts: Sequence[np.ndarray], budgets: Seq
     generated = np.zeros(programs.batch_size, np.int64)  # per slot, as of the last harvest
     finished: list[Finished | None] = [None] * len(prompts)
     while True:
-        for slot in range(programs.batch_size):
-            if owner[slot] is None and queue:
-                index = queue.popleft()
-                prefilled[slot], first_token[slot] = time.perf_counter(), None
-                row = programs.prefill(*_prefill_inputs(prompts[index], budgets[index], programs.widths),
-                                       jax.random.fold_in(prefill_rng, index))
-                state = programs.insert(state, row, np.int32(slot))
+        starting = [(slot, queue.popleft()) for slot in range(programs.batch_size) if owner[slot] is None and queue]
+        if starting:
+            now = time.perf_counter()
+            inputs = _prefill_inputs([prompts[index] for _, index in starting], [budgets[index] for _, index in starting],
+                                     [slot for slot, _ in starting], programs.batch_size, programs.widths)
+            rows = programs.prefill(*inputs, jax.random.fold_in(prefill_rng, starting[0][1]))
+            take = np.zeros(programs.batch_size, bool)
+            for slot, index in starting:
+                take[slot] = True
                 owner[slot], shown[slot], generated[slot] = index, 0, 1  # prefill emitted one token
+                prefilled[slot], first_token[slot] = now, None
+            state = programs.insert(state, rows, take)
+            calls.prefill_calls += 1
+            calls.insert_calls += 1
         if all(index is None for index in owner):
+            calls.host_seconds = time.perf_counter() - loop_began - calls.sync_seconds
+            for result in finished:
+                result.calls = calls.as_dict()
             return finished
         running = [(len(prompts[index]), budgets[index], generated[slot]) for slot, index in enumerate(owner)
                    if index is not None]
+        # Leave the device loop to refill only when slots can be refilled, and as a batch.
+        wait_for = min(refill_at, len(queue)) if queue else programs.batch_size + 1
         state = programs.run(state, attend_length(programs.attend_lengths, programs.opts, programs.steps_per_call,
-                                                  running))
-        output, counts, done = jax.device_get((state.output, state.num_generated, state.done))
+                                                  running), np.int32(wait_for))
+        calls.run_calls += 1
+        # One fetch: tokens, cursors and the acceptance counters (stats), not the caches.
+        host = calls.fetch(state.replace(cache=None, draft_cache=None, pending_tokens=None, pending_features=None,
+                                         pending_count=None, next_token=None, rng=None))
+        output, counts, done = host.output, host.num_generated, host.done
         generated[:] = counts
         now = time.perf_counter()
         harvest = [slot for slot, index in enumerate(owner) if index is not None and done[slot]]
@@ -170,7 +236,7 @@ def generate(programs: SlotPrograms, prompts: Sequence[np.ndarray], budgets: Seq
         if on_tokens is not None:
             _stream(output, counts, shown, owner, on_tokens)
         if harvest:
-            stats = speculative.stats(state, programs.opts)
+            stats = speculative.stats(host, programs.opts)
             for slot in harvest:
                 finished[owner[slot]] = Finished(token_ids=output[slot, :counts[slot]].tolist(),
                                                  seconds=now - prefilled[slot], stats=stats[slot],
@@ -191,14 +257,15 @@ def generate_static(programs: BatchPrograms, num_rows: int,
     """
     prefilled = time.perf_counter()
     began = prefilled if began is None else began
+    calls = CallCounts(prefill_calls=1)
     state = programs.prefill()
     shown = np.zeros(num_rows, np.int64)
     first_token = None
     finish = np.full(num_rows, np.nan)
     while True:
-        counts, done = jax.device_get((state.num_generated, state.done))
+        counts, done = calls.fetch((state.num_generated, state.done))
         if on_tokens is not None:  # only streaming needs the tokens before the batch ends
-            _stream(jax.device_get(state.output), counts, shown, list(range(num_rows)), on_tokens)
+            _stream(calls.fetch(state.output), counts, shown, list(range(num_rows)), on_tokens)
         now = time.perf_counter() - began
         first_token = now if first_token is None else first_token  # prefill emits every row's first token
         finish[np.isnan(finish) & done[:num_rows]] = now
@@ -208,11 +275,13 @@ def generate_static(programs: BatchPrograms, num_rows: int,
                    for row in range(num_rows) if not done[row]]
         state = programs.step(state, attend_length(tuple(programs.runs), programs.opts, programs.steps_per_call,
                                                    running))
-    output, counts = jax.device_get((state.output, state.num_generated))
+        calls.run_calls += 1
+    output, counts = calls.fetch((state.output, state.num_generated))
     seconds = time.perf_counter() - prefilled
     stats = speculative.stats(state, programs.opts)
+    calls.host_seconds = time.perf_counter() - prefilled - calls.sync_seconds
     return [Finished(token_ids=output[row, :counts[row]].tolist(), seconds=seconds, stats=stats[row],
-                     first_token_seconds=first_token, finish_seconds=float(finish[row]))
+                     first_token_seconds=first_token, finish_seconds=float(finish[row]), calls=calls.as_dict())
             for row in range(num_rows)]
 
 
@@ -241,9 +310,15 @@ def attend_length(lengths: Sequence[int], opts: speculative.Options, steps_per_c
     return next((length for length in lengths if length >= need), lengths[-1])
 
 
-def _prefill_inputs(prompt: np.ndarray, budget: int, widths: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The batch-1 prefill's inputs, padded to the narrowest bucket that holds the prompt."""
-    width = next(w for w in widths if w >= len(prompt))
-    tokens = np.zeros((1, width), np.int32)
-    tokens[0, :len(prompt)] = prompt
-    return tokens, np.array([len(prompt)], np.int32), np.array([budget], np.int32)
+def _prefill_inputs(prompts: Sequence[np.ndarray], budgets: Sequence[int], slots: Sequence[int], batch_size: int,
+                    widths: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The slots' prefill inputs: prompt i in row slots[i], padded to the narrowest bucket that
+    holds the longest; the other rows hold one token and a budget of one (`insert` skips them)."""
+    width = next(w for w in widths if w >= max(len(prompt) for prompt in prompts))
+    tokens = np.zeros((batch_size, width), np.int32)
+    lengths = np.ones((batch_size,), np.int32)
+    row_budgets = np.ones((batch_size,), np.int32)
+    for prompt, budget, slot in zip(prompts, budgets, slots):
+        tokens[slot, :len(prompt)] = prompt
+        lengths[slot], row_budgets[slot] = len(prompt), budget
+    return tokens, lengths, row_budgets

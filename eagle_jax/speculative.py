@@ -364,7 +364,8 @@ def _commit(state: DecodeState, opts: Options, rng: jax.Array, cache: kv_cache_l
 
 
 def run_steps(target: llama.Llama, head, state: DecodeState, num_steps: int, opts: Options,
-              steps_per_check: int = 1, stop_on_finish: bool = False) -> DecodeState:
+              steps_per_check: int = 1, stop_on_finish: bool = False,
+              min_finished: jax.Array | int = 1) -> DecodeState:
     """Up to `num_steps` steps on the device, stopping early once every row is done.
 
     The exit test (`all rows done`) runs every `steps_per_check` steps; between tests the steps
@@ -373,9 +374,11 @@ def run_steps(target: llama.Llama, head, state: DecodeState, num_steps: int, opt
     `steps_per_check - 1` idle steps at the end. Outputs are identical either way: a finished
     row's step changes nothing.
 
-    With `stop_on_finish` (continuous batching) the loop also exits as soon as a row that was
-    running at entry is done, so that the host can refill its slot instead of carrying an idle
-    row through the rest of the call.
+    With `stop_on_finish` (continuous batching) the loop also exits as soon as `min_finished`
+    rows that were running at entry are done (an int32 scalar, traced: the host picks it per
+    call without a recompile), so that the host can refill their slots instead of carrying idle
+    rows through the rest of the call. Waiting for several trades some idle row-steps for fewer
+    device-to-host round trips; more than the batch never exits early.
     """
     running_at_entry = ~state.done
 
@@ -383,7 +386,7 @@ def run_steps(target: llama.Llama, head, state: DecodeState, num_steps: int, opt
         i, state = carry
         keep_going = (i < num_steps) & ~jnp.all(state.done)
         if stop_on_finish:
-            keep_going &= ~jnp.any(state.done & running_at_entry)
+            keep_going &= jnp.sum(state.done & running_at_entry) < min_finished
         return keep_going
 
     def body(carry):

@@ -16,7 +16,9 @@ Output tokens per second = generated tokens / device-loop seconds (compilation e
 of the batches' seconds (static), or the call's time to its last token (continuous). As a serving
 benchmark with every request arriving when the timed run starts, each row also records the median
 time to first token and the median and 90th-percentile request latency, counted from that start
-(read at the host loop's syncs: their resolution is one call of --steps_per_call steps).
+(read at the host loop's syncs: their resolution is one call of --steps_per_call steps), and
+what the host loops asked of the device (`scheduler.CallCounts`: run, prefill and insert calls,
+syncs, seconds blocked in syncs and seconds of host work between them).
 Acceptance length is pooled over all drafts, vLLM's convention (1 + accepted / drafts). One row
 per setting is appended to `--out` (a JSON list) as soon as it is measured, so an interrupted
 sweep keeps what it finished. In a multi-process job (`sharding.initialize_distributed`) every
@@ -26,6 +28,7 @@ process runs the sweep and process 0 writes the rows.
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import os
 import shlex
@@ -98,6 +101,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="none | eagle | eagle3, or a comma list (none = plain decoding, k=0)")
     parser.add_argument("--scheduler", type=name_list(SCHEDULERS, "schedulers"), default=["static"],
                         help="static | continuous, or a comma list to record both (default static)")
+    parser.add_argument("--refill_at", "--refill-at", type=int,
+                        help="continuous: a device call returns to refill slots once this many rows finished "
+                             "(Engine.refill_at; default a quarter of the batch)")
     parser.add_argument("--speculative_disable_by_batch_size", "--speculative-disable-by-batch-size", type=int,
                         help="decode without drafts in steps where more rows than this are active")
     parser.add_argument("--tensor_parallel_size", "--tensor-parallel-size", type=int_list, default=[1],
@@ -130,6 +136,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("batch sizes and k must be >= 1 (use --method none for plain decoding)")
     if min(args.tensor_parallel_size) < 1:
         parser.error("--tensor_parallel_size must be >= 1")
+    if args.refill_at is not None and args.refill_at < 1:
+        parser.error("--refill_at must be >= 1")
     if args.speculative_disable_by_batch_size is not None and args.speculative_disable_by_batch_size < 1:
         parser.error("--speculative_disable_by_batch_size must be >= 1")
     tree_lists = (args.speculative_eagle_topk, args.speculative_num_steps, args.speculative_num_draft_tokens)
@@ -190,10 +198,10 @@ def run_setting(engine, prompts, warmup_prompts, args, sampling, desc) -> dict:
     warmup_seconds = time.perf_counter() - began
     compile_after_warmup = engine.compile_seconds
 
-    results, device_seconds, first_token, latency = [], 0.0, [], []
+    results, device_seconds, first_token, latency, calls = [], 0.0, [], [], collections.Counter()
     began = time.perf_counter()
-    calls = range(0, len(prompts), per_call)
-    for number, index in enumerate(tqdm.tqdm(calls, desc=desc, unit="call", file=sys.stderr)):
+    starts = range(0, len(prompts), per_call)
+    for number, index in enumerate(tqdm.tqdm(starts, desc=desc, unit="call", file=sys.stderr)):
         call_began = time.perf_counter() - began
         batch = generate(prompts[index:index + per_call], args.seed + 1 + number)
         # Result.seconds is its batch's (count each batch once); a continuous call's prompts
@@ -201,6 +209,7 @@ def run_setting(engine, prompts, warmup_prompts, args, sampling, desc) -> dict:
         device_seconds += batch[0].seconds if engine.scheduler == "static" else max(r.finish_seconds for r in batch)
         first_token += [call_began + r.first_token_seconds for r in batch]
         latency += [call_began + r.finish_seconds for r in batch]
+        calls.update(batch[0].calls)  # the call's (continuous) or the batch's (static) host loop
         results += batch
     wall_seconds = time.perf_counter() - began
     total_tokens = sum(r.num_tokens for r in results)
@@ -208,7 +217,7 @@ def run_setting(engine, prompts, warmup_prompts, args, sampling, desc) -> dict:
                 warmup_seconds=warmup_seconds, compile_seconds=engine.compile_seconds,
                 compile_seconds_after_warmup=compile_after_warmup, num_compilations=engine.num_compilations,
                 ttft_ms_p50=1000 * np.percentile(first_token, 50), latency_s_p50=np.percentile(latency, 50),
-                latency_s_p90=np.percentile(latency, 90))
+                latency_s_p90=np.percentile(latency, 90), calls=calls)
 
 
 def tree_label(row: dict) -> str:
@@ -280,7 +289,7 @@ def main(argv=None) -> int:
                                    cache_dir=cache_dir, fixed_shapes=True, steps_per_check=args.steps_per_check,
                                    scheduler=scheduler, decode_kernels=args.decode_kernels,
                                    speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
-                                   mesh=meshes[tensor_parallel_size], **drafting)
+                                   mesh=meshes[tensor_parallel_size], refill_at=args.refill_at, **drafting)
         name = f"tree {tree.topk}/{tree.num_steps}/{tree.num_draft_tokens}" if tree else f"k={k}"
         desc = f"{method} {name} bs={batch_size} {scheduler} tp={tensor_parallel_size}"
         measured = run_setting(engine, prompts, warmup_prompts, args, sampling, desc=f"{desc} {mode}")
@@ -304,11 +313,15 @@ def main(argv=None) -> int:
             draft=None if head_path is None else str(head_path), seed=args.seed,
             dataset=Path(args.dataset).name if args.dataset else "mt_bench",
             steps_per_call=args.steps_per_call, steps_per_check=args.steps_per_check,
-            decode_kernels=engine.decode_kernels,
+            decode_kernels=engine.decode_kernels, refill_at=engine.refill_at if scheduler == "continuous" else None,
             speculative_disable_by_batch_size=args.speculative_disable_by_batch_size if k else None,
             ttft_ms_p50=round(float(measured["ttft_ms_p50"]), 2),
             latency_s_p50=round(float(measured["latency_s_p50"]), 4),
             latency_s_p90=round(float(measured["latency_s_p90"]), 4),
+            # What the timed host loops asked of the device (`scheduler.CallCounts`), summed over calls:
+            # each run call is one device-to-host round trip.
+            **{key: round(value, 4) if isinstance(value, float) else value
+               for key, value in measured["calls"].items()},
         )
         row = {key: value for key, value in row.items() if value is not None}
         if writes:

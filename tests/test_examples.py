@@ -73,6 +73,7 @@ def test_eagle_records_both_schedulers(model_dir, tmp_path, capsys, monkeypatch)
     for row in rows:
         assert row["batch_size"] == 2 and row["num_prompts"] == 3 and row["output_tokens_per_second"] > 0
         assert 0 < row["ttft_ms_p50"] / 1000 <= row["latency_s_p50"] <= row["latency_s_p90"] <= row["wall_seconds"]
+        assert 1 <= row["run_calls"] < row["device_calls"] and row["syncs"] >= row["run_calls"]
     assert rows[0]["total_tokens"] == rows[1]["total_tokens"]
 
 

@@ -219,3 +219,28 @@ def test_each_call_attends_over_the_shortest_length_that_covers_its_rows():
     assert choose((20, 4, 1), (9, 10, 1)) == 32  # 20 + 4 + 4 = 28: the budget caps the call
     assert choose((3, 30, 29)) == 64  # 37
     assert choose() == 16  # nothing running
+
+
+def test_refills_wait_for_several_rows(target, prompts, eos_id, reference):
+    """`refill_at`: a device call returns only once that many rows finished (or the queue's
+    prompts, if fewer), and one prefill refills every freed slot: fewer round trips, the same
+    outputs, streaming intact, and the same programs serve both settings (a host-side policy)."""
+    expected = [r.token_ids for r in reference("plain")]
+    calls = {}
+    engine = engine_lib.Engine(target, max_length=MAX_LENGTH, batch_size=SLOTS, scheduler="continuous",
+                               refill_at=SLOTS)
+    for refill_at in (SLOTS, 1):
+        engine.refill_at = refill_at
+        streamed = collections.defaultdict(list)
+        results = engine.generate(prompts, max_new_tokens=list(BUDGETS), eos_ids=[eos_id], steps_per_call=16,
+                                  on_tokens=lambda index, ids: streamed[index].extend(ids))
+        assert [r.token_ids for r in results] == expected
+        assert [streamed[i] for i in range(len(prompts))] == expected
+        assert engine.num_compilations == SLOT_PROGRAMS
+        calls[refill_at] = results[0].calls
+        assert all(r.calls == calls[refill_at] for r in results)  # the call's counters, shared
+        assert calls[refill_at]["prefill_calls"] == calls[refill_at]["insert_calls"] <= calls[refill_at]["run_calls"]
+        assert calls[refill_at]["syncs"] == calls[refill_at]["run_calls"]
+    # Budgets fit in one call (16 steps), so with refill_at = SLOTS every refill but the last
+    # waits for all three slots: 7 prompts take 3 prefills (3, 3, 1).
+    assert calls[SLOTS]["prefill_calls"] == 3 and calls[SLOTS]["run_calls"] < calls[1]["run_calls"], calls
