@@ -10,8 +10,11 @@
 # SKIP_DISTILL=1 trains on the parts already in RUN_DIR/distill (carried from an earlier lease);
 # INIT_FROM_SHIPPED=1 starts each head from the shipped one (eagle_jax/heads/) instead of random;
 # TRAIN_TOKENS=N trains on a nested random subset of N generated tokens (data-scaling runs).
+# PROFILE_FROM=FILE skips the profiling and sizes training from the fastest train_trace row of
+# each method in FILE (e.g. docs/results/profile.json: a step costs the same in every lease).
 # HEADS=eagle3 trains EAGLE-3 alone (on GPU 0); a second GPU then runs examples/gpu/benchmark.sh
 # with the shipped heads (the sections in BENCH_SECTIONS, default all), its rows in RESULTS/gpu1/.
+# Two heads with SKIP_DISTILL: GPU 1 runs BENCH_SECTIONS (default none) after EAGLE-1's evaluation.
 # A staged .stage/extra_turns.npz (prompt sources beyond ShareGPT, docs/TRAINING.md) is distilled
 # too, at EXTRA_TEMPERATURES (default 0,0.8), into parts named extra-*.
 set -x
@@ -25,14 +28,16 @@ distill() {  # distill GPU OUT_DIR ARGS...: greedy rounds need --rounds 3 --temp
     --max-new-tokens 256 --batch-size 1024 --max-seconds "${DISTILL_SECONDS:-240}" "${@:3}"
 }
 profile() {  # profile GPU METHOD ATTENTION [UNROLL]: one train_trace row in $r/profile.json
+  [ -n "$PROFILE_FROM" ] && return 0
   CUDA_VISIBLE_DEVICES=$1 python3 examples/profile_train.py --method "$2" --attention "$3" ${4:+--unroll $4} \
     --batch-size 64 --sequence-length 640 --timed-steps 10 --steps 3 --label "heads_pipeline" --out "$r/profile.json"
 }
 fastest() {  # fastest METHOD: "attention step_ms" of the quickest profiled train step of METHOD
-  python3 - "$r/profile.json" "$1" <<'EOF'
+  python3 - "${PROFILE_FROM:-$r/profile.json}" "$1" "$PROFILE_FROM" <<'EOF'
 import json, sys
+# A profile of this lease has the label heads_pipeline; a carried file's rows all count.
 rows = [row for row in json.load(open(sys.argv[1])) if row.get("kind") == "train_trace" and row["method"] == sys.argv[2]
-        and row.get("label") == "heads_pipeline"]
+        and (sys.argv[3] or row.get("label") == "heads_pipeline")]
 best = min(rows, key=lambda row: row["step_ms"])
 print(best.get("attention", "xla"), best["step_ms"])
 EOF
@@ -73,7 +78,15 @@ if [ -n "$SKIP_DISTILL" ]; then
   distill() { ls "$run/distill"; }  # the carried parts
 fi
 heads=${HEADS:-eagle3 eagle}
-if [ "$gpus" -ge 2 ] && [ "$heads" != eagle3 ]; then
+bench_gpu1() { [ -z "$BENCH_SECTIONS" ] || CUDA_VISIBLE_DEVICES=1 RESULTS=$r/gpu1 bash examples/gpu/benchmark.sh $BENCH_SECTIONS \
+  > "$r/benchmark_log.txt" 2>&1; }
+if [ "$gpus" -ge 2 ] && [ "$heads" != eagle3 ] && [ -n "$SKIP_DISTILL" ]; then
+  # Carried parts: EAGLE-1 trains on them at once on GPU 1, then that GPU runs BENCH_SECTIONS;
+  # GPU 0 first distils the extra prompts (whole parts land by rename, long after GPU 1 read its data).
+  ( distill_extra 0; train 0 eagle3 7; evaluate 0 eagle3 ) &
+  ( train 1 eagle 3; evaluate 1 eagle; bench_gpu1 ) &
+  wait
+elif [ "$gpus" -ge 2 ] && [ "$heads" != eagle3 ]; then
   distill 0 "$run/distill" --rounds 3 --temperatures 0,0.7 &
   ( profile 1 eagle3 cudnn || profile 1 eagle3 xla; profile 1 eagle cudnn 3 || profile 1 eagle xla 3
     distill 1 "$run/distill-sampled" --rounds 1 --temperatures 0.8,1.0,0.9,0.6; distill_extra 1 ) &
