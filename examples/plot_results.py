@@ -86,6 +86,20 @@ def latest(rows: list[dict]) -> list[dict]:
     return list(by_key.values())
 
 
+def latest_of_newest_head(rows: list[dict]) -> list[dict]:
+    """`latest`, except that a row measured with an older head (the `head` field, "run N"; none:
+    older than any) never replaces one with a newer head, so the plots show the shipped heads even
+    where an older head was measured later (a second GPU of the same lease)."""
+    def rank(row):
+        return int(row["head"].split()[-1]) if "head" in row else 0
+    by_key = {}
+    for row in rows:
+        key = tuple(row.get(name, KEY_DEFAULTS.get(name)) for name in KEY)
+        if key not in by_key or rank(row) >= rank(by_key[key]):
+            by_key[key] = row
+    return list(by_key.values())
+
+
 def default_settings(rows: list[dict]) -> list[dict]:
     """Chain rows at the default settings: XLA kernels, one device, the exit test every step
     (trees apart: a tree row's k is its depth, not comparable with a chain's k)."""
@@ -268,6 +282,7 @@ def plot_training(directory: Path, out: Path) -> None:
     if not runs:
         return
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    run_number = {path: int(path.stem.removesuffix("_metrics").partition("_run")[2] or 1) for path in runs}
     for path in runs:
         record = json.loads(path.read_text())
         log = [entry for entry in record.get("log", []) if "accuracy_0" in entry]
@@ -277,7 +292,7 @@ def plot_training(directory: Path, out: Path) -> None:
         window = min(5, len(log))  # the logged values are single batches: a short running mean
         smooth = np.convolve([e["accuracy_0"] for e in log], np.ones(window) / window, mode="valid")
         ax.plot([e["step"] for e in log][window - 1:], smooth, linewidth=2, color=COLORS.get(record["method"]),
-                alpha=0.35 + 0.65 * (int(run or 1) / 5), label=f"{LABELS[record['method']]}, run {run or 1}")
+                alpha=0.35 + 0.65 * run_number[path] / max(run_number.values()), label=f"{LABELS[record['method']]}, run {run or 1}")
     ax.set_xlabel("train step (batch 64 x 640 from run 2 on, 32 x 512 in run 1)")
     ax.set_ylabel("top-1 agreement with the target, first draft")
     finish(fig, ax, out / "training_curves.png", "Draft-head training curves (the training mix, per batch)",
@@ -394,7 +409,7 @@ def main(argv=None) -> int:
     # Rows from two GPUs of one lease land in the file out of time order: "latest" goes by date.
     all_rows = sorted(load_rows(Path(args.results)), key=lambda r: r.get("date", ""))
     every = latest(all_rows)
-    rows = default_settings(every)
+    rows = default_settings(latest_of_newest_head(all_rows))
     setting = reference_setting(rows, args)
     if setting is None:
         print(f"no compiled greedy rows in {args.results}: no MT-Bench plots", file=sys.stderr)
