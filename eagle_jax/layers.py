@@ -302,20 +302,28 @@ class DecoderLayer(nnx.Module):
         # Cached calls only: cache-free calls compute training features, which need gradients
         # (the Pallas kernels define none).
         if keys is not None and uses_decode_kernels(self.decode_kernels, x, *linears):
-            return self._fused_decode(x, positions, keys, values, mask, attend_length)
+            return self._kernel_decode(x, positions, keys, values, mask, attend_length, fused_linears=True)
+        if keys is not None and uses_attention_kernel(self.decode_kernels, x, mask, attention):
+            return self._kernel_decode(x, positions, keys, values, mask, attend_length, fused_linears=False)
         attended, keys, values = attention(self.input_layernorm(x), positions, keys, values, implementation, mask,
                                            attend_length)
         x = x + attended
         return residual_mlp(x, self.post_attention_layernorm, self.mlp), keys, values
 
-    def _fused_decode(self, x, positions, keys, values, mask: SlotMask | None, attend_length: int | None):
-        """The cached call in five fused kernels: norm + qkv_proj, attention (rotary, cache write and
-        softmax attention; `kernels.decode_attention`), o_proj + residual, norm + gate_up_proj +
-        silu, down_proj + residual. A tree's verify (a SlotMask) attends in XLA: the attention
-        kernel takes contiguous positions only."""
+    def _kernel_decode(self, x, positions, keys, values, mask: SlotMask | None, attend_length: int | None,
+                       fused_linears: bool):
+        """The cached call with the Pallas kernels. With fused_linears, five kernels: norm +
+        qkv_proj, attention (rotary, cache write and softmax attention; `kernels.decode_attention`),
+        o_proj + residual, norm + gate_up_proj + silu, down_proj + residual. Without (more rows than
+        the linear kernels take), only the attention kernel, between XLA's norms and matmuls: it reads
+        each row's filled slots only, where XLA's attention reads all attend_length of them. A tree's
+        verify (a SlotMask) attends in XLA: the attention kernel takes contiguous positions only."""
         attention, norm = self.self_attn, self.input_layernorm
-        qkv = fused_linear.norm_linear(x, norm.weight[...], norm.eps, attention.qkv_proj.kernel[...],
-                                       implementation=self.decode_kernels)
+        if fused_linears:
+            qkv = fused_linear.norm_linear(x, norm.weight[...], norm.eps, attention.qkv_proj.kernel[...],
+                                           implementation=self.decode_kernels)
+        else:
+            qkv = attention.qkv_proj(norm(x))
         if mask is None:
             attended, keys, values = decode_attention.attend(
                 qkv, positions, keys, values, num_heads=attention.num_heads, num_kv_heads=attention.num_kv_heads,
@@ -324,6 +332,9 @@ class DecoderLayer(nnx.Module):
         else:
             q, k, v = attention.split_heads(qkv, positions)
             attended, keys, values = attention.attend(q, k, v, positions, keys, values, mask, attend_length)
+        if not fused_linears:
+            x = x + attention.output(attended)
+            return residual_mlp(x, self.post_attention_layernorm, self.mlp), keys, values
         x = fused_linear.linear_residual(attended.reshape(*x.shape[:2], -1), attention.o_proj.kernel[...], x,
                                          implementation=self.decode_kernels)
         return residual_mlp(x, self.post_attention_layernorm, self.mlp, self.decode_kernels), keys, values
@@ -351,14 +362,24 @@ def uses_decode_kernels(decode_kernels: str, x: jax.Array, *linears: nnx.Linear)
             and all(not l.use_bias and l.dtype == x.dtype for l in linears))
 
 
+def uses_attention_kernel(decode_kernels: str, x: jax.Array, mask: SlotMask | None, attention: Attention) -> bool:
+    """Whether a cached call on x [B, T, D] that `uses_decode_kernels` leaves to XLA's linears still
+    attends with the Pallas kernel: a decode step or a chain's verify (T <= its MAX_TOKENS, no tree
+    mask) at any batch, with the unsharded [q | k | v] layout the kernel reads."""
+    return (decode_kernels != "xla" and mask is None and x.shape[1] <= decode_attention.MAX_TOKENS
+            and attention.num_shards == 1)
+
+
 def with_decode_kernels(module: nnx.Module, decode_kernels: str) -> nnx.Module:
     """A copy of a target or head (sharing its weights) whose decode steps use `decode_kernels`.
 
     "xla" (default) runs norms, projections and cached attention as XLA compiles them. "pallas"
     runs them as fused Pallas kernels (`kernels.fused_linear`, `kernels.decode_attention`) in
     cached calls of up to `fused_linear.MAX_ROWS` rows (batch x tokens): five per target decoder
-    layer (four around a tree's verify, whose attention stays XLA), two for a draft head's MLP; in
-    Pallas interpret mode unless the backend is a GPU (so CPU tests run the kernel code).
+    layer (four around a tree's verify, whose attention stays XLA), two for a draft head's MLP;
+    in larger cached calls of up to `decode_attention.MAX_TOKENS` tokens a row (batched decode
+    steps and verifies) only the attention kernel (`uses_attention_kernel`). In Pallas interpret
+    mode unless the backend is a GPU (so CPU tests run the kernel code).
     The setting is a static attribute, so it is part of the module's graph and of every
     program compiled from it.
     """

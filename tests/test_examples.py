@@ -131,3 +131,14 @@ def test_scale_8b_lists_the_collectives_xla_placed():
 """
     assert scale_8b.collectives(text) == {"all-reduce f32[1,1,256]": 2, "all-gather bf16[1,2]": 1,
                                           "all-gather s32[1,2]": 1}
+
+
+def test_allreduce_latency_records_both_chains(tmp_path):
+    """examples/gpu/allreduce_latency.py on the test's forced CPU devices: a row per chain and width."""
+    sys.path.insert(0, str(REPO / "examples" / "gpu"))
+    import allreduce_latency
+    out = tmp_path / "profile.json"
+    allreduce_latency.main(["--count", "3", "--iterations", "1", "--sizes", "8,16", "--out", str(out)])
+    rows = json.loads(out.read_text())
+    assert [(row["chain"], row["width"]) for row in rows] == [("unrolled", 8), ("unrolled", 16), ("loop", 8), ("loop", 16)]
+    assert all(row["kind"] == "all_reduce" and row["us_per_all_reduce"] > 0 for row in rows)

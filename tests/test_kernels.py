@@ -125,15 +125,22 @@ def test_auto_picks_pallas_only_where_it_measured_faster(random_target):
 
 
 def test_decode_step_runs_the_kernels(random_target):
-    target = layers.with_decode_kernels(random_target(num_layers=1), "pallas")
-    cache = target.init_cache(1, 32)
+    target = random_target(num_layers=1)
+    fused = layers.with_decode_kernels(target, "pallas")
 
-    def forward(length):
-        positions = jnp.arange(length, dtype=jnp.int32)[None]
-        return jax.make_jaxpr(lambda t: target(t, positions, cache))(jnp.zeros((1, length), jnp.int32))
+    def forward(model, batch, length, start=0):
+        cache = model.init_cache(batch, 32)
+        positions = jnp.broadcast_to(start + jnp.arange(length, dtype=jnp.int32), (batch, length))
+        tokens = jnp.asarray(np.random.default_rng(batch).integers(0, 100, (batch, length)), jnp.int32)
+        return lambda: model(tokens, positions, cache)[0], jax.make_jaxpr(lambda: model(tokens, positions, cache))()
 
-    assert str(forward(4)).count("pallas_call") == 5  # norm + qkv, attention, o_proj, norm + gate_up, down_proj
-    assert "pallas_call" not in str(forward(17))
+    assert str(forward(fused, 1, 4)[1]).count("pallas_call") == 5  # norm + qkv, attention, o_proj, norm + gate_up, down_proj
+    assert "pallas_call" not in str(forward(fused, 1, 17)[1])
+    # More rows than the linear kernels take (a batched decode step): the attention kernel alone,
+    # between XLA's matmuls, computing what XLA's attention does.
+    run, jaxpr = forward(fused, 20, 1, start=5)
+    assert str(jaxpr).count("pallas_call") == 1
+    np.testing.assert_allclose(run(), forward(target, 20, 1, start=5)[0](), rtol=2e-5, atol=2e-5)
 
 
 @pytest.fixture(scope="module")

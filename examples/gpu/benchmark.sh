@@ -14,6 +14,11 @@ config=${RANDOM_TARGET_CONFIG:-.stage/tokenizer/config.json}  # SmolLM2's config
 batching() {  # issue 11: static batches vs decode slots refilled as rows finish
   python3 examples/eagle.py --method none,eagle3 --num_spec_tokens 5 --max_num_seqs 16,64 --scheduler static,continuous $m
 }
+batch_kernels() {  # issues 10-11: at 16 and 64 rows the Pallas attention kernel reads each row's
+  # filled slots only (XLA's reads the whole attend length, which a continuous batch keeps long)
+  python3 examples/eagle.py --method none,eagle3 --num_spec_tokens 5 --max_num_seqs 16,64 --scheduler static,continuous \
+    --decode_kernels pallas $m
+}
 trees() {  # issue 12: EAGLE-2 trees with the shipped EAGLE-3 head beside its chain and plain decoding
   python3 examples/eagle.py --method none,eagle3 --num_spec_tokens 5 --max_num_seqs 1 $m
   python3 examples/eagle.py --method eagle3 --num_spec_tokens 5 --speculative_eagle_topk 4,8 --speculative_num_steps 5 \
@@ -67,6 +72,6 @@ sampling() {  # temperature 1.0; cold vs warm start
   python3 examples/profile_step.py --parts cold_warm --out $r/profile.json
 }
 
-for section in ${@:-batching trees batch_k kernels attention_split real_kernels xla_flags peers sampling}; do
+for section in ${@:-batching batch_kernels trees batch_k kernels attention_split real_kernels xla_flags peers sampling}; do
   $section
 done
