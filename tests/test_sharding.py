@@ -4,6 +4,7 @@ refused by name; and two processes joined by `jax.distributed` generate what one
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from eagle_jax import eagle
 from eagle_jax import engine as engine_lib
 from eagle_jax import generate
 from eagle_jax import models
@@ -82,10 +84,22 @@ def test_block_order_gives_each_device_its_own_parts():
     assert sharding.block_order((3, 3), 1).tolist() == list(range(6))
 
 
-def test_decode_step_uses_megatron_collectives_only(random_target):
-    """All-reduces (after o_proj, down_proj, the embedding gather) and a small gather for the argmax:
-    a fused projection split without the block order would move q, k and v between devices."""
-    target = sharding.shard_target(random_target(seed=3, **SPLIT), sharding.make_mesh(2))
+def table_gathers(hlo_text: str, cfg) -> list[str]:
+    """The all-gathers in a compiled program whose result holds the whole embedding table [V, D]."""
+    table = f"[{cfg.vocab_size},{cfg.hidden_size}]"
+    return [line for line in hlo_text.splitlines()
+            if re.search(r" all-gather(-start)?\(", line) and table in line.split(" all-gather")[0]]
+
+
+def test_decode_step_uses_megatron_collectives_only(random_target, random_head):
+    """All-reduces (after o_proj, down_proj, the embedding lookup) and a small gather for the argmax:
+    a fused projection split without the block order would move q, k and v between devices. The
+    embedding lookup (of the decode step and of an EAGLE-3 draft step) is the explicit
+    vocabulary-parallel one, its all-reduce in the program before XLA partitions it, and no
+    program all-gathers the table (XLA did so on GPUs, though not on CPUs, before the lookup)."""
+    mesh = sharding.make_mesh(2)
+    base = random_target(seed=3, **SPLIT)
+    target = sharding.shard_target(base, mesh)
     graphdef, state = nnx.split(target)
     cache = target.init_cache(1, 16)
 
@@ -94,10 +108,25 @@ def test_decode_step_uses_megatron_collectives_only(random_target):
         hidden, cache, _ = model(token, cache.lengths[:, None], cache)
         return jnp.argmax(model.logits(hidden), axis=-1), cache
 
-    text = jax.jit(decode).lower(state, jnp.ones((1, 1), jnp.int32), cache).compile().as_text()
+    lowered = jax.jit(decode).lower(state, jnp.ones((1, 1), jnp.int32), cache)
+    assert "stablehlo.all_reduce" in lowered.as_text()  # the lookup's psum (SPMD's collectives come later)
+    text = lowered.compile().as_text()
     assert " all-reduce(" in text
     for moving in (" collective-permute(", " all-to-all(", " reduce-scatter("):
         assert moving not in text
+    assert table_gathers(text, base.config) == []
+
+    head = sharding.replicate(random_head(base.config, "eagle3", draft_vocab_size=64), mesh)
+    head_def, head_params = nnx.split(head)
+
+    def draft_step(state, head_params, token, feature, cache):
+        model, head = nnx.merge(graphdef, state), nnx.merge(head_def, head_params)
+        out, logits, cache = head(token[:, None], feature[:, None], cache.lengths[:, None], cache, model)
+        return jnp.argmax(logits[:, 0], axis=-1), out, cache
+
+    args = (state, head_params, jnp.ones((1,), jnp.int32), jnp.ones((1, base.config.hidden_size)),
+            eagle.init_cache(head.config, 1, 16, jnp.float32))
+    assert table_gathers(jax.jit(draft_step).lower(*args).compile().as_text(), base.config) == []
 
 
 @pytest.fixture(scope="module")
