@@ -184,7 +184,8 @@ class VocabParallelEmbed(nnx.Module):
         self.mesh = mesh
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        return vocab_parallel_lookup(self.embedding[...].astype(self.dtype), tokens, self.mesh)
+        # Cast the looked-up rows, not the table: a table stored wider than it computes is not copied.
+        return vocab_parallel_lookup(self.embedding[...], tokens, self.mesh).astype(self.dtype)
 
 
 def block_order(sizes: tuple[int, ...], size: int) -> np.ndarray:
