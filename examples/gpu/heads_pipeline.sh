@@ -15,6 +15,9 @@
 # HEADS=eagle3 trains EAGLE-3 alone (on GPU 0); a second GPU then runs examples/gpu/benchmark.sh
 # with the shipped heads (the sections in BENCH_SECTIONS, default all), its rows in RESULTS/gpu1/.
 # Two heads with SKIP_DISTILL: GPU 1 runs BENCH_SECTIONS (default none) after EAGLE-1's evaluation.
+# SCALING_TOKENS="N1 N2 ..." (with HEADS=eagle3 on two GPUs): GPU 1 first trains EAGLE-3 from
+# scratch on nested subsets of N tokens of the carried data, SCALING_SECONDS each (equal steps),
+# and evaluates each at k = 5 on MT-Bench (rows in RESULTS/scaling.json): the data-scaling curve.
 # A staged .stage/extra_turns.npz (prompt sources beyond ShareGPT, docs/TRAINING.md) is distilled
 # too, at EXTRA_TEMPERATURES (default 0,0.8), into parts named extra-*.
 set -x
@@ -64,6 +67,21 @@ trace_steps() {  # trace_steps GPU: issue 10's step_trace rows (plain and EAGLE-
   eval "$t --method none --batch-size 1024 --cache-length 768 --trace-steps 8 --steps-per-call 8 --label distill-step"
 }
 
+scaling() {  # scaling GPU: the SCALING_TOKENS points, one after another on GPU
+  [ -n "$SCALING_TOKENS" ] || return 0
+  read -r attention step_ms <<< "$(fastest eagle3)"
+  local seconds=${SCALING_SECONDS:-200}
+  steps=$(python3 -c "print(int($seconds * 1000 / $step_ms * 0.92))")
+  for tokens in $SCALING_TOKENS; do
+    out="$run/scaling-$tokens"
+    CUDA_VISIBLE_DEVICES=$1 python3 -m eagle_jax.train --method eagle3 --unroll 7 --attention "$attention" \
+      --train-tokens "$tokens" --data "$run/distill-scaling" --output "$out" --steps "$steps" --batch-size 64 \
+      --warmup-steps 200 --max-seconds "$seconds" --eval-prompts 0 && cp "$out/metrics.json" "$r/eagle3_scaling_${tokens}_metrics.json" &&
+    CUDA_VISIBLE_DEVICES=$1 python3 examples/eagle.py --method eagle3 --draft "$out/head" --max_num_seqs 1 --num_prompts 80 \
+      --max_new_tokens 256 --num_spec_tokens 5 --out "$r/scaling.json"
+  done
+}
+
 # Greedy rounds 0-2 then T = 0.7 on GPU 0; sampled first turns on the other GPU (its own
 # directory: nobody reads a part while another process writes it).
 distill_extra() {  # distill_extra GPU: .stage/extra_turns.npz (examples/prepare_data.py --extra-turns-out), if staged
@@ -95,7 +113,10 @@ elif [ "$gpus" -ge 2 ] && [ "$heads" != eagle3 ]; then
   train 0 eagle3 7 & train 1 eagle 3 & wait
   evaluate 0 eagle3 & ( evaluate 1 eagle; trace_steps 1 ) & wait
 else
-  [ "$gpus" -ge 2 ] && (CUDA_VISIBLE_DEVICES=1 RESULTS=$r/gpu1 bash examples/gpu/benchmark.sh $BENCH_SECTIONS > "$r/benchmark_log.txt" 2>&1) &
+  # The scaling runs read a fixed set of parts (links, taken before GPU 0 adds any), so their subsets nest.
+  mkdir -p "$run/distill-scaling" && ln -f "$run"/distill/*.npz "$run/distill-scaling/" 2>/dev/null
+  [ "$gpus" -ge 2 ] && (scaling 1; CUDA_VISIBLE_DEVICES=1 RESULTS=$r/gpu1 bash examples/gpu/benchmark.sh $BENCH_SECTIONS \
+    > "$r/benchmark_log.txt" 2>&1) &
   profile 0 eagle3 cudnn || profile 0 eagle3 xla
   distill 0 "$run/distill" --rounds 3 --temperatures 0,0.8,1.0,0.7
   distill_extra 0

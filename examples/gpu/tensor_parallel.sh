@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 13 on two GPUs (nvidia-h200-x2), from the repo root after `source examples/gpu/setup.sh`:
-#   bash examples/gpu/tensor_parallel.sh
+#   bash examples/gpu/tensor_parallel.sh [SECTION ...]   (links identity steps mtbench; default all)
 # 1. SmolLM2-135M greedy outputs at tensor parallel size 2 equal size 1 (float32; plain and EAGLE-3
 #    k = 5; 3 kv heads: attention replicated, MLP and vocabulary split). Prints IDENTICAL or DIFFER.
 # 2. Llama-3.1-8B-shaped plain and draft steps (random bf16 weights) at sizes 1 and 2.
@@ -9,29 +9,36 @@ set -ex
 export EAGLE_JAX_MTBENCH=.stage/mtbench_question.jsonl
 r=${RESULTS:-docs/results}; mkdir -p $r
 head -n 20 $EAGLE_JAX_MTBENCH > /tmp/tp_prompts.jsonl
-# How the GPUs are linked and what one small all-reduce costs (the TP 2 step of 2026-11-30 spent
-# ~70 µs per collective): topology, NCCL's chosen transport, then the timing rows.
-nvidia-smi topo -m > $r/topology.txt 2>&1 || true
-NCCL_DEBUG=INFO python3 examples/gpu/allreduce_latency.py --out $r/profile.json 2>&1 \
-  | grep -i "allreduce_latency\|via\|transport\|NCCL version" | head -40 > $r/allreduce_latency.txt || true
-cat $r/topology.txt $r/allreduce_latency.txt
-for drafting in "--draft none" "--method eagle3 --num-speculative-tokens 5"; do
-  for size in 1 2; do
-    # Full float32 matmuls (not TF32): 17/20 prompts matched on 2026-11-30 with the default precision.
-    JAX_DEFAULT_MATMUL_PRECISION=highest python3 -m eagle_jax.generate --prompts-file /tmp/tp_prompts.jsonl --json --dtype float32 --max-new-tokens 128 \
-        --ignore-eos $drafting --tensor-parallel-size $size > /tmp/tp$size.jsonl
-  done
-  python3 -c "
+links() {  # how the GPUs are linked and what one small all-reduce costs (unrolled and in a loop)
+  nvidia-smi topo -m > $r/topology.txt 2>&1 || true
+  NCCL_DEBUG=INFO python3 examples/gpu/allreduce_latency.py --out $r/profile.json 2>&1 \
+    | grep -i "allreduce_latency\|via\|transport\|NCCL version" | head -40 > $r/allreduce_latency.txt || true
+  cat $r/topology.txt $r/allreduce_latency.txt
+}
+identity() {  # SmolLM2 greedy outputs at TP 2 equal TP 1
+  for drafting in "--draft none" "--method eagle3 --num-speculative-tokens 5"; do
+    for size in 1 2; do
+      # Full float32 matmuls (not TF32): 17/20 prompts matched on 2026-11-30 with the default precision.
+      JAX_DEFAULT_MATMUL_PRECISION=highest python3 -m eagle_jax.generate --prompts-file /tmp/tp_prompts.jsonl --json \
+        --dtype float32 --max-new-tokens 128 --ignore-eos $drafting --tensor-parallel-size $size > /tmp/tp$size.jsonl
+    done
+    python3 -c "
 import json
 rows = [[json.loads(line)['token_ids'] for line in open(f'/tmp/tp{size}.jsonl')] for size in (1, 2)]
 same = sum(a == b for a, b in zip(*rows))
 print('$drafting:', 'IDENTICAL' if same == len(rows[0]) == len(rows[1]) else 'DIFFER', f'{same}/{len(rows[0])} prompts')" \
-    | tee -a $r/tp_identity.txt  # results/ comes back with every poll; the console may not
-done
-# One step per call (each call's launch on two GPUs counts), then 16 steps per call in one
-# program, as the Engine's device loop runs them (first measured 2026-11-30: decode 6.05 ms at
-# TP 1 vs 8.49 ms at TP 2, one step per call).
-python3 examples/scale_8b.py --ks 5 --iterations 20 --tensor_parallel_size 1,2 --steps_per_call 16 --out $r/profile.json
-python3 examples/scale_8b.py --ks 1,3,5 --iterations 20 --tensor_parallel_size 1,2 --out $r/profile.json
-python3 examples/eagle.py --method none,eagle3 --num_spec_tokens 5 --max_num_seqs 1 --tensor_parallel_size 1,2 \
+      | tee -a $r/tp_identity.txt  # results/ comes back with every poll; the console may not
+  done
+}
+steps() {  # the 8B-shaped steps: 16 steps a call in one program (as the Engine's device loop runs
+  # them), then one step a call (each call's launch on two GPUs counts)
+  python3 examples/scale_8b.py --ks 5 --iterations 20 --tensor_parallel_size 1,2 --steps_per_call 16 --out $r/profile.json
+  python3 examples/scale_8b.py --ks 1,3,5 --iterations 20 --tensor_parallel_size 1,2 --out $r/profile.json
+}
+mtbench() {  # SmolLM2 throughput at both sizes
+  python3 examples/eagle.py --method none,eagle3 --num_spec_tokens 5 --max_num_seqs 1 --tensor_parallel_size 1,2 \
     --num_prompts 20 --max_new_tokens 256 --out $r/mtbench.json
+}
+for section in ${@:-links identity steps mtbench}; do
+  $section
+done
