@@ -115,9 +115,9 @@ elif [ "$gpus" -ge 2 ] && [ "$heads" != eagle3 ]; then
 else
   # The scaling runs read a fixed set of parts (links, taken before GPU 0 adds any), so their subsets nest.
   mkdir -p "$run/distill-scaling" && ln -f "$run"/distill/*.npz "$run/distill-scaling/" 2>/dev/null
+  profile 0 eagle3 cudnn || profile 0 eagle3 xla  # before GPU 1 starts: its scaling runs read the step time
   [ "$gpus" -ge 2 ] && (scaling 1; CUDA_VISIBLE_DEVICES=1 RESULTS=$r/gpu1 bash examples/gpu/benchmark.sh $BENCH_SECTIONS \
     > "$r/benchmark_log.txt" 2>&1) &
-  profile 0 eagle3 cudnn || profile 0 eagle3 xla
   distill 0 "$run/distill" --rounds 3 --temperatures 0,0.8,1.0,0.7
   distill_extra 0
   train 0 eagle3 7
