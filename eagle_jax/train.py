@@ -75,6 +75,32 @@ def draft_vocabulary(token_counts: np.ndarray, size: int) -> np.ndarray:
     return (chosen - np.arange(size)).astype(np.int32)
 
 
+def extend_draft_vocabulary(head: eagle.Eagle3Head, token_counts: np.ndarray, size: int) -> eagle.Eagle3Head:
+    """A trained EAGLE-3 head with a `size`-token draft vocabulary: its own tokens plus the most
+    frequent others (by `token_counts`), for draft-vocabulary sweeps that continue a trained head.
+
+    The rest of the head is shared. Each added token's lm_head column starts at the mean of the
+    trained columns, so its logit is the mean of the trained tokens' logits, below the best one:
+    greedy drafts start as the old head's and the added tokens are learned from there.
+    """
+    old_size = head.config.draft_vocab_size
+    if not old_size <= size <= len(token_counts):
+        raise ValueError(f"a {old_size}-token draft vocabulary extends to {old_size}..{len(token_counts)} "
+                         f"tokens, not {size}")
+    old_ids = np.arange(old_size) + np.asarray(head.d2t[...])
+    by_count = np.argsort(-token_counts, kind="stable")
+    added = by_count[~np.isin(by_count, old_ids)][:size - old_size]
+    new_ids = np.sort(np.concatenate([old_ids, added]))
+    kernel = head.lm_head.kernel[...]  # [hidden, old_size]
+    columns = jnp.broadcast_to(kernel.mean(axis=1, keepdims=True), (kernel.shape[0], size))
+    extended = eagle.make_head(dataclasses.replace(head.config, draft_vocab_size=size), rngs=nnx.Rngs(0),
+                               dtype=head.lm_head.dtype, param_dtype=kernel.dtype)
+    extended.fc, extended.midlayer, extended.norm = head.fc, head.midlayer, head.norm
+    extended.lm_head.kernel[...] = columns.at[:, np.searchsorted(new_ids, old_ids)].set(kernel)
+    extended.d2t[...] = jnp.asarray(new_ids - np.arange(size), jnp.int32)
+    return extended
+
+
 def token_counts(dataset: dict[str, np.ndarray], vocab_size: int) -> np.ndarray:
     """How often each target token appears among the trained (assistant) tokens."""
     return np.bincount(dataset["input_ids"][dataset["loss_mask"]].ravel(), minlength=vocab_size)[:vocab_size]
@@ -228,7 +254,9 @@ def main(argv=None) -> int:
     parser.add_argument("--learning-rate", type=float, default=5e-4)
     parser.add_argument("--warmup-steps", type=int, default=100)
     parser.add_argument("--unroll", type=int, help="training-time-test steps (default: 1 eagle, 7 eagle3)")
-    parser.add_argument("--draft-vocab-size", type=int, default=8192)
+    parser.add_argument("--draft-vocab-size", type=int, default=8192,
+                        help="EAGLE-3 draft vocabulary; larger than an --init-head's, that head's is extended "
+                             "with the most frequent other tokens (`extend_draft_vocabulary`)")
     parser.add_argument("--attention", choices=["auto", "xla", "cudnn"], default="auto",
                         help="attention of the train step: XLA einsums, or cuDNN's fused kernel (GPU, bf16/fp16; "
                              "1.7x faster steps on an H200); auto picks cuDNN where it runs")
@@ -264,9 +292,11 @@ def main(argv=None) -> int:
         kind = "eagle3" if isinstance(head, eagle.Eagle3Head) else "eagle"
         if kind != args.method:
             parser.error(f"--init-head {args.init_head} is an {kind} head, not {args.method}")
-        if kind == "eagle3" and head.config.draft_vocab_size != args.draft_vocab_size:
+        if kind == "eagle3" and head.config.draft_vocab_size > args.draft_vocab_size:
             parser.error(f"--init-head {args.init_head} has a {head.config.draft_vocab_size}-token draft vocabulary, "
-                         f"not --draft-vocab-size {args.draft_vocab_size}")
+                         f"more than --draft-vocab-size {args.draft_vocab_size} (a vocabulary extends, never shrinks)")
+        if kind == "eagle3" and head.config.draft_vocab_size < args.draft_vocab_size:
+            head = extend_draft_vocabulary(head, token_counts(dataset, target.config.vocab_size), args.draft_vocab_size)
     began = time.perf_counter()
     trainer, log = train(target, dataset, cfg, output, head=head, max_seconds=args.max_seconds)
     seconds = time.perf_counter() - began
@@ -278,7 +308,7 @@ def main(argv=None) -> int:
                    num_trained_tokens=int(dataset["loss_mask"].sum()))
     if args.method == "eagle3":  # how much of the trained text the draft vocabulary can express
         counts = token_counts(dataset, target.config.vocab_size)
-        chosen = np.arange(cfg.draft_vocab_size) + draft_vocabulary(counts, cfg.draft_vocab_size)
+        chosen = np.arange(cfg.draft_vocab_size) + np.asarray(head.d2t[...])  # the head's own (an extended one's too)
         summary["draft_vocab_coverage"] = float(counts[chosen].sum() / counts.sum())
     if args.eval_prompts:
         tokenizer = tokenization.load(tokenizer_dir)
