@@ -27,6 +27,7 @@ from eagle_jax import checkpoint
 from eagle_jax import data as data_lib
 from eagle_jax import eagle
 from eagle_jax import engine as engine_lib
+from eagle_jax import layers
 from eagle_jax import llama
 from eagle_jax import models
 from eagle_jax import tokenization
@@ -99,6 +100,34 @@ def extend_draft_vocabulary(head: eagle.Eagle3Head, token_counts: np.ndarray, si
     extended.lm_head.kernel[...] = columns.at[:, np.searchsorted(new_ids, old_ids)].set(kernel)
     extended.d2t[...] = jnp.asarray(new_ids - np.arange(size), jnp.int32)
     return extended
+
+
+def widen_mlp(head, intermediate_size: int, seed: int = 0):
+    """A trained head (either kind) whose MLP is `intermediate_size` wide, computing what it did.
+
+    The added units get fresh gate and up columns and zero down_proj rows, so the head's output
+    is unchanged at the start; training then grows them (Net2Net-style widening), to try a wider
+    head without starting over.
+    """
+    layer = head.config.layer
+    mlp = head.midlayer.mlp if isinstance(head, eagle.Eagle3Head) else head.mlp
+    old = layer.intermediate_size
+    if intermediate_size < old or layer.mlp_bias:
+        raise ValueError(f"an MLP {old} wide (bias {layer.mlp_bias}) widens to {old} or more units without biases, "
+                         f"not {intermediate_size}")
+    wide_layer = dataclasses.replace(layer, intermediate_size=intermediate_size)
+    wide = layers.MLP(wide_layer, rngs=nnx.Rngs(seed), dtype=mlp.down_proj.dtype, param_dtype=mlp.down_proj.kernel.dtype)
+    gate_up, fresh = mlp.gate_up_proj.kernel[...], wide.gate_up_proj.kernel[...]  # [H, 2F]: [gate | up]
+    wide.gate_up_proj.kernel[...] = jnp.concatenate(
+        [gate_up[:, :old], fresh[:, old:intermediate_size], gate_up[:, old:], fresh[:, intermediate_size + old:]], axis=1)
+    down = mlp.down_proj.kernel[...]
+    wide.down_proj.kernel[...] = jnp.concatenate([down, jnp.zeros((intermediate_size - old, down.shape[1]), down.dtype)])
+    if isinstance(head, eagle.Eagle3Head):
+        head.midlayer.mlp = wide
+    else:
+        head.mlp = wide
+    head.config = dataclasses.replace(head.config, layer=wide_layer)
+    return head
 
 
 def token_counts(dataset: dict[str, np.ndarray], vocab_size: int) -> np.ndarray:
@@ -264,7 +293,8 @@ def main(argv=None) -> int:
                         help="train on random whole rows holding this many generated tokens (data-scaling runs)")
     parser.add_argument("--head-intermediate-size", type=int,
                         help="MLP width of a new head (default: the target's); a wider head costs little at "
-                             "inference, where the head's step is a small part of a speculative step")
+                             "inference, where the head's step is a small part of a speculative step. With "
+                             "--init-head, that head's MLP is widened to it (`widen_mlp`)")
     parser.add_argument("--init-head", help="start from this exported head (public layout) instead of random "
                                             "weights; a fresh optimiser and schedule (ignored when resuming)")
     parser.add_argument("--max-seconds", type=float, help="stop (and checkpoint) after this much training time")
@@ -295,6 +325,8 @@ def main(argv=None) -> int:
         if kind == "eagle3" and head.config.draft_vocab_size > args.draft_vocab_size:
             parser.error(f"--init-head {args.init_head} has a {head.config.draft_vocab_size}-token draft vocabulary, "
                          f"more than --draft-vocab-size {args.draft_vocab_size} (a vocabulary extends, never shrinks)")
+        if args.head_intermediate_size and args.head_intermediate_size != head.config.layer.intermediate_size:
+            head = widen_mlp(head, args.head_intermediate_size)
         if kind == "eagle3" and head.config.draft_vocab_size < args.draft_vocab_size:
             head = extend_draft_vocabulary(head, token_counts(dataset, target.config.vocab_size), args.draft_vocab_size)
     began = time.perf_counter()

@@ -184,3 +184,25 @@ def test_an_extended_draft_vocabulary_keeps_the_heads_greedy_drafts(target_and_d
                                   extended.to_target_ids(jnp.argmax(new_logits, -1)))
     with pytest.raises(ValueError, match="extends"):
         train.extend_draft_vocabulary(head, counts, 10)
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_a_widened_head_computes_what_it_did(target_and_data, tmp_path, method):
+    """`--init-head` with a larger `--head-intermediate-size`: added MLP units start silent, and the
+    exported head keeps the new width."""
+    import jax
+
+    target, dataset, _ = target_and_data
+    cfg = train.TrainConfig(method=method, draft_vocab_size=40)
+    head = train.new_head(target.config, cfg, train.token_counts(dataset, 61))
+    mlp = head.midlayer.mlp if method == "eagle3" else head.mlp
+    x = jax.random.normal(jax.random.key(1), (5, target.config.hidden_size))
+    before = mlp(x)
+    wide = train.widen_mlp(head, 96)
+    wide_mlp = wide.midlayer.mlp if method == "eagle3" else wide.mlp
+    assert wide.config.layer.intermediate_size == 96 and wide_mlp.down_proj.kernel.shape == (96, 32)
+    np.testing.assert_allclose(wide_mlp(x), before, rtol=1e-5, atol=1e-6)
+    path = models.export_head(wide, target.config, tmp_path / "head", dtype="float32")
+    assert models.load_head(path, target, "float32").config.layer.intermediate_size == 96
+    with pytest.raises(ValueError, match="widens"):
+        train.widen_mlp(wide, 64)

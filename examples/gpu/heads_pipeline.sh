@@ -12,6 +12,7 @@
 # TRAIN_TOKENS=N trains on a nested random subset of N generated tokens (data-scaling runs).
 # LEARNING_RATE sets the peak rate (default eagle_jax.train's 5e-4), e.g. lower to continue a head.
 # DRAFT_VOCAB_SIZE (EAGLE-3): with INIT_FROM_SHIPPED, a larger one extends the shipped head's vocabulary.
+# HEAD_INTERMEDIATE_SIZE: the head's MLP width; with INIT_FROM_SHIPPED, a larger one widens the shipped head.
 # PROFILE_FROM=FILE skips the profiling and sizes training from the fastest train_trace row of
 # each method in FILE (e.g. docs/results/profile.json: a step costs the same in every lease).
 # HEADS=eagle3 trains EAGLE-3 alone (on GPU 0); a second GPU then runs examples/gpu/benchmark.sh
@@ -53,7 +54,7 @@ train() {  # train GPU METHOD UNROLL: steps sized to $train_seconds from the pro
   init=""; [ -n "$INIT_FROM_SHIPPED" ] && init="--init-head eagle_jax/heads/smollm2-135m-instruct-$2"
   CUDA_VISIBLE_DEVICES=$1 python3 -m eagle_jax.train --method "$2" --unroll "$3" --attention "$attention" $init \
     ${TRAIN_TOKENS:+--train-tokens $TRAIN_TOKENS} ${LEARNING_RATE:+--learning-rate $LEARNING_RATE} \
-    ${DRAFT_VOCAB_SIZE:+--draft-vocab-size $DRAFT_VOCAB_SIZE} \
+    ${DRAFT_VOCAB_SIZE:+--draft-vocab-size $DRAFT_VOCAB_SIZE} ${HEAD_INTERMEDIATE_SIZE:+--head-intermediate-size $HEAD_INTERMEDIATE_SIZE} \
     --data "$run/distill" --output "$run/$2" --steps "$steps" --batch-size 64 --warmup-steps 200 \
     --max-seconds "$train_seconds" --eval-prompts 0 && cp "$run/$2/metrics.json" "$r/$2_metrics.json"
 }
