@@ -103,7 +103,7 @@ def extend_draft_vocabulary(head: eagle.Eagle3Head, token_counts: np.ndarray, si
 
 
 def widen_mlp(head, intermediate_size: int, seed: int = 0):
-    """A trained head (either kind) whose MLP is `intermediate_size` wide, computing what it did.
+    """Widens a trained head's (either kind's) MLP to `intermediate_size` in place; returns the head.
 
     The added units get fresh gate and up columns and zero down_proj rows, so the head's output
     is unchanged at the start; training then grows them (Net2Net-style widening), to try a wider
