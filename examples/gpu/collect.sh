@@ -10,7 +10,8 @@ stage=${1:-/root/stage}; out=${OUT:?OUT is where a call returns files}
 cd "$stage"
 # run/distill/extra-*: the extra prompt sources distilled in this lease (a few MB), to be carried
 # into the next one with the rest of the distilled tokens.
-paths=$(ls -d results run/*/head run/distill/extra-*.npz 2>/dev/null || true)
+# The shipped kinds' heads only: the data-scaling runs' heads (run/scaling-*) stay, their rows come back.
+paths=$(ls -d results run/eagle/head run/eagle3/head run/distill/extra-*.npz 2>/dev/null || true)
 [ -n "$paths" ] || { echo "collect: nothing yet under $stage"; exit 0; }
 rm -f "$out"/results.tar.part*
 tar -cf - $paths | split -b 15000000 -d - "$out/results.tar.part"
