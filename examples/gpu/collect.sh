@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Packs what a lease has produced so far into $OUT, for a poll call to bring back: the results
-# folder, every exported head under the run folder and the extra distilled parts, as one tar split into 15 MB parts
+# folder, the EAGLE-1 and EAGLE-3 heads under the run folder and the extra distilled parts, as one tar split into 15 MB parts
 # (a call returns at most 8 files of 16 MiB) with their sha256. Run it at the end of every poll,
 # so a machine released early loses only what came after the last poll.
 #   bash examples/gpu/collect.sh [STAGE_DIR]      (default /root/stage)
