@@ -28,7 +28,9 @@ A single device needs none of this: with no mesh the model and the engine are un
 
 from __future__ import annotations
 
+import collections
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -186,6 +188,18 @@ class VocabParallelEmbed(nnx.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         # Cast the looked-up rows, not the table: a table stored wider than it computes is not copied.
         return vocab_parallel_lookup(self.embedding[...], tokens, self.mesh).astype(self.dtype)
+
+
+COLLECTIVE = re.compile(r"= (.+?) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
+
+
+def collectives(hlo_text: str) -> dict[str, int]:
+    """{"all-reduce bf16[1,1,4096]": count, ...} in a compiled program's text (a loop body counts
+    once): which collectives XLA SPMD placed, so a slow tensor-parallel step can be read off its
+    row without a trace. An asynchronous start op's shape is a tuple (operand, result): the result."""
+    def result(shape: str) -> str:
+        return re.sub(r"\{[^}]*\}", "", shape).strip("()").split(", ")[-1]
+    return dict(collections.Counter(f"{op} {result(shape)}" for shape, op in COLLECTIVE.findall(hlo_text)))
 
 
 def block_order(sizes: tuple[int, ...], size: int) -> np.ndarray:

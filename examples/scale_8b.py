@@ -26,13 +26,11 @@ Megatron-style over that many devices (`eagle_jax.sharding`) and the heads repli
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import datetime
 import functools
 import json
 import os
-import re
 import shlex
 import sys
 import time
@@ -133,28 +131,16 @@ def nbytes(tree) -> int:
     return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
 
 
-COLLECTIVE = re.compile(r"= (.+?) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
-
-
-def collectives(hlo_text: str) -> dict[str, int]:
-    """{"all-reduce bf16[1,1,4096]": count, ...} in a compiled program's text (a loop body counts
-    once): which collectives XLA SPMD placed, so a slow tensor-parallel step can be read off its
-    row without a trace. An asynchronous start op's shape is a tuple (operand, result): the result."""
-    def result(shape: str) -> str:
-        return re.sub(r"\{[^}]*\}", "", shape).strip("()").split(", ")[-1]
-    return dict(collections.Counter(f"{op} {result(shape)}" for shape, op in COLLECTIVE.findall(hlo_text)))
-
-
 def compile_and_time(function, args: tuple, iterations: int, desc: str, carry_index: int | None = None,
                      placed: dict | None = None):
     """(median ms, compile seconds) of a jitted function; output `carry_index` feeds back as donated input.
-    `placed`, if given, receives the program's collectives (`collectives`)."""
+    `placed`, if given, receives the program's collectives (`sharding.collectives`)."""
     began = time.perf_counter()
     donate = () if carry_index is None else (len(args) - 1,)
     compiled = jax.jit(function, donate_argnums=donate).lower(*args).compile()
     compile_seconds = time.perf_counter() - began
     if placed is not None:
-        placed.update(collectives(compiled.as_text()))
+        placed.update(sharding.collectives(compiled.as_text()))
     args, times = list(args), []
     for index in tqdm.trange(3 + iterations, desc=desc, leave=False, file=sys.stderr):
         began = time.perf_counter()

@@ -119,9 +119,9 @@ def test_scale_8b_times_several_steps_per_call(tmp_path):
     assert all(row["collectives"] == {} for row in timed)  # one device: nothing to communicate
 
 
-def test_scale_8b_lists_the_collectives_xla_placed():
-    sys.path.insert(0, str(REPO / "examples"))
-    import scale_8b
+def test_the_collectives_xla_placed_are_listed():
+    """`sharding.collectives`, which scale_8b's rows and the sharding tests read."""
+    from eagle_jax import sharding
     text = """
   %all-reduce.1 = f32[1,1,256]{2,1,0} all-reduce(%select_bitcast_fusion), channel_id=2, to_apply=%add
   %all-reduce.2 = f32[1,1,256]{2,1,0} all-reduce(%fusion.7), channel_id=3, to_apply=%add
@@ -129,8 +129,8 @@ def test_scale_8b_lists_the_collectives_xla_placed():
   %ag = bf16[1,2]{0,1} all-gather(%bitcast.50), channel_id=4, dimensions={1}
   %fusion.3 = f32[1,1,256]{2,1,0} fusion(%all-reduce.1), kind=kLoop, calls=%fused_computation
 """
-    assert scale_8b.collectives(text) == {"all-reduce f32[1,1,256]": 2, "all-gather bf16[1,2]": 1,
-                                          "all-gather s32[1,2]": 1}
+    assert sharding.collectives(text) == {"all-reduce f32[1,1,256]": 2, "all-gather bf16[1,2]": 1,
+                                           "all-gather s32[1,2]": 1}
 
 
 def test_allreduce_latency_records_both_chains(tmp_path):

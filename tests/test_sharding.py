@@ -4,7 +4,6 @@ refused by name; and two processes joined by `jax.distributed` generate what one
 
 import json
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -85,10 +84,10 @@ def test_block_order_gives_each_device_its_own_parts():
 
 
 def table_gathers(hlo_text: str, cfg) -> list[str]:
-    """The all-gathers in a compiled program whose result holds the whole embedding table [V, D]."""
+    """The all-gathers in a compiled program (`sharding.collectives`) whose result is the whole
+    embedding table [V, D]."""
     table = f"[{cfg.vocab_size},{cfg.hidden_size}]"
-    return [line for line in hlo_text.splitlines()
-            if re.search(r" all-gather(-start)?\(", line) and table in line.split(" all-gather")[0]]
+    return [name for name in sharding.collectives(hlo_text) if name.startswith("all-gather ") and name.endswith(table)]
 
 
 def test_decode_step_uses_megatron_collectives_only(random_target, random_head):
