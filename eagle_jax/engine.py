@@ -151,15 +151,17 @@ class Engine:
             with none left, a call runs its steps_per_call steps (or until every row is done).
             Each return is a device-to-host round trip; waiting for more rows costs idle
             row-steps instead: with rows of ~L steps finishing at random, about (refill_at - 1) / (2
-            x batch_size) of the slots idle. Default: a quarter of the slots, at least 1 (a
-            guess from the H200's ~17 ms per round trip against ~1.2 ms per step, not yet measured).
+            x batch_size) of the slots idle. Default: a quarter of the slots, at least 1 (on the
+            H200 at 16 slots it made 22 run calls for MT-Bench's 80 prompts, their fetches 0.02 s
+            of 2.2 s; other values not yet measured; docs/BENCHMARKS.md).
         speculative_disable_by_batch_size: while more rows than this are active, steps decode
             plainly (vLLM's flag of this name): a large batch fills the device without drafts.
             The switch happens inside the compiled step, both ways; greedy outputs are the same.
             None speculates at every step.
         decode_kernels: "auto" (default), "xla" or "pallas": fused Pallas kernels for the norms,
-            projections and (target, no tree) attention of decode steps of up to 16 rows, in
-            target and head (`layers.with_decode_kernels`); the engine uses copies, the modules
+            projections and (target, no tree) attention of decode steps of up to 16 rows, and the
+            attention kernel alone in larger ones, in target and head
+            (`layers.with_decode_kernels`); the engine uses copies, the modules
             given are unchanged. "auto" picks them where they measured faster
             (`choose_decode_kernels`), XLA elsewhere; `self.decode_kernels` holds the choice.
         mesh: a `jax.sharding.Mesh` with a "tensor" axis (`sharding.make_mesh`): the target is

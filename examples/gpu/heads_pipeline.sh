@@ -48,9 +48,12 @@ best = min(rows, key=lambda row: row["step_ms"])
 print(best.get("attention", "xla"), best["step_ms"])
 EOF
 }
+sized() {  # sized METHOD SECONDS: "attention steps", the steps that fit SECONDS at the profiled step time
+  read -r attention step_ms <<< "$(fastest "$1")"
+  echo "$attention $(python3 -c "print(int($2 * 1000 / $step_ms * 0.92))")"
+}
 train() {  # train GPU METHOD UNROLL: steps sized to $train_seconds from the profiled step time
-  read -r attention step_ms <<< "$(fastest "$2")"
-  steps=$(python3 -c "print(int($train_seconds * 1000 / $step_ms * 0.92))")
+  read -r attention steps <<< "$(sized "$2" "$train_seconds")"
   init=""; [ -n "$INIT_FROM_SHIPPED" ] && init="--init-head eagle_jax/heads/smollm2-135m-instruct-$2"
   CUDA_VISIBLE_DEVICES=$1 python3 -m eagle_jax.train --method "$2" --unroll "$3" --attention "$attention" $init \
     ${TRAIN_TOKENS:+--train-tokens $TRAIN_TOKENS} ${LEARNING_RATE:+--learning-rate $LEARNING_RATE} \
@@ -73,9 +76,8 @@ trace_steps() {  # trace_steps GPU: issue 10's step_trace rows (plain and EAGLE-
 
 scaling() {  # scaling GPU: the SCALING_TOKENS points, one after another on GPU
   [ -n "$SCALING_TOKENS" ] || return 0
-  read -r attention step_ms <<< "$(fastest eagle3)"
   local seconds=${SCALING_SECONDS:-200}
-  steps=$(python3 -c "print(int($seconds * 1000 / $step_ms * 0.92))")
+  read -r attention steps <<< "$(sized eagle3 "$seconds")"
   for tokens in $SCALING_TOKENS; do
     out="$run/scaling-$tokens"
     CUDA_VISIBLE_DEVICES=$1 python3 -m eagle_jax.train --method eagle3 --unroll 7 --attention "$attention" \
@@ -100,13 +102,14 @@ if [ -n "$SKIP_DISTILL" ]; then
   distill() { ls "$run/distill"; }  # the carried parts
 fi
 heads=${HEADS:-eagle3 eagle}
-bench_gpu1() { [ -z "$BENCH_SECTIONS" ] || CUDA_VISIBLE_DEVICES=1 RESULTS=$r/gpu1 bash examples/gpu/benchmark.sh $BENCH_SECTIONS \
-  > "$r/benchmark_log.txt" 2>&1; }
+bench_gpu1() {  # bench_gpu1 [SECTION ...]: examples/gpu/benchmark.sh on GPU 1 (no sections: all of them)
+  CUDA_VISIBLE_DEVICES=1 RESULTS=$r/gpu1 bash examples/gpu/benchmark.sh "$@" > "$r/benchmark_log.txt" 2>&1
+}
 if [ "$gpus" -ge 2 ] && [ "$heads" != eagle3 ] && [ -n "$SKIP_DISTILL" ]; then
   # Carried parts: EAGLE-1 trains on them at once on GPU 1, then that GPU runs BENCH_SECTIONS;
   # GPU 0 first distils the extra prompts (whole parts land by rename, long after GPU 1 read its data).
   ( distill_extra 0; train 0 eagle3 7; evaluate 0 eagle3 ) &
-  ( train 1 eagle 3; evaluate 1 eagle; bench_gpu1 ) &
+  ( train 1 eagle 3; evaluate 1 eagle; [ -z "$BENCH_SECTIONS" ] || bench_gpu1 $BENCH_SECTIONS ) &
   wait
 elif [ "$gpus" -ge 2 ] && [ "$heads" != eagle3 ]; then
   distill 0 "$run/distill" --rounds 3 --temperatures 0,0.7 &
@@ -120,8 +123,7 @@ else
   # The scaling runs read a fixed set of parts (links, taken before GPU 0 adds any), so their subsets nest.
   mkdir -p "$run/distill-scaling" && ln -f "$run"/distill/*.npz "$run/distill-scaling/" 2>/dev/null
   profile 0 eagle3 cudnn || profile 0 eagle3 xla  # before GPU 1 starts: its scaling runs read the step time
-  [ "$gpus" -ge 2 ] && (scaling 1; CUDA_VISIBLE_DEVICES=1 RESULTS=$r/gpu1 bash examples/gpu/benchmark.sh $BENCH_SECTIONS \
-    > "$r/benchmark_log.txt" 2>&1) &
+  [ "$gpus" -ge 2 ] && (scaling 1; bench_gpu1 $BENCH_SECTIONS) &
   distill 0 "$run/distill" --rounds 3 --temperatures 0,0.8,1.0,0.7
   distill_extra 0
   train 0 eagle3 7
