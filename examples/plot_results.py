@@ -78,12 +78,14 @@ def load_rows(path: Path) -> list[dict]:
     return rows
 
 
+def setting_key(row: dict) -> tuple:
+    """The row's setting (`KEY`, with `KEY_DEFAULTS` for fields older rows lack)."""
+    return tuple(row.get(name, KEY_DEFAULTS.get(name)) for name in KEY)
+
+
 def latest(rows: list[dict]) -> list[dict]:
     """One row per setting, the last in `rows`."""
-    by_key = {}
-    for row in rows:
-        by_key[tuple(row.get(name, KEY_DEFAULTS.get(name)) for name in KEY)] = row
-    return list(by_key.values())
+    return list({setting_key(row): row for row in rows}.values())
 
 
 def latest_of_newest_head(rows: list[dict]) -> list[dict]:
@@ -94,7 +96,7 @@ def latest_of_newest_head(rows: list[dict]) -> list[dict]:
         return int(row["head"].split()[-1]) if "head" in row else 0
     by_key = {}
     for row in rows:
-        key = tuple(row.get(name, KEY_DEFAULTS.get(name)) for name in KEY)
+        key = setting_key(row)
         if key not in by_key or rank(row) >= rank(by_key[key]):
             by_key[key] = row
     return list(by_key.values())
@@ -288,11 +290,10 @@ def plot_training(directory: Path, out: Path) -> None:
         log = [entry for entry in record.get("log", []) if "accuracy_0" in entry]
         if len(log) < 2:
             continue
-        method, _, run = path.stem.removesuffix("_metrics").partition("_run")
         window = min(5, len(log))  # the logged values are single batches: a short running mean
         smooth = np.convolve([e["accuracy_0"] for e in log], np.ones(window) / window, mode="valid")
         ax.plot([e["step"] for e in log][window - 1:], smooth, linewidth=2, color=COLORS.get(record["method"]),
-                alpha=0.35 + 0.65 * run_number[path] / max(run_number.values()), label=f"{LABELS[record['method']]}, run {run or 1}")
+                alpha=0.35 + 0.65 * run_number[path] / max(run_number.values()), label=f"{LABELS[record['method']]}, run {run_number[path]}")
     ax.set_xlabel("train step (batch 64 x 640 from run 2 on, 32 x 512 in run 1)")
     ax.set_ylabel("top-1 agreement with the target, first draft")
     finish(fig, ax, out / "training_curves.png", "Draft-head training curves (the training mix, per batch)",
