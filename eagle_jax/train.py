@@ -325,7 +325,11 @@ def main(argv=None) -> int:
         if kind == "eagle3" and head.config.draft_vocab_size > args.draft_vocab_size:
             parser.error(f"--init-head {args.init_head} has a {head.config.draft_vocab_size}-token draft vocabulary, "
                          f"more than --draft-vocab-size {args.draft_vocab_size} (a vocabulary extends, never shrinks)")
-        if args.head_intermediate_size and args.head_intermediate_size != head.config.layer.intermediate_size:
+        width = head.config.layer.intermediate_size
+        if args.head_intermediate_size and args.head_intermediate_size < width:
+            parser.error(f"--init-head {args.init_head} has an MLP {width} wide, more than --head-intermediate-size "
+                         f"{args.head_intermediate_size} (a head widens, never narrows)")
+        if args.head_intermediate_size and args.head_intermediate_size > width:
             head = widen_mlp(head, args.head_intermediate_size)
         if kind == "eagle3" and head.config.draft_vocab_size < args.draft_vocab_size:
             head = extend_draft_vocabulary(head, token_counts(dataset, target.config.vocab_size), args.draft_vocab_size)
