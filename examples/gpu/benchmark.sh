@@ -3,7 +3,7 @@
 # $RESULTS/*.json as it finishes a setting, so a run cut short keeps what it measured.
 # From the repo root, after `source examples/gpu/setup.sh`:
 #   bash examples/gpu/benchmark.sh [SECTION ...]      (default: every section, in this order)
-# Sections needing no model files (random weights): kernels, attention_split, xla_flags.
+# Sections needing no model files (random weights): kernels, step_kernels, attention_split, xla_flags.
 # (heads_pipeline.sh runs the whole queue on the second GPU while the first trains one head.)
 set -x
 export EAGLE_JAX_MTBENCH=.stage/mtbench_question.jsonl
@@ -35,16 +35,20 @@ batch_k() {  # issue 11: EAGLE-3's best k at batch 16 and 64; speculation paused
 }
 kernels() {  # issue 10: fused Pallas decode kernels vs XLA, alone and in the traced step (random weights)
   python3 examples/gpu/kernels_bench.py --rows 1,4,8 --out $r/kernels.json
-  for method in "none" "eagle3 --k 5"; do
-    for kernels in xla pallas; do
-      python3 examples/profile_step.py --parts step_trace --random-target $config --method $method --cache-length 1024 \
-        --decode-kernels $kernels --label "decode kernels $kernels" --out $r/profile.json
-    done
-  done
+  step_kernels xla pallas
   python3 examples/gpu/kernels_bench.py --rows 1 --ops norm_linear,norm_gate_up,down_proj_residual \
     --block-n 16,32,64 --block-k 128,256 --num-warps 4 --num-stages 3 --out $r/kernels.json
   python3 examples/gpu/kernels_bench.py --rows 1,4 --ops decode_attention --block-s 32,64,128 --num-warps 2,4 \
     --num-stages 2,3 --out $r/kernels.json
+}
+step_kernels() {  # issue 10: the traced plain and EAGLE-3 k = 5 steps with each of the given decode kernels
+  # (default pallas; random weights)
+  for method in "none" "eagle3 --k 5"; do
+    for kernels in ${@:-pallas}; do
+      python3 examples/profile_step.py --parts step_trace --random-target $config --method $method --cache-length 1024 \
+        --decode-kernels $kernels --label "decode kernels $kernels" --out $r/profile.json
+    done
+  done
 }
 attention_split() {  # issue 10: the attention kernel split over the cache (Tiling.splits), at a decode
   # step (1 token a row) and a k = 5 chain's verify (6 tokens), at the default tiling

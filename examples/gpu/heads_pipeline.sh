@@ -18,9 +18,10 @@
 # HEADS=eagle3 trains EAGLE-3 alone (on GPU 0); a second GPU then runs examples/gpu/benchmark.sh
 # with the shipped heads (the sections in BENCH_SECTIONS, default all), its rows in RESULTS/gpu1/.
 # Two heads with SKIP_DISTILL: GPU 1 runs BENCH_SECTIONS (default none) after EAGLE-1's evaluation.
-# SCALING_TOKENS="N1 N2 ..." (with HEADS=eagle3 on two GPUs): GPU 1 first trains EAGLE-3 from
+# SCALING_TOKENS="N1 N2 ..." (with HEADS=eagle3): GPU 1 first (one GPU: last) trains EAGLE-3 from
 # scratch on nested subsets of N tokens of the carried data, SCALING_SECONDS each (equal steps),
 # and evaluates each at k = 5 on MT-Bench (rows in RESULTS/scaling.json): the data-scaling curve.
+# On one GPU, HEADS=eagle3 runs the head, then BENCH_SECTIONS (else the step traces), then the scaling runs.
 # A staged .stage/extra_turns.npz (prompt sources beyond ShareGPT, docs/TRAINING.md) is distilled
 # too, at EXTRA_TEMPERATURES (default 0,0.8), into parts named extra-*.
 set -x
@@ -102,14 +103,14 @@ if [ -n "$SKIP_DISTILL" ]; then
   distill() { ls "$run/distill"; }  # the carried parts
 fi
 heads=${HEADS:-eagle3 eagle}
-bench_gpu1() {  # bench_gpu1 [SECTION ...]: examples/gpu/benchmark.sh on GPU 1 (no sections: all of them)
-  CUDA_VISIBLE_DEVICES=1 RESULTS=$r/gpu1 bash examples/gpu/benchmark.sh "$@" > "$r/benchmark_log.txt" 2>&1
+bench() {  # bench GPU [SECTION ...]: examples/gpu/benchmark.sh on GPU (no sections: all), rows in $r/gpuGPU/
+  CUDA_VISIBLE_DEVICES=$1 RESULTS=$r/gpu$1 bash examples/gpu/benchmark.sh "${@:2}" > "$r/benchmark_log_gpu$1.txt" 2>&1
 }
 if [ "$gpus" -ge 2 ] && [ "$heads" != eagle3 ] && [ -n "$SKIP_DISTILL" ]; then
   # Carried parts: EAGLE-1 trains on them at once on GPU 1, then that GPU runs BENCH_SECTIONS;
   # GPU 0 first distils the extra prompts (whole parts land by rename, long after GPU 1 read its data).
   ( distill_extra 0; train 0 eagle3 7; evaluate 0 eagle3 ) &
-  ( train 1 eagle 3; evaluate 1 eagle; [ -z "$BENCH_SECTIONS" ] || bench_gpu1 $BENCH_SECTIONS ) &
+  ( train 1 eagle 3; evaluate 1 eagle; [ -z "$BENCH_SECTIONS" ] || bench 1 $BENCH_SECTIONS ) &
   wait
 elif [ "$gpus" -ge 2 ] && [ "$heads" != eagle3 ]; then
   distill 0 "$run/distill" --rounds 3 --temperatures 0,0.7 &
@@ -123,12 +124,15 @@ else
   # The scaling runs read a fixed set of parts (links, taken before GPU 0 adds any), so their subsets nest.
   mkdir -p "$run/distill-scaling" && ln -f "$run"/distill/*.npz "$run/distill-scaling/" 2>/dev/null
   profile 0 eagle3 cudnn || profile 0 eagle3 xla  # before GPU 1 starts: its scaling runs read the step time
-  [ "$gpus" -ge 2 ] && (scaling 1; bench_gpu1 $BENCH_SECTIONS) &
+  [ "$gpus" -ge 2 ] && (scaling 1; bench 1 $BENCH_SECTIONS) &
   distill 0 "$run/distill" --rounds 3 --temperatures 0,0.8,1.0,0.7
   distill_extra 0
   train 0 eagle3 7
   evaluate 0 eagle3
-  [ "$gpus" -ge 2 ] || trace_steps 0
+  if [ "$gpus" -lt 2 ]; then  # one GPU: what GPU 1 would run, after the head (BENCH_SECTIONS, else the step traces)
+    if [ -n "$BENCH_SECTIONS" ]; then bench 0 $BENCH_SECTIONS; else trace_steps 0; fi
+    scaling 0
+  fi
   wait
 fi
 ls -la "$run/distill"
