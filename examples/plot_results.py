@@ -13,6 +13,8 @@ data exists:
   All from static batches with speculation never disabled (rows with a `scheduler` of
   continuous or a `speculative_disable_by_batch_size` are left out).
 From docs/results/training/*_metrics.json (`eagle_jax.train`): training_curves.png.
+From scaling.json (heads_pipeline.sh's SCALING_TOKENS runs, with `train_tokens` and `train_steps`):
+  * data_scaling.png: MT-Bench acceptance length vs tokens trained on, one line per step count.
 From profile.json (examples/profile_step.py and examples/scale_8b.py rows), when present:
   * step_breakdown.png: draft / verify / rest of a speculative step;
   * scale_8b.png: 8B-shaped step times against their HBM floors.
@@ -60,6 +62,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--results", default="docs/results/mtbench.json")
     parser.add_argument("--profile", default="docs/results/profile.json")
     parser.add_argument("--training", default="docs/results/training", help="folder of train metrics.json files")
+    parser.add_argument("--scaling", default="docs/results/scaling.json", help="data-scaling rows (train_tokens)")
     parser.add_argument("--out-dir", default="docs")
     parser.add_argument("--num-prompts", type=int, help="plot rows of this many prompts (default: the most common)")
     parser.add_argument("--max-new-tokens", type=int, help="plot rows of this budget (default: the most common)")
@@ -301,6 +304,28 @@ def plot_training(directory: Path, out: Path) -> None:
            "(docs/TRAINING.md)")
 
 
+def plot_data_scaling(rows: list[dict], out: Path) -> None:
+    """data_scaling.png: acceptance length vs generated tokens trained on (log scale), one line per
+    (method, k, train steps): runs of equal steps on nested subsets, so only the data differs."""
+    rows = [r for r in rows if "train_tokens" in r]
+    if not rows:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    series = collections.defaultdict(dict)
+    for row in sorted(rows, key=lambda r: r.get("date", "")):  # a repeated point: the latest wins
+        series[(row["method"], row["k"], row.get("train_steps"))][row["train_tokens"]] = row["acceptance_length"]
+    for (method, k, steps), points in sorted(series.items(), key=str):
+        tokens = sorted(points)
+        ax.plot(tokens, [points[t] for t in tokens], marker="o", linewidth=2, color=COLORS.get(method),
+                label=f"{LABELS.get(method, method)}, k = {k}, {steps} steps from scratch")
+    ax.set_xscale("log")
+    ax.set_xlabel("generated tokens trained on (nested random subsets)")
+    ax.set_ylabel("acceptance length (MT-Bench)")
+    ax.set_ylim(bottom=1.0)
+    sub = f"{rows[-1]['num_prompts']} prompts x {rows[-1]['max_new_tokens']} tokens, greedy, batch 1, {rows[-1]['device']}"
+    finish(fig, ax, out / "data_scaling.png", "Draft-head acceptance vs training data, equal steps", sub)
+
+
 def plot_step_breakdown(profile, out: Path) -> None:
     rows = latest_by(profile, "step_breakdown", ("method", "k", "device", "dtype"))
     if not rows:
@@ -433,6 +458,7 @@ def main(argv=None) -> int:
         chains = [r for r in static_greedy(default_settings(latest(same_head)), setting) if r["batch_size"] == 1]
         plot_trees(trees, chains, sub, out)
     plot_training(Path(args.training), out)
+    plot_data_scaling(load_rows(Path(args.scaling)), out)
     profile = load_rows(Path(args.profile))
     plot_step_breakdown(profile, out)
     plot_scale(profile, out)

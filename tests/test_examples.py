@@ -100,10 +100,24 @@ def test_plots_compare_default_settings_and_draw_the_tree_sweep(tmp_path, monkey
     drawn = []
     monkeypatch.setattr(plot_results, "plot_otps", lambda batch1, peers, sub, out: drawn.append(batch1))
     assert plot_results.main(["--results", str(results), "--profile", str(tmp_path / "none.json"),
-                              "--out-dir", str(tmp_path)]) == 0
+                              "--scaling", str(tmp_path / "none.json"), "--out-dir", str(tmp_path)]) == 0
     [batch1] = drawn
     assert sorted((r["method"], r["output_tokens_per_second"]) for r in batch1) == [("eagle3", 1900.0), ("none", 800.0)]
     assert (tmp_path / "tree_sweep.png").stat().st_size > 0
+    assert not (tmp_path / "data_scaling.png").exists()  # no scaling rows given
+
+
+def test_data_scaling_plot_keeps_one_point_per_size_and_steps(tmp_path, monkeypatch):
+    sys.path.insert(0, str(REPO / "examples"))
+    import plot_results
+    rows = [mtbench_row("eagle3", 5, 1100.0, acceptance, train_tokens=tokens, train_steps=763, date=date)
+            for tokens, acceptance, date in [(10**6, 1.60, "1"), (4 * 10**6, 1.61, "1"), (4 * 10**6, 1.7, "2")]]
+    rows.append(mtbench_row("eagle3", 5, 1900.0, 2.9))  # not a scaling point: no train_tokens
+    drawn = []
+    monkeypatch.setattr(plot_results, "finish", lambda fig, ax, path, *rest: drawn.append(
+        (path.name, [(list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines()])))
+    plot_results.plot_data_scaling(rows, tmp_path)
+    assert drawn == [("data_scaling.png", [([10**6, 4 * 10**6], [1.60, 1.7])])]
 
 
 def test_scale_8b_times_several_steps_per_call(tmp_path):
