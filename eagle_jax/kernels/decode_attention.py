@@ -19,9 +19,8 @@ two >= 16 (Triton's dot), as are the head dim and the T new keys (masked edges).
      of each element is loaded from memory with a permuted column index;
   2. streams the older slots [0, min(start, attend_length)) in `block_s` chunks through an
      online softmax (flash decoding: running max and sum in float32), start = positions[b, 0];
-  3. stores the new keys (rotated) and values into its (row, kv head) of the caches, and folds
-     them in from registers, causally. They are loaded before step 2, so that their loads
-     overlap the loop's instead of waiting for it.
+  3. rotates the new keys, stores them and the new values into its (row, kv head) of the
+     caches, and folds them in from registers, causally.
 Positions are contiguous from start and a position is its slot, so every query sees every
 older slot and new key t' is visible to query t iff t' <= t. Taking the new keys from
 registers and the older ones from below start means no load touches a slot any program
@@ -293,25 +292,22 @@ def _kernel(positions_ref, frequencies_ref, heads_ref, keys_ref, values_ref, out
         chunk_values = _load(values_ref, chunk_index, mask).astype(dtype)
         return _fold(state, _scores(q, chunk_keys, keep[None, :], head_dim), chunk_values)
 
-    # The new tokens' keys and values are loaded (and the keys rotated) before the chunk loop: they
-    # do not depend on it, and a load written after a loop is issued only once the loop is done,
-    # so their HBM latency would add to the loop's instead of overlapping it.
-    new = jnp.arange(_block(length))
-    is_new = new < length
-    key_head = jnp.broadcast_to(num_heads + kv_head, new.shape)
-    new_keys = _rotated(heads_ref, frequencies_ref, row, new, key_head, _load(positions_ref, (row, new), is_new), is_new)
-    new_values = _load(heads_ref, (row, new[:, None], key_head[:, None] + num_kv_heads, columns[None, :]),
-                       is_new[:, None] & in_head)
-
     def new_tokens(state):
         """The new keys and values into the cache, then folded in, rounded as the reference reads them back."""
+        new = jnp.arange(_block(length))
+        is_new = new < length
+        key_head = jnp.broadcast_to(num_heads + kv_head, new.shape)
+        keys = _rotated(heads_ref, frequencies_ref, row, new, key_head, _load(positions_ref, (row, new), is_new),
+                        is_new)
+        values = _load(heads_ref, (row, new[:, None], key_head[:, None] + num_kv_heads, columns[None, :]),
+                       is_new[:, None] & in_head)
         slots = start + new
         cache_index = (row, slots[:, None], kv_head, columns[None, :])
         written = (is_new & (slots < cache_length))[:, None] & in_head
-        plgpu.store(keys_out_ref.at[cache_index], new_keys.astype(dtype).astype(keys_out_ref.dtype), mask=written)
-        plgpu.store(values_out_ref.at[cache_index], new_values.astype(values_out_ref.dtype), mask=written)
-        keys = new_keys.astype(dtype).astype(keys_out_ref.dtype).astype(dtype)
-        values = new_values.astype(values_out_ref.dtype).astype(dtype)
+        plgpu.store(keys_out_ref.at[cache_index], keys.astype(dtype).astype(keys_out_ref.dtype), mask=written)
+        plgpu.store(values_out_ref.at[cache_index], values.astype(values_out_ref.dtype), mask=written)
+        keys = keys.astype(dtype).astype(keys_out_ref.dtype).astype(dtype)
+        values = values.astype(values_out_ref.dtype).astype(dtype)
         visible = (slots[None, :] <= query_positions[:, None]) & (is_new & (slots < read))[None, :]
         return _fold(state, _scores(q, keys, visible, head_dim), values)
 
