@@ -158,10 +158,11 @@ class Engine:
             plainly (vLLM's flag of this name): a large batch fills the device without drafts.
             The switch happens inside the compiled step, both ways; greedy outputs are the same.
             None speculates at every step.
-        decode_kernels: "auto" (default), "xla" or "pallas": fused Pallas kernels for the norms,
-            projections and (target, no tree) attention of decode steps of up to 16 rows, and the
-            attention kernel alone in larger ones, in target and head
-            (`layers.with_decode_kernels`); the engine uses copies, the modules
+        decode_kernels: "auto" (default), "xla", "pallas" or "pallas_linear". "pallas": fused
+            Pallas kernels for the norms, projections and (target, no tree) attention of decode
+            steps of up to 16 rows, and the attention kernel alone in larger ones, in target and
+            head; "pallas_linear": the same fused norms and projections with XLA's attention
+            (`layers.with_decode_kernels`). The engine uses copies, the modules
             given are unchanged. "auto" picks them where they measured faster
             (`choose_decode_kernels`), XLA elsewhere; `self.decode_kernels` holds the choice.
         mesh: a `jax.sharding.Mesh` with a "tensor" axis (`sharding.make_mesh`): the target is
@@ -204,7 +205,7 @@ class Engine:
         if decode_kernels == "auto":
             decode_kernels = choose_decode_kernels(jax.default_backend(), head is not None, batch_size, mesh)
         if mesh is not None and decode_kernels != "xla":
-            raise InputError("decode_kernels='pallas' runs on one device; it does not take a mesh")
+            raise InputError(f"decode_kernels={decode_kernels!r} runs on one device; it does not take a mesh")
         if decode_kernels != "xla":
             target = layers.with_decode_kernels(target, decode_kernels)
             head = layers.with_decode_kernels(head, decode_kernels) if head is not None else None

@@ -63,7 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--decode-kernels", choices=("auto",) + layers.DECODE_KERNELS, default="auto",
                         help="pallas: fused norm, projection and attention kernels in decode steps of up to 16 "
                              "rows, the attention kernel alone in larger ones (Pallas on a GPU, interpreted "
-                             "elsewhere); xla: as XLA compiles them; auto: "
+                             "elsewhere); pallas_linear: the fused norms and projections with XLA's attention; "
+                             "xla: as XLA compiles them; auto: "
                              "pallas for plain decoding at batch 1 on a GPU, where it measured faster, else xla")
     parser.add_argument("--batch-size", "--max-num-seqs", dest="batch_size", type=int, default=1,
                         help="rows decoded together: a static batch, or the continuous scheduler's decode slots")

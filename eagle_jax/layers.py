@@ -22,7 +22,16 @@ from eagle_jax import config as config_lib
 from eagle_jax.kernels import decode_attention
 from eagle_jax.kernels import fused_linear
 
-DECODE_KERNELS = fused_linear.IMPLEMENTATIONS  # settings of `with_decode_kernels`
+# Settings of `with_decode_kernels`: XLA alone; every fused Pallas kernel; or the fused linear
+# kernels around XLA's attention (in a whole step the attention kernel cost 24-27 us a layer on a
+# 6-token verify, where speculation with every kernel ran slower than with XLA's alone:
+# docs/BENCHMARKS.md, eighth session).
+DECODE_KERNELS = ("xla", "pallas", "pallas_linear")
+
+
+def linear_kernels(decode_kernels: str) -> str:
+    """The `kernels.fused_linear` implementation a `decode_kernels` setting runs."""
+    return "xla" if decode_kernels == "xla" else "pallas"
 
 
 class RMSNorm(nnx.Module):
@@ -317,14 +326,15 @@ class DecoderLayer(nnx.Module):
         o_proj + residual, norm + gate_up_proj + silu, down_proj + residual. Without (more rows than
         the linear kernels take), only the attention kernel, between XLA's norms and matmuls: it reads
         each row's filled slots only, where XLA's attention reads all attend_length of them. A tree's
-        verify (a SlotMask) attends in XLA: the attention kernel takes contiguous positions only."""
+        verify (a SlotMask) attends in XLA: the attention kernel takes contiguous positions only;
+        so does every call under "pallas_linear"."""
         attention, norm = self.self_attn, self.input_layernorm
         if fused_linears:
             qkv = fused_linear.norm_linear(x, norm.weight[...], norm.eps, attention.qkv_proj.kernel[...],
-                                           implementation=self.decode_kernels)
+                                           implementation=linear_kernels(self.decode_kernels))
         else:
             qkv = attention.qkv_proj(norm(x))
-        if mask is None:
+        if uses_attention_kernel(self.decode_kernels, x, mask, attention):
             attended, keys, values = decode_attention.attend(
                 qkv, positions, keys, values, num_heads=attention.num_heads, num_kv_heads=attention.num_kv_heads,
                 head_dim=attention.head_dim, inv_freq=rope_inverse_frequencies(*attention.rope),
@@ -336,7 +346,7 @@ class DecoderLayer(nnx.Module):
             x = x + attention.output(attended)
             return residual_mlp(x, self.post_attention_layernorm, self.mlp), keys, values
         x = fused_linear.linear_residual(attended.reshape(*x.shape[:2], -1), attention.o_proj.kernel[...], x,
-                                         implementation=self.decode_kernels)
+                                         implementation=linear_kernels(self.decode_kernels))
         return residual_mlp(x, self.post_attention_layernorm, self.mlp, self.decode_kernels), keys, values
 
 
@@ -344,13 +354,14 @@ def residual_mlp(x: jax.Array, norm: RMSNorm, mlp: MLP, decode_kernels: str = "x
     """x + mlp(norm(x)), in two fused kernels when `uses_decode_kernels` says so."""
     if not uses_decode_kernels(decode_kernels, x, mlp.gate_up_proj, mlp.down_proj):
         return x + mlp(norm(x))
+    implementation = linear_kernels(decode_kernels)
     hidden = fused_linear.norm_gate_up(x, norm.weight[...], norm.eps, mlp.gate_up_proj.kernel[...],
-                                       implementation=decode_kernels)
-    return fused_linear.linear_residual(hidden, mlp.down_proj.kernel[...], x, implementation=decode_kernels)
+                                       implementation=implementation)
+    return fused_linear.linear_residual(hidden, mlp.down_proj.kernel[...], x, implementation=implementation)
 
 
 def uses_decode_kernels(decode_kernels: str, x: jax.Array, *linears: nnx.Linear) -> bool:
-    """Whether `decode_kernels` ("xla" or "pallas") replaces these linear layers on inputs x [..., D].
+    """Whether `decode_kernels` ("pallas" or "pallas_linear") replaces these linear layers on inputs x [..., D].
 
     Only decode steps, at most `fused_linear.MAX_ROWS` rows: there the fused kernels save
     launches, while longer inputs (prefill, training) are large matmuls XLA runs well. Layers
@@ -363,10 +374,10 @@ def uses_decode_kernels(decode_kernels: str, x: jax.Array, *linears: nnx.Linear)
 
 
 def uses_attention_kernel(decode_kernels: str, x: jax.Array, mask: SlotMask | None, attention: Attention) -> bool:
-    """Whether a cached call on x [B, T, D] that `uses_decode_kernels` leaves to XLA's linears still
-    attends with the Pallas kernel: a decode step or a chain's verify (T <= its MAX_TOKENS, no tree
-    mask) at any batch, with the unsharded [q | k | v] layout the kernel reads."""
-    return (decode_kernels != "xla" and mask is None and x.shape[1] <= decode_attention.MAX_TOKENS
+    """Whether a cached call on x [B, T, D] attends with the Pallas kernel (setting "pallas" only),
+    with or without the fused linear kernels around it: a decode step or a chain's verify (T <= its
+    MAX_TOKENS, no tree mask) at any batch, with the unsharded [q | k | v] layout the kernel reads."""
+    return (decode_kernels == "pallas" and mask is None and x.shape[1] <= decode_attention.MAX_TOKENS
             and attention.num_shards == 1)
 
 
@@ -378,7 +389,9 @@ def with_decode_kernels(module: nnx.Module, decode_kernels: str) -> nnx.Module:
     cached calls of up to `fused_linear.MAX_ROWS` rows (batch x tokens): five per target decoder
     layer (four around a tree's verify, whose attention stays XLA), two for a draft head's MLP;
     in larger cached calls of up to `decode_attention.MAX_TOKENS` tokens a row (batched decode
-    steps and verifies) only the attention kernel (`uses_attention_kernel`). In Pallas interpret
+    steps and verifies) only the attention kernel (`uses_attention_kernel`). "pallas_linear" runs
+    the fused linear kernels where "pallas" does, with XLA's rotary, cache writes and attention
+    between them (six kernels or so in place of the attention kernel). In Pallas interpret
     mode unless the backend is a GPU (so CPU tests run the kernel code).
     The setting is a static attribute, so it is part of the module's graph and of every
     program compiled from it.

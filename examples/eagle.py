@@ -115,7 +115,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--decode_kernels", "--decode-kernels", choices=("auto",) + layers.DECODE_KERNELS,
                         default="auto",
                         help="pallas: fused Pallas kernels in decode steps of up to 16 rows, the attention "
-                             "kernel alone in larger ones; auto: pallas for "
+                             "kernel alone in larger ones; pallas_linear: the fused norms and projections "
+                             "with XLA's attention; auto: pallas for "
                              "plain decoding at batch 1 on a GPU, xla elsewhere (Engine.decode_kernels); the "
                              "choice is recorded in each row")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")

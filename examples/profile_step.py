@@ -17,7 +17,8 @@ Four measurements, each appended as a row to `--out` (a JSON list); the first th
     which trace events count as kernels on GPU and on CPU). --label tags the row, e.g.
     "before fused norm" / "after", to record one row before and one after each change tried.
 --decode-kernels (every part; recorded in every row) picks the Engine's decode kernels: "pallas"
-fuses each layer's norms and projections into four Pallas kernels (`layers.with_decode_kernels`).
+fuses each layer's norms and projections into four Pallas kernels and its attention into a fifth,
+"pallas_linear" the four around XLA's attention (`layers.with_decode_kernels`).
 Timings are medians over `--iterations` calls after warm-up, each ended by `block_until_ready`.
 Without a shipped head or `--draft`, a random head of the right shape is used (timings do
 not depend on the weights; acceptance does, so the step runs with the head's real acceptance).

@@ -147,11 +147,12 @@ def test_rejects_what_it_does_not_take():
         decode_attention.Tiling(splits=0)
 
 
-@pytest.mark.parametrize("splits,triton_calls", [(1, 5), (4, 6)])
-def test_decoder_layer_lowers_to_five_triton_calls_writing_the_cache_in_place(monkeypatch, splits, triton_calls):
+@pytest.mark.parametrize("setting,splits,triton_calls", [("pallas", 1, 5), ("pallas", 4, 6), ("pallas_linear", 1, 4)])
+def test_decoder_layer_lowers_to_five_triton_calls_writing_the_cache_in_place(monkeypatch, setting, splits, triton_calls):
     """A pallas decode call of one SmolLM2-shaped layer, lowered for CUDA: four fused linears and
     the attention kernel, whose keys and values outputs alias its cache operands, so that XLA
-    need not copy a donated cache; split over the cache, the attention adds its combine kernel."""
+    need not copy a donated cache; split over the cache, the attention adds its combine kernel.
+    "pallas_linear" lowers the four linears alone (XLA attends between them)."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the kernels' interpret=None: compile them
     tiling = decode_attention.Tiling(splits=splits)
     monkeypatch.setattr(decode_attention, "attend", functools.partial(decode_attention.attend, tiling=tiling))
@@ -159,7 +160,7 @@ def test_decoder_layer_lowers_to_five_triton_calls_writing_the_cache_in_place(mo
                                  num_kv_heads=3, head_dim=64, rope_theta=100000.0)
     layer = nnx.eval_shape(lambda: layers.DecoderLayer(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16,
                                                        param_dtype=jnp.bfloat16))
-    graphdef, params = nnx.split(layers.with_decode_kernels(layer, "pallas"))
+    graphdef, params = nnx.split(layers.with_decode_kernels(layer, setting))
     cache = jax.ShapeDtypeStruct((1, 1024, 3, 64), jnp.bfloat16)
 
     def step(params, x, keys, values):
@@ -172,6 +173,9 @@ def test_decoder_layer_lowers_to_five_triton_calls_writing_the_cache_in_place(mo
     text = lowered(params, x, cache, cache).mlir_module()
     calls = [line for line in text.splitlines() if "stablehlo.custom_call @__gpu$xla.gpu.triton" in line]
     assert len(calls) == triton_calls
+    if setting == "pallas_linear":
+        assert not any("output_operand_aliases" in line for line in calls)
+        return
     [attention] = [line for line in calls if "output_operand_aliases" in line]
     assert "output_tuple_indices = [1], operand_index = 3" in attention
     assert "output_tuple_indices = [2], operand_index = 4" in attention

@@ -141,14 +141,20 @@ def test_decode_step_runs_the_kernels(random_target):
     run, jaxpr = forward(fused, 20, 1, start=5)
     assert str(jaxpr).count("pallas_call") == 1
     np.testing.assert_allclose(run(), forward(target, 20, 1, start=5)[0](), rtol=2e-5, atol=2e-5)
+    # "pallas_linear": the four fused linears around XLA's attention, none in a batched step.
+    linear_only = layers.with_decode_kernels(target, "pallas_linear")
+    run, jaxpr = forward(linear_only, 1, 4, start=3)
+    assert str(jaxpr).count("pallas_call") == 4
+    np.testing.assert_allclose(run(), forward(target, 1, 4, start=3)[0](), rtol=2e-5, atol=2e-5)
+    assert "pallas_call" not in str(forward(linear_only, 20, 1, start=5)[1])
 
 
 @pytest.fixture(scope="module")
 def tokens_by_setting(aligned_target, agreeing_head, random_head, tmp_path_factory):
     """Greedy tokens and acceptance of plain and speculative decoding, per decode_kernels setting.
 
-    Both settings share one compile cache; the "pallas" engines run after the "xla" ones and
-    count their cache hits, which must be none: a setting never loads the other's programs.
+    The settings share one compile cache; the Pallas engines run after the "xla" ones and count
+    their cache hits, which must be none: a setting never loads another's programs.
     """
     target = aligned_target(seed=14, num_layers=2)
     cfg = target.config
@@ -157,7 +163,7 @@ def tokens_by_setting(aligned_target, agreeing_head, random_head, tmp_path_facto
     prompts = [np.random.default_rng(length).integers(0, 101, length).tolist() for length in (5, 9)]
     cache_dir = tmp_path_factory.mktemp("compile-cache")
     out = {}
-    for setting in ("xla", "pallas"):
+    for setting in ("xla", "pallas", "pallas_linear"):
         for method, head, k in (("none", None, 0), ("eagle", heads["eagle"], 3), ("eagle3", heads["eagle3"], 2)):
             engine = engine_lib.Engine(target, head, num_speculative_tokens=k, max_length=64, batch_size=2,
                                        cache_dir=cache_dir, decode_kernels=setting)
@@ -167,10 +173,11 @@ def tokens_by_setting(aligned_target, agreeing_head, random_head, tmp_path_facto
     return out
 
 
+@pytest.mark.parametrize("setting", ["pallas", "pallas_linear"])
 @pytest.mark.parametrize("method", ["none", "eagle", "eagle3"])
-def test_pallas_decode_gives_the_same_tokens(tokens_by_setting, method):
+def test_pallas_decode_gives_the_same_tokens(tokens_by_setting, method, setting):
     xla_tokens, xla_accepted, _ = tokens_by_setting["xla", method]
-    pallas_tokens, pallas_accepted, pallas_hits = tokens_by_setting["pallas", method]
+    pallas_tokens, pallas_accepted, pallas_hits = tokens_by_setting[setting, method]
     assert pallas_tokens == xla_tokens and pallas_accepted == xla_accepted
     assert pallas_hits == 0
 
@@ -191,5 +198,6 @@ def test_kernel_bench_runs_without_model_files(tmp_path, tiny_hf_config):
         ("kernel_bench", "norm_gate_up", "xla", None), ("kernel_bench", "norm_gate_up", "pallas", None),
         ("kernel_bench", "decode_attention", "xla", None), ("kernel_bench", "decode_attention", "pallas", None),
         ("kernel_bench", "decode_attention", "xla", 32), ("kernel_bench", "decode_attention", "pallas", 32),
-        ("kernel_bench", "decoder_layer", "xla", None), ("kernel_bench", "decoder_layer", "pallas", None)]
+        ("kernel_bench", "decoder_layer", "xla", None), ("kernel_bench", "decoder_layer", "pallas", None),
+        ("kernel_bench", "decoder_layer", "pallas_linear", None)]
     assert all(r["kernels"] > 0 and r["busy_us"] > 0 and r["wall_us"] > 0 for r in rows)

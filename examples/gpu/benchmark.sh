@@ -42,9 +42,9 @@ kernels() {  # issue 10: fused Pallas decode kernels vs XLA, alone and in the tr
     --num-stages 2,3 --out $r/kernels.json
 }
 step_kernels() {  # issue 10: the traced plain and EAGLE-3 k = 5 steps with each of the given decode kernels
-  # (default pallas; random weights)
+  # (default: every Pallas setting; random weights)
   for method in "none" "eagle3 --k 5"; do
-    for kernels in ${@:-pallas}; do
+    for kernels in ${@:-pallas pallas_linear}; do
       python3 examples/profile_step.py --parts step_trace --random-target $config --method $method --cache-length 1024 \
         --decode-kernels $kernels --label "decode kernels $kernels" --out $r/profile.json
     done
@@ -55,8 +55,11 @@ attention_split() {  # issue 10: the attention kernel split over the cache (Tili
   python3 examples/gpu/kernels_bench.py --rows 1,4 --ops decode_attention --tokens 1,6 --splits 1,2,4,8 \
     --out $r/kernels.json
 }
-real_kernels() {  # issue 10: the fused kernels end to end on MT-Bench (real weights)
-  python3 examples/eagle.py --method none,eagle3 --num_spec_tokens 5 --max_num_seqs 1 --decode_kernels pallas $m
+real_kernels() {  # issue 10: the fused kernels end to end on MT-Bench (real weights), with and without the
+  # attention kernel (pallas_linear: XLA attends between the fused linears)
+  for kernels in pallas pallas_linear; do
+    python3 examples/eagle.py --method none,eagle3 --num_spec_tokens 5 --max_num_seqs 1 --decode_kernels $kernels $m
+  done
 }
 xla_flags() {  # issue 10: XLA flags against the M = 1 matmul lowering (plain step, random weights)
   for flags in "--xla_gpu_enable_triton_gemm=false" "--xla_gpu_enable_cublaslt=true"; do

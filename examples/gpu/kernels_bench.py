@@ -15,7 +15,7 @@ Random bf16 weights, no model files. Ops (`kernels.fused_linear`, implementation
     are the half's last), attend_length None (all the cache) and the half; its weight_bytes are
     the filled keys and values, which attention must read
   * decoder_layer: one cached decode call of a whole `layers.DecoderLayer` (cache --cache-length),
-    decode_kernels "xla" vs "pallas" (default tiling)
+    decode_kernels "xla" vs "pallas" vs "pallas_linear" (default tiling)
 Each is jitted alone. wall_us: median host time of one call ended by `block_until_ready` over
 --iterations calls (mostly dispatch for kernels this small). kernels and busy_us per call: from a
 `jax.profiler` trace of --trace-calls calls (examples/step_trace.py: device time, overlaps merged):
