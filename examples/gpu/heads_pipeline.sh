@@ -22,6 +22,9 @@
 # scratch on nested subsets of N tokens of the carried data, SCALING_SECONDS each (equal steps),
 # and evaluates each at k = 5 on MT-Bench (rows in RESULTS/scaling.json): the data-scaling curve.
 # On one GPU, HEADS=eagle3 runs the head, then BENCH_SECTIONS (else the step traces), then the scaling runs.
+# GPU1_VARIANT="NAME=VALUE ..." (HEADS=eagle3 on two GPUs, in place of the scaling runs): GPU 1 trains a
+# second EAGLE-3 head with these settings changed (e.g. "DRAFT_VOCAB_SIZE=16384"), into
+# RUN_DIR/eagle3-variant, evaluated as the first (rows in RESULTS/*_eagle3-variant.json): two levers, one lease.
 # A staged .stage/extra_turns.npz (prompt sources beyond ShareGPT, docs/TRAINING.md) is distilled
 # too, at EXTRA_TEMPERATURES (default 0,0.8), into parts named extra-*.
 set -x
@@ -53,20 +56,26 @@ sized() {  # sized METHOD SECONDS: "attention steps", the steps that fit SECONDS
   read -r attention step_ms <<< "$(fastest "$1")"
   echo "$attention $(python3 -c "print(int($2 * 1000 / $step_ms * 0.92))")"
 }
-train() {  # train GPU METHOD UNROLL: steps sized to $train_seconds from the profiled step time
+train() {  # train GPU METHOD UNROLL [NAME]: steps sized to $train_seconds from the profiled step time,
+  # into $run/NAME (default METHOD)
+  local name=${4:-$2}
   read -r attention steps <<< "$(sized "$2" "$train_seconds")"
   init=""; [ -n "$INIT_FROM_SHIPPED" ] && init="--init-head eagle_jax/heads/smollm2-135m-instruct-$2"
   CUDA_VISIBLE_DEVICES=$1 python3 -m eagle_jax.train --method "$2" --unroll "$3" --attention "$attention" $init \
     ${TRAIN_TOKENS:+--train-tokens $TRAIN_TOKENS} ${LEARNING_RATE:+--learning-rate $LEARNING_RATE} \
     ${DRAFT_VOCAB_SIZE:+--draft-vocab-size $DRAFT_VOCAB_SIZE} ${HEAD_INTERMEDIATE_SIZE:+--head-intermediate-size $HEAD_INTERMEDIATE_SIZE} \
-    --data "$run/distill" --output "$run/$2" --steps "$steps" --batch-size 64 --warmup-steps 200 \
-    --max-seconds "$train_seconds" --eval-prompts 0 && cp "$run/$2/metrics.json" "$r/$2_metrics.json"
+    --data "$run/distill" --output "$run/$name" --steps "$steps" --batch-size 64 --warmup-steps 200 \
+    --max-seconds "$train_seconds" --eval-prompts 0 && cp "$run/$name/metrics.json" "$r/${name}_metrics.json"
 }
-evaluate() {  # evaluate GPU METHOD: held-out ShareGPT at k = 5, MT-Bench at k = 1..7
-  m="--method $2 --draft $run/$2/head --max_num_seqs 1 --num_prompts 80 --max_new_tokens 256"
+evaluate() {  # evaluate GPU METHOD [NAME]: $run/NAME's head on held-out ShareGPT at k = 5, MT-Bench at k = 1..7
+  local name=${3:-$2}
+  m="--method $2 --draft $run/$name/head --max_num_seqs 1 --num_prompts 80 --max_new_tokens 256"
   CUDA_VISIBLE_DEVICES=$1 python3 examples/eagle.py $m --num_spec_tokens 5 --dataset .stage/heldout.jsonl \
-    --out "$r/heldout_$2.json"
-  CUDA_VISIBLE_DEVICES=$1 python3 examples/eagle.py $m --num_spec_tokens 5,1,3,7,2,4,6 --out "$r/mtbench_$2.json"
+    --out "$r/heldout_$name.json"
+  CUDA_VISIBLE_DEVICES=$1 python3 examples/eagle.py $m --num_spec_tokens 5,1,3,7,2,4,6 --out "$r/mtbench_$name.json"
+}
+variant() {  # variant GPU: EAGLE-3 again with GPU1_VARIANT's settings ("NAME=VALUE ..."), into $run/eagle3-variant
+  ( export $GPU1_VARIANT; train "$1" eagle3 7 eagle3-variant; evaluate "$1" eagle3 eagle3-variant )
 }
 trace_steps() {  # trace_steps GPU: issue 10's step_trace rows (plain and EAGLE-3 k = 5 at batch 1, the distil step)
   t="CUDA_VISIBLE_DEVICES=$1 python3 examples/profile_step.py --parts step_trace --out $r/profile.json"
@@ -124,7 +133,9 @@ else
   # The scaling runs read a fixed set of parts (links, taken before GPU 0 adds any), so their subsets nest.
   mkdir -p "$run/distill-scaling" && ln -f "$run"/distill/*.npz "$run/distill-scaling/" 2>/dev/null
   profile 0 eagle3 cudnn || profile 0 eagle3 xla  # before GPU 1 starts: its scaling runs read the step time
-  [ "$gpus" -ge 2 ] && (scaling 1; bench 1 $BENCH_SECTIONS) &
+  if [ "$gpus" -ge 2 ] && [ -n "$GPU1_VARIANT" ]; then (variant 1; bench 1 $BENCH_SECTIONS) &
+  elif [ "$gpus" -ge 2 ]; then (scaling 1; bench 1 $BENCH_SECTIONS) &
+  fi
   distill 0 "$run/distill" --rounds 3 --temperatures 0,0.8,1.0,0.7
   distill_extra 0
   train 0 eagle3 7
