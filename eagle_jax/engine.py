@@ -160,7 +160,7 @@ class Engine:
             None speculates at every step.
         decode_kernels: "auto" (default), "xla", "pallas" or "pallas_linear". "pallas": fused
             Pallas kernels for the norms, projections and (target, no tree) attention of decode
-            steps of up to 16 rows, and the attention kernel alone in larger ones, in target and
+            steps of up to 32 rows, and the attention kernel alone in larger ones, in target and
             head; "pallas_linear": the same fused norms and projections with XLA's attention
             (`layers.with_decode_kernels`). The engine uses copies, the modules
             given are unchanged. "auto" picks them where they measured faster

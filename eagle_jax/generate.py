@@ -61,7 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "speculate)")
     parser.add_argument("--eager", action="store_true", help="run op by op without jit (slow; for comparison)")
     parser.add_argument("--decode-kernels", choices=("auto",) + layers.DECODE_KERNELS, default="auto",
-                        help="pallas: fused norm, projection and attention kernels in decode steps of up to 16 "
+                        help="pallas: fused norm, projection and attention kernels in decode steps of up to 32 "
                              "rows, the attention kernel alone in larger ones (Pallas on a GPU, interpreted "
                              "elsewhere); pallas_linear: the fused norms and projections with XLA's attention; "
                              "xla: as XLA compiles them; auto: "

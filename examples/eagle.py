@@ -114,7 +114,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--eager", action="store_true", help="op by op without jit (very slow; use few prompts)")
     parser.add_argument("--decode_kernels", "--decode-kernels", choices=("auto",) + layers.DECODE_KERNELS,
                         default="auto",
-                        help="pallas: fused Pallas kernels in decode steps of up to 16 rows, the attention "
+                        help="pallas: fused Pallas kernels in decode steps of up to 32 rows, the attention "
                              "kernel alone in larger ones; pallas_linear: the fused norms and projections "
                              "with XLA's attention; auto: pallas for "
                              "plain decoding at batch 1 on a GPU, xla elsewhere (Engine.decode_kernels); the "

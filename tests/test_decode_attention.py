@@ -181,13 +181,15 @@ def test_decoder_layer_lowers_to_five_triton_calls_writing_the_cache_in_place(mo
     assert "output_tuple_indices = [2], operand_index = 4" in attention
 
 
-def test_a_tree_verify_attends_in_xla(random_target):
-    """With a SlotMask (positions are not slots) the layer keeps XLA attention between its four linears."""
+@pytest.mark.parametrize("nodes", [4, 17])
+def test_a_tree_verify_attends_in_xla(random_target, nodes):
+    """With a SlotMask (positions are not slots) the layer keeps XLA attention between its four
+    linears, up to a tree of 16 drafted nodes and its root (17 rows: one block of 32)."""
     target = layers.with_decode_kernels(random_target(num_layers=1), "pallas")
     cache = target.init_cache(1, 32)
-    positions = jnp.array([[4, 5, 5, 6]], jnp.int32)  # siblings share a depth
-    mask = layers.SlotMask(start=jnp.array([4], jnp.int32), visible=jnp.ones((1, 4, 32), bool))
-    jaxpr = jax.make_jaxpr(lambda tokens: target(tokens, positions, cache, mask=mask))(jnp.zeros((1, 4), jnp.int32))
+    positions = 4 + jnp.array([[0] + [1 + (node - 1) // 2 for node in range(1, nodes)]], jnp.int32)  # siblings share a depth
+    mask = layers.SlotMask(start=jnp.array([4], jnp.int32), visible=jnp.ones((1, nodes, 32), bool))
+    jaxpr = jax.make_jaxpr(lambda tokens: target(tokens, positions, cache, mask=mask))(jnp.zeros((1, nodes), jnp.int32))
     assert str(jaxpr).count("pallas_call") == 4
 
 

@@ -17,6 +17,7 @@ from jax import export
 
 from eagle_jax import engine as engine_lib
 from eagle_jax import layers
+from eagle_jax import tree as tree_lib
 from eagle_jax.kernels import fused_linear
 
 EPS = 1e-5
@@ -46,8 +47,8 @@ def all_kernels(o: dict, implementation: str, interpret=None) -> list[jax.Array]
 @pytest.mark.parametrize("shape,rows,dtype,tolerance", [
     (REAL, 1, jnp.float32, 1e-5), (REAL, 3, jnp.float32, 1e-5), (REAL, 8, jnp.float32, 1e-5),
     (REAL, 1, jnp.bfloat16, 2e-2), (REAL, 8, jnp.bfloat16, 2e-2),
-    (RAGGED, 3, jnp.float32, 1e-5), (RAGGED, 17, jnp.float32, 1e-5),
-], ids=["real-1", "real-3", "real-8", "real-1-bf16", "real-8-bf16", "ragged-3", "ragged-17"])
+    (RAGGED, 3, jnp.float32, 1e-5), (RAGGED, 17, jnp.float32, 1e-5), (RAGGED, 40, jnp.float32, 1e-5),
+], ids=["real-1", "real-3", "real-8", "real-1-bf16", "real-8-bf16", "ragged-3", "ragged-17", "ragged-40"])
 def test_pallas_matches_xla(shape, rows, dtype, tolerance):
     o = operands(shape, rows, dtype)
     for expected, actual in zip(all_kernels(o, "xla"), all_kernels(o, "pallas")):
@@ -70,10 +71,10 @@ def test_xla_reference_is_what_the_layers_compute(dtype):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_pallas_kernels_lower_for_cuda(dtype):
+@pytest.mark.parametrize("dtype,rows", [(jnp.float32, 1), (jnp.bfloat16, 1), (jnp.bfloat16, 17)])
+def test_pallas_kernels_lower_for_cuda(dtype, rows):
     """Triton's rules (power-of-two tensors, dot operands >= 16) are checked while lowering."""
-    o = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), operands(REAL, 1, dtype))
+    o = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), operands(REAL, rows, dtype))
     lowered = export.export(jax.jit(lambda o: all_kernels(o, "pallas", interpret=False)), platforms=["cuda"],
                             disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(o)
     assert lowered.mlir_module().count("__gpu$xla.gpu.triton") == 3
@@ -88,11 +89,16 @@ def test_tiling_needs_powers_of_two_of_at_least_16():
         fused_linear.norm_linear(jnp.ones((1, 4)), jnp.ones(4), EPS, jnp.ones((4, 2)), implementation="triton")
 
 
+def test_rows_take_one_block_up_to_max_rows():
+    assert [fused_linear.row_block(m) for m in (1, 16, 17, 32, 33, 100)] == [16, 16, 32, 32, 32, 32]
+
+
 def test_only_small_bias_free_inputs_use_the_kernels(random_target):
     layer = random_target(num_layers=1).layers[0]
     linears = (layer.self_attn.qkv_proj, layer.mlp.down_proj)
-    decode, prefill = jnp.ones((2, 8, 32)), jnp.ones((2, 9, 32))  # 16 and 18 rows
+    decode, prefill = jnp.ones((2, 16, 32)), jnp.ones((2, 17, 32))  # 32 and 34 rows
     assert layers.uses_decode_kernels("pallas", decode, *linears)
+    assert layers.uses_decode_kernels("pallas_linear", decode, *linears)
     assert not layers.uses_decode_kernels("xla", decode, *linears)
     assert not layers.uses_decode_kernels("pallas", prefill, *linears)
     assert not layers.uses_decode_kernels("pallas", decode.astype(jnp.bfloat16), *linears)
@@ -129,24 +135,24 @@ def test_decode_step_runs_the_kernels(random_target):
     fused = layers.with_decode_kernels(target, "pallas")
 
     def forward(model, batch, length, start=0):
-        cache = model.init_cache(batch, 32)
+        cache = model.init_cache(batch, 64)
         positions = jnp.broadcast_to(start + jnp.arange(length, dtype=jnp.int32), (batch, length))
         tokens = jnp.asarray(np.random.default_rng(batch).integers(0, 100, (batch, length)), jnp.int32)
         return lambda: model(tokens, positions, cache)[0], jax.make_jaxpr(lambda: model(tokens, positions, cache))()
 
     assert str(forward(fused, 1, 4)[1]).count("pallas_call") == 5  # norm + qkv, attention, o_proj, norm + gate_up, down_proj
-    assert "pallas_call" not in str(forward(fused, 1, 17)[1])
+    assert "pallas_call" not in str(forward(fused, 1, 33)[1])
     # More rows than the linear kernels take (a batched decode step): the attention kernel alone,
     # between XLA's matmuls, computing what XLA's attention does.
-    run, jaxpr = forward(fused, 20, 1, start=5)
+    run, jaxpr = forward(fused, 40, 1, start=5)
     assert str(jaxpr).count("pallas_call") == 1
-    np.testing.assert_allclose(run(), forward(target, 20, 1, start=5)[0](), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(run(), forward(target, 40, 1, start=5)[0](), rtol=2e-5, atol=2e-5)
     # "pallas_linear": the four fused linears around XLA's attention, none in a batched step.
     linear_only = layers.with_decode_kernels(target, "pallas_linear")
     run, jaxpr = forward(linear_only, 1, 4, start=3)
     assert str(jaxpr).count("pallas_call") == 4
     np.testing.assert_allclose(run(), forward(target, 1, 4, start=3)[0](), rtol=2e-5, atol=2e-5)
-    assert "pallas_call" not in str(forward(linear_only, 20, 1, start=5)[1])
+    assert "pallas_call" not in str(forward(linear_only, 40, 1, start=5)[1])
 
 
 @pytest.fixture(scope="module")
@@ -163,10 +169,13 @@ def tokens_by_setting(aligned_target, agreeing_head, random_head, tmp_path_facto
     prompts = [np.random.default_rng(length).integers(0, 101, length).tolist() for length in (5, 9)]
     cache_dir = tmp_path_factory.mktemp("compile-cache")
     out = {}
+    tree = tree_lib.TreeOptions(2, 3, 6)  # its verify: 7 nodes a row, 14 rows, XLA's attention under a tree mask
     for setting in ("xla", "pallas", "pallas_linear"):
-        for method, head, k in (("none", None, 0), ("eagle", heads["eagle"], 3), ("eagle3", heads["eagle3"], 2)):
+        for method, head, k in (("none", None, 0), ("eagle", heads["eagle"], 3), ("eagle3", heads["eagle3"], 2),
+                                ("eagle-tree", heads["eagle"], 0)):
             engine = engine_lib.Engine(target, head, num_speculative_tokens=k, max_length=64, batch_size=2,
-                                       cache_dir=cache_dir, decode_kernels=setting)
+                                       cache_dir=cache_dir, decode_kernels=setting,
+                                       tree=tree if method.endswith("tree") else None)
             results = engine.generate(prompts, max_new_tokens=8, ignore_eos=True, steps_per_call=4)
             out[setting, method] = ([r.token_ids for r in results], [r.stats["num_accepted_tokens"] for r in results],
                                     engine.compile_cache.hits)
@@ -174,7 +183,7 @@ def tokens_by_setting(aligned_target, agreeing_head, random_head, tmp_path_facto
 
 
 @pytest.mark.parametrize("setting", ["pallas", "pallas_linear"])
-@pytest.mark.parametrize("method", ["none", "eagle", "eagle3"])
+@pytest.mark.parametrize("method", ["none", "eagle", "eagle3", "eagle-tree"])
 def test_pallas_decode_gives_the_same_tokens(tokens_by_setting, method, setting):
     xla_tokens, xla_accepted, _ = tokens_by_setting["xla", method]
     pallas_tokens, pallas_accepted, pallas_hits = tokens_by_setting[setting, method]

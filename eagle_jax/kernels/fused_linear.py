@@ -1,6 +1,6 @@
 """Fused linear layers for decode steps (a few rows): RMSNorm + matmul (+ SwiGLU), matmul + residual.
 
-At batch 1 a decode step multiplies M = batch x tokens <= 16 rows by each weight matrix. XLA runs
+At batch 1 a decode step multiplies M = batch x tokens <= 32 rows by each weight matrix. XLA runs
 each norm, matmul, activation and residual add as its own 1-7 us kernel (~19 per SmolLM2 layer),
 so the step is bound by the kernel count, not by reading the weights. With these, a decoder
 layer's projections take four kernels:
@@ -16,9 +16,9 @@ Pallas interpret mode unless the default backend is a GPU, so CPU tests run the 
 Kernel layout: a grid of (row blocks, column blocks). A program streams a [K, block_n] column
 strip of the weight in block_k chunks through `dot` with its rows of x. Norms are recomputed by
 every program: a row has K = 576 values, cheaper than a second launch. Triton's dot needs every
-dimension >= 16, so rows come in blocks of 16 whatever M is (absent rows load as zeros and are
-never stored), and Triton tensors have power-of-two sizes, so ragged edges (K = 576 in chunks of
-256, N not a multiple of block_n) are masked. Accumulation is float32; outputs take x's dtype and
+dimension >= 16, so rows come in one block of 16 or 32 (`row_block`; absent rows load as zeros
+and are never stored, and each weight strip is read once), and Triton tensors have power-of-two
+sizes, so ragged edges (K = 576 in chunks of 256, N not a multiple of block_n) are masked. Accumulation is float32; outputs take x's dtype and
 weights are cast to it, as `nnx.Linear` casts to its computation dtype.
 """
 
@@ -34,7 +34,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 IMPLEMENTATIONS = ("xla", "pallas")
-MAX_ROWS = 16  # the most rows the model sends to these kernels: one block of rows
+# The most rows the model sends to these kernels, in one block of rows: a decode step of up to 32
+# rows, a chain's verify, an EAGLE-2 tree's verify of up to 31 drafted nodes and its root.
+MAX_ROWS = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,14 +44,15 @@ class Tiling:
     """Static block sizes and Triton launch settings of the Pallas kernels.
 
     Attributes:
-        block_m: rows per program (Triton's dot needs >= 16).
+        block_m: rows per program (Triton's dot needs >= 16); None: the power of two >= 16
+            that holds all the rows (`row_block`).
         block_n: output columns per program (of gate and of up each, in `norm_gate_up`).
         block_k: input features per dot in a program's loop over K.
         num_warps: Triton warps per program.
         num_stages: Triton software-pipelining depth of that loop (weight loads in flight).
     """
 
-    block_m: int = 16
+    block_m: int | None = None
     block_n: int = 32
     block_k: int = 256  # the fastest in the H200 sweep (docs/BENCHMARKS.md)
     num_warps: int = 4
@@ -58,6 +61,8 @@ class Tiling:
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
             size = getattr(self, name)
+            if size is None and name == "block_m":
+                continue
             if size < 16 or size & (size - 1):
                 raise ValueError(f"{name} must be a power of two >= 16 (Triton's dot), got {size}")
 
@@ -80,7 +85,7 @@ def norm_linear(x: jax.Array, norm_weight: jax.Array, eps: float, weight: jax.Ar
     _check(implementation, x, weight)
     if implementation == "xla":
         return _linear(rms_norm(x, norm_weight, eps), weight)
-    kernel = functools.partial(_norm_linear_kernel, eps=eps, tiling=tiling)
+    kernel = functools.partial(_norm_linear_kernel, eps=eps)
     return _call(kernel, "norm_linear", x, (norm_weight, weight), weight.shape[1], interpret, tiling)
 
 
@@ -102,7 +107,7 @@ def norm_gate_up(x: jax.Array, norm_weight: jax.Array, eps: float, weight_gate_u
     if implementation == "xla":
         gate, up = jnp.split(_linear(rms_norm(x, norm_weight, eps), weight_gate_up), 2, axis=-1)
         return jax.nn.silu(gate) * up
-    kernel = functools.partial(_norm_gate_up_kernel, eps=eps, tiling=tiling)
+    kernel = functools.partial(_norm_gate_up_kernel, eps=eps)
     return _call(kernel, "norm_gate_up", x, (norm_weight, weight_gate_up), weight_gate_up.shape[1] // 2,
                  interpret, tiling)
 
@@ -124,7 +129,7 @@ def linear_residual(x: jax.Array, weight: jax.Array, residual: jax.Array, *, imp
         raise ValueError(f"residual shape {residual.shape} does not fit x {x.shape} @ weight {weight.shape}")
     if implementation == "xla":
         return residual + _linear(x, weight)
-    kernel = functools.partial(_linear_residual_kernel, tiling=tiling)
+    kernel = _linear_residual_kernel
     rows = residual.reshape(-1, weight.shape[1])  # [M, N]
     return _call(kernel, "linear_residual", x, (weight, rows), weight.shape[1], interpret, tiling)
 
@@ -154,12 +159,14 @@ def _check(implementation: str, x: jax.Array, weight: jax.Array) -> None:
 
 def _call(kernel, name: str, x: jax.Array, operands: tuple, width: int, interpret: bool | None,
           tiling: Tiling) -> jax.Array:
-    """Runs `kernel(x [M, K], *operands, out [M, width])` over (row blocks, column blocks)."""
+    """Runs `kernel(x [M, K], *operands, out [M, width], tiling=...)` over (row blocks, column blocks)."""
     rows = x.reshape(-1, x.shape[-1])  # [M, K]
+    if tiling.block_m is None:
+        tiling = dataclasses.replace(tiling, block_m=row_block(rows.shape[0]))
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     out = pl.pallas_call(
-        kernel,
+        functools.partial(kernel, tiling=tiling),
         out_shape=jax.ShapeDtypeStruct((rows.shape[0], width), x.dtype),
         grid=(pl.cdiv(rows.shape[0], tiling.block_m), pl.cdiv(width, tiling.block_n)),
         compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
@@ -167,6 +174,12 @@ def _call(kernel, name: str, x: jax.Array, operands: tuple, width: int, interpre
         name=name,
     )(rows, *operands)
     return out.reshape(*x.shape[:-1], width)
+
+
+def row_block(rows: int) -> int:
+    """Rows per program for M rows: one block holding them all (a power of two >= 16, Triton's
+    dot), at most MAX_ROWS; more rows take several blocks."""
+    return min(max(16, pl.next_power_of_2(rows)), MAX_ROWS)
 
 
 def _mask(start, shape, limits) -> jax.Array:

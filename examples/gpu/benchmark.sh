@@ -28,6 +28,13 @@ trees() {  # issue 12: EAGLE-2 trees with the shipped EAGLE-3 head beside its ch
       --label "tree $tree" --out $r/profile.json
   done
 }
+tree_kernels() {  # issues 10, 12: the best tree (4/5/16: a 17-row verify) and the chain with the fused linear
+  # kernels around XLA's attention (a tree's attention is XLA's under either Pallas setting)
+  python3 examples/eagle.py --method eagle3 --num_spec_tokens 5 --speculative_eagle_topk 4 --speculative_num_steps 5 \
+    --speculative_num_draft_tokens 16 --max_num_seqs 1 --decode_kernels pallas_linear $m
+  python3 examples/profile_step.py --parts step_trace --method eagle3 --tree 4,5,16 --cache-length 1024 \
+    --decode-kernels pallas_linear --label "tree 4,5,16 pallas_linear" --out $r/profile.json
+}
 batch_k() {  # issue 11: EAGLE-3's best k at batch 16 and 64; speculation paused above 16 rows
   python3 examples/eagle.py --method eagle3 --num_spec_tokens 1,2,3 --max_num_seqs 16,64 --scheduler continuous $m
   python3 examples/eagle.py --method eagle3 --num_spec_tokens 3 --max_num_seqs 64 --scheduler continuous \
@@ -79,6 +86,6 @@ sampling() {  # temperature 1.0; cold vs warm start
   python3 examples/profile_step.py --parts cold_warm --out $r/profile.json
 }
 
-for section in ${@:-batching batch_kernels trees batch_k kernels attention_split real_kernels xla_flags peers sampling}; do
+for section in ${@:-batching batch_kernels trees tree_kernels batch_k kernels attention_split real_kernels xla_flags peers sampling}; do
   $section
 done
