@@ -181,9 +181,12 @@ def _top(kernels: list[Event], key, num_steps: int, top: int) -> list[dict]:
             for name, (count, us) in ranked]
 
 
-def summarize(trace: dict, num_steps: int, device: str = "auto", top: int = 10) -> dict:
-    """Per-step kernel count, busy time and span; the `top` kernels and kernel kinds by total time."""
+def summarize(trace: dict, num_steps: int, device: str = "auto", top: int = 10, exclude: str | None = None) -> dict:
+    """Per-step kernel count, busy time and span; the `top` kernels and kernel kinds by total time.
+    Kernels whose name starts with `exclude` are left out (e.g. a probe run between the calls traced)."""
     device, kernels, copies = kernel_events(trace, device)
+    if exclude:
+        kernels = [event for event in kernels if not event.name.startswith(exclude)]
     if not kernels:
         raise ValueError(f"no {device} kernel events in the trace (see examples/step_trace.py for what is selected)")
     span = max(e.end_us for e in kernels) - min(e.start_us for e in kernels)

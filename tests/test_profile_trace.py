@@ -77,6 +77,9 @@ def test_gpu_kernels_are_stream_events_with_overlaps_merged():
     ]
     assert summary["top_kinds"][0] == dict(name="input_reduce_fusion", count_per_step=1.0, us_per_step=10.0)
     assert len(step_trace.summarize(GPU_TRACE, num_steps=2, top=2)["top_kernels"]) == 2
+    # A probe between the calls (kernels_bench's L2 eviction) is left out by name.
+    probed = step_trace.summarize(GPU_TRACE, num_steps=2, exclude="input_reduce")
+    assert (probed["kernels_per_step"], probed["busy_us_per_step"]) == (1.0, 6.5)  # [12, 20) and [30, 35)
 
 
 def test_overlapping_kernels_on_one_stream_all_count():

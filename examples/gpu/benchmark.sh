@@ -3,7 +3,7 @@
 # $RESULTS/*.json as it finishes a setting, so a run cut short keeps what it measured.
 # From the repo root, after `source examples/gpu/setup.sh`:
 #   bash examples/gpu/benchmark.sh [SECTION ...]      (default: every section, in this order)
-# Sections needing no model files (random weights): kernels, step_kernels, attention_split, xla_flags.
+# Sections needing no model files (random weights): kernels, step_kernels, l2_probe, attention_split, xla_flags.
 # (heads_pipeline.sh runs the whole queue on the second GPU while the first trains one head.)
 set -x
 export EAGLE_JAX_MTBENCH=.stage/mtbench_question.jsonl
@@ -57,6 +57,11 @@ step_kernels() {  # issue 10: the traced plain and EAGLE-3 k = 5 steps with each
     done
   done
 }
+l2_probe() {  # issue 10: the kernels alone with and without 256 MB read between calls (a real step's other
+  # layers pass through L2 between two calls of a layer): do they cost more once their inputs come from HBM?
+  python3 examples/gpu/kernels_bench.py --rows 1 --ops decode_attention,norm_gate_up,down_proj_residual --tokens 1,6 \
+    --evict-mb 0,256 --out $r/kernels.json
+}
 attention_split() {  # issue 10: the attention kernel split over the cache (Tiling.splits), at a decode
   # step (1 token a row) and a k = 5 chain's verify (6 tokens), at the default tiling
   python3 examples/gpu/kernels_bench.py --rows 1,4 --ops decode_attention --tokens 1,6 --splits 1,2,4,8 \
@@ -86,6 +91,6 @@ sampling() {  # temperature 1.0; cold vs warm start
   python3 examples/profile_step.py --parts cold_warm --out $r/profile.json
 }
 
-for section in ${@:-batching batch_kernels trees tree_kernels batch_k kernels attention_split real_kernels xla_flags peers sampling}; do
+for section in ${@:-batching batch_kernels trees tree_kernels batch_k kernels l2_probe attention_split real_kernels xla_flags peers sampling}; do
   $section
 done

@@ -4,6 +4,7 @@
     python examples/gpu/kernels_bench.py --rows 1,4 --block-n 16,32,64 --block-k 64,128 --num-warps 2,4
     python examples/gpu/kernels_bench.py --ops decode_attention --block-s 32,64,128 --num-stages 2,3
     python examples/gpu/kernels_bench.py --ops decode_attention --tokens 1,6 --splits 1,2,4,8
+    python examples/gpu/kernels_bench.py --ops decode_attention,norm_gate_up --evict-mb 0,256
 
 Random bf16 weights, no model files. Ops (`kernels.fused_linear`, implementation "xla" vs "pallas"):
   * norm_linear: input_layernorm + qkv_proj (576 -> 960)
@@ -19,7 +20,11 @@ Random bf16 weights, no model files. Ops (`kernels.fused_linear`, implementation
 Each is jitted alone. wall_us: median host time of one call ended by `block_until_ready` over
 --iterations calls (mostly dispatch for kernels this small). kernels and busy_us per call: from a
 `jax.profiler` trace of --trace-calls calls (examples/step_trace.py: device time, overlaps merged):
-the number that matters inside a compiled step. gb_per_s: weight bytes / busy time. Pallas rows run
+the number that matters inside a compiled step. gb_per_s: weight bytes / busy time.
+--evict-mb N (GPU): after each call a Pallas kernel named evict_l2 reads N MB, as the other layers'
+weights pass through the L2 cache between two calls of a layer's kernel in a real step; the
+traced figures leave it out (by name), wall_us includes it. 0 (default) calls nothing between.
+Pallas rows run
 once per tiling in the product of --block-n, --block-k, --num-warps and --num-stages (decode_attention:
 --block-s, --splits, --num-warps and --num-stages). Every row is appended to --out (kind
 "kernel_bench") and a table is printed.
@@ -48,6 +53,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from eagle_jax import config as config_lib
 from eagle_jax import layers
@@ -89,6 +96,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--trace-calls", type=int, default=100, help="calls traced for kernels and busy time")
     parser.add_argument("--cache-length", type=int, default=1024,
                         help="KV cache slots of decode_attention and decoder_layer")
+    parser.add_argument("--evict-mb", type=int_list, default=[0],
+                        help="MB read by a kernel after each call (the L2 cache evicted), or a comma list; GPU only")
     parser.add_argument("--label", default="", help="free text saved in every row")
     parser.add_argument("--out", default="docs/results/kernels.json", help="JSON list the rows are appended to")
     args = parser.parse_args(argv)
@@ -103,19 +112,55 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--splits must be >= 1")
     if min(args.iterations, args.trace_calls) < 1:
         parser.error("--iterations and --trace-calls must be >= 1")
+    if not args.evict_mb or min(args.evict_mb) < 0:
+        parser.error("--evict-mb must be >= 0")
+    if max(args.evict_mb) > 0 and jax.default_backend() != "gpu":
+        parser.error("--evict-mb needs a GPU: the traced figures tell its kernel apart by name, which "
+                     "interpret mode on other backends does not keep")
     return args
 
 
-def measure(function, inputs: tuple, args) -> dict:
+EVICT_WIDTH, EVICT_ROWS = 512, 32  # the evictor's block: 32 x 512 bf16 values (32 KB) a program
+
+
+def _evict_kernel(x_ref, out_ref):
+    out_ref[...] = jnp.sum(x_ref[...].astype(jnp.float32), axis=0, keepdims=True)
+
+
+def l2_evictor(megabytes: int, interpret: bool = False):
+    """A call that reads `megabytes` MB of bf16 in one Pallas kernel named evict_l2 (column sums of
+    32-row blocks): between two calls of a kernel it evicts the L2 cache, as a real step's other
+    layers do. None for 0 MB."""
+    if megabytes <= 0:
+        return None
+    rows = max(1, megabytes * 2**20 // (2 * EVICT_WIDTH * EVICT_ROWS)) * EVICT_ROWS
+    buffer = jnp.ones((rows, EVICT_WIDTH), jnp.bfloat16)
+    read = jax.jit(evict_call(rows, interpret))
+    return lambda: read(buffer)
+
+
+def evict_call(rows: int, interpret: bool = False):
+    """The evictor's kernel over a [rows, EVICT_WIDTH] bf16 buffer: [rows / EVICT_ROWS, EVICT_WIDTH] sums."""
+    return pl.pallas_call(
+        _evict_kernel, out_shape=jax.ShapeDtypeStruct((rows // EVICT_ROWS, EVICT_WIDTH), jnp.float32),
+        grid=(rows // EVICT_ROWS,), in_specs=[pl.BlockSpec((EVICT_ROWS, EVICT_WIDTH), lambda i: (i, 0))],
+        out_specs=pl.BlockSpec((1, EVICT_WIDTH), lambda i: (i, 0)), compiler_params=plgpu.CompilerParams(),
+        interpret=interpret, name="evict_l2")
+
+
+def measure(function, inputs: tuple, args, evict=None) -> dict:
     """Wall median and traced kernels / busy time per call of `function(*inputs)`.
 
     `function` returns (output, inputs for the next call): a call that donates its cache
-    passes on the updated one.
+    passes on the updated one. `evict` (`l2_evictor`) runs after each call; the traced figures
+    leave its kernel out.
     """
     holder = {"inputs": inputs}
 
     def call():
         out, holder["inputs"] = function(*holder["inputs"])
+        if evict is not None:
+            evict()
         return out
 
     for _ in range(5):
@@ -130,7 +175,8 @@ def measure(function, inputs: tuple, args) -> dict:
             for _ in range(args.trace_calls):
                 out = call()
             jax.block_until_ready(out)
-        summary = step_trace.summarize(step_trace.load_trace(step_trace.find_trace_file(log_dir)), args.trace_calls)
+        summary = step_trace.summarize(step_trace.load_trace(step_trace.find_trace_file(log_dir)), args.trace_calls,
+                                       exclude="evict_l2" if evict is not None else None)
     return dict(wall_us=round(1e6 * float(np.median(times)), 2), kernels=summary["kernels_per_step"],
                 busy_us=summary["busy_us_per_step"], kernel_us=summary["kernel_us_per_step"],
                 top_kernels=summary["top_kernels"][:4])
@@ -219,6 +265,16 @@ def run(args) -> list[dict]:
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   command="python examples/gpu/kernels_bench.py " + shlex.join(sys.argv[1:]))
     rows = []
+    for megabytes in args.evict_mb:
+        rows += run_cases(args, cfg, dtype, dict(common, evict_mb=megabytes), l2_evictor(megabytes))
+    for row in rows:
+        row["gb_per_s"] = round(row["weight_bytes"] / row["busy_us"] / 1e3, 1)
+    return rows
+
+
+def run_cases(args, cfg: config_lib.LlamaConfig, dtype, common: dict, evict) -> list[dict]:
+    """The rows of every op and setting asked for, with `evict` (or nothing) after each call."""
+    rows = []
     for count in args.rows:
         cases = linear_cases(cfg, count, dtype)
         for op in args.ops:
@@ -226,7 +282,7 @@ def run(args) -> list[dict]:
                 for setting in layers.DECODE_KERNELS:
                     call, inputs, weight_bytes = layer_case(cfg, count, dtype, setting, args.cache_length)
                     rows.append(dict(op=op, implementation=setting, rows=count, weight_bytes=weight_bytes,
-                                     cache_length=args.cache_length, **measure(call, inputs, args), **common))
+                                     cache_length=args.cache_length, **measure(call, inputs, args, evict), **common))
                 continue
             if op == "decode_attention":
                 pallas = tilings(args, decode_attention.Tiling, block_s=args.block_s, splits=args.splits)
@@ -238,7 +294,7 @@ def run(args) -> list[dict]:
                     rows.append(dict(op=op, implementation=implementation, rows=count, tokens=tokens,
                                      weight_bytes=weight_bytes, cache_length=args.cache_length,
                                      attend_length=attend_length,
-                                     tiling=tiling and vars(tiling), **measure(call, inputs, args), **common))
+                                     tiling=tiling and vars(tiling), **measure(call, inputs, args, evict), **common))
                 continue
             function, inputs, weight_bytes = cases[op]
             pallas = tilings(args, fused_linear.Tiling, block_n=args.block_n, block_k=args.block_k)
@@ -246,24 +302,22 @@ def run(args) -> list[dict]:
             for implementation, tiling in settings:
                 kw = dict(implementation=implementation) | (dict(tiling=tiling) if tiling else {})
                 jitted = jax.jit(lambda *i, kw=kw, function=function: function(i, **kw))
-                measured = measure(lambda *i, jitted=jitted: (jitted(*i), i), inputs, args)
+                measured = measure(lambda *i, jitted=jitted: (jitted(*i), i), inputs, args, evict)
                 rows.append(dict(op=op, implementation=implementation, rows=count, weight_bytes=weight_bytes,
                                  tiling=tiling and vars(tiling), **measured, **common))
-    for row in rows:
-        row["gb_per_s"] = round(row["weight_bytes"] / row["busy_us"] / 1e3, 1)
     return rows
 
 
 def print_table(rows: list[dict]) -> None:
-    header = (f"{'op':<20}{'impl':>8}{'rows':>6}{'tokens':>7}{'attend':>7}{'tiling m/n/k|s/warps/stages[/splits]':>34}"
+    header = (f"{'op':<20}{'evict':>6}{'impl':>8}{'rows':>6}{'tokens':>7}{'attend':>7}{'tiling m/n/k|s/warps/stages[/splits]':>34}"
               f"{'kernels':>9}{'busy us':>9}{'vs xla':>8}{'wall us':>9}{'GB/s':>8}")
     print("\n" + header + "\n" + "-" * len(header))
-    case = lambda r: (r["op"], r["rows"], r.get("tokens"), r.get("attend_length"))
+    case = lambda r: (r["op"], r["rows"], r.get("tokens"), r.get("attend_length"), r.get("evict_mb"))
     xla = {case(r): r["busy_us"] for r in rows if r["implementation"] == "xla"}
     for r in rows:
         tiling = "/".join(map(str, r["tiling"].values())) if r.get("tiling") else "-"
         attend, tokens = r.get("attend_length") or "-", r.get("tokens") or "-"
-        print(f"{r['op']:<20}{r['implementation']:>8}{r['rows']:>6}{tokens:>7}{attend:>7}{tiling:>34}{r['kernels']:>9}"
+        print(f"{r['op']:<20}{r.get('evict_mb') or '-':>6}{r['implementation']:>8}{r['rows']:>6}{tokens:>7}{attend:>7}{tiling:>34}{r['kernels']:>9}"
               f"{r['busy_us']:>9.2f}{xla[case(r)] / r['busy_us']:>7.2f}x{r['wall_us']:>9.1f}{r['gb_per_s']:>8.0f}")
 
 
