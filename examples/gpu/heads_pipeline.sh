@@ -11,10 +11,13 @@
 # INIT_FROM_SHIPPED=1 starts each head from the shipped one (eagle_jax/heads/) instead of random;
 # TRAIN_TOKENS=N trains on a nested random subset of N generated tokens (data-scaling runs).
 # LEARNING_RATE sets the peak rate (default eagle_jax.train's 5e-4), e.g. lower to continue a head.
+# BATCH_SIZE: sequences a step (default 64), the step count scaled down to fit the same time.
 # DRAFT_VOCAB_SIZE (EAGLE-3): with INIT_FROM_SHIPPED, a larger one extends the shipped head's vocabulary.
 # HEAD_INTERMEDIATE_SIZE: the head's MLP width; with INIT_FROM_SHIPPED, a larger one widens the shipped head.
 # PROFILE_FROM=FILE skips the profiling and sizes training from the fastest train_trace row of
 # each method in FILE (e.g. docs/results/profile.json: a step costs the same in every lease).
+# STEP_MS overrides that step time (ms at batch 64), e.g. a wider head's from its last run's
+# steps and seconds (run 7: 3,462 steps in 421 s, 122 ms).
 # HEADS=eagle3 trains EAGLE-3 alone (on GPU 0); a second GPU then runs examples/gpu/benchmark.sh
 # with the shipped heads (the sections in BENCH_SECTIONS, default all), its rows in RESULTS/gpu1/.
 # Two heads with SKIP_DISTILL: GPU 1 runs BENCH_SECTIONS (default none) after EAGLE-1's evaluation.
@@ -53,8 +56,10 @@ print(best.get("attention", "xla"), best["step_ms"])
 EOF
 }
 sized() {  # sized METHOD SECONDS: "attention steps", the steps that fit SECONDS at the profiled step time
+  # (profiled at batch 64: a BATCH_SIZE step is taken to cost BATCH_SIZE / 64 of one)
   read -r attention step_ms <<< "$(fastest "$1")"
-  echo "$attention $(python3 -c "print(int($2 * 1000 / $step_ms * 0.92))")"
+  step_ms=${STEP_MS:-$step_ms}
+  echo "$attention $(python3 -c "print(int($2 * 1000 / ($step_ms * ${BATCH_SIZE:-64} / 64) * 0.92))")"
 }
 train() {  # train GPU METHOD UNROLL [NAME]: steps sized to $train_seconds from the profiled step time,
   # into $run/NAME (default METHOD)
@@ -64,7 +69,7 @@ train() {  # train GPU METHOD UNROLL [NAME]: steps sized to $train_seconds from 
   CUDA_VISIBLE_DEVICES=$1 python3 -m eagle_jax.train --method "$2" --unroll "$3" --attention "$attention" $init \
     ${TRAIN_TOKENS:+--train-tokens $TRAIN_TOKENS} ${LEARNING_RATE:+--learning-rate $LEARNING_RATE} \
     ${DRAFT_VOCAB_SIZE:+--draft-vocab-size $DRAFT_VOCAB_SIZE} ${HEAD_INTERMEDIATE_SIZE:+--head-intermediate-size $HEAD_INTERMEDIATE_SIZE} \
-    --data "$run/distill" --output "$run/$name" --steps "$steps" --batch-size 64 --warmup-steps 200 \
+    --data "$run/distill" --output "$run/$name" --steps "$steps" --batch-size "${BATCH_SIZE:-64}" --warmup-steps 200 \
     --max-seconds "$train_seconds" --eval-prompts 0 && cp "$run/$name/metrics.json" "$r/${name}_metrics.json"
 }
 evaluate() {  # evaluate GPU METHOD [NAME]: $run/NAME's head on held-out ShareGPT at k = 5, MT-Bench at k = 1..7
