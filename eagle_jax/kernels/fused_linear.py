@@ -18,8 +18,9 @@ strip of the weight in block_k chunks through `dot` with its rows of x. Norms ar
 every program: a row has K = 576 values, cheaper than a second launch. Triton's dot needs every
 dimension >= 16, so rows come in one block of 16 or 32 (`row_block`; absent rows load as zeros
 and are never stored, and each weight strip is read once), and Triton tensors have power-of-two
-sizes, so ragged edges (K = 576 in chunks of 256, N not a multiple of block_n) are masked. Accumulation is float32; outputs take x's dtype and
-weights are cast to it, as `nnx.Linear` casts to its computation dtype.
+sizes, so ragged edges (K = 576 in chunks of 256, N not a multiple of block_n) are masked.
+Accumulation is float32; outputs take x's dtype and weights are cast to it, as `nnx.Linear`
+casts to its computation dtype.
 """
 
 from __future__ import annotations
