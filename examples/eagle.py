@@ -222,6 +222,18 @@ def run_setting(engine, prompts, warmup_prompts, args, sampling, desc) -> dict:
                 latency_s_p90=np.percentile(latency, 90), calls=calls)
 
 
+def acceptance_by_category(results, categories: list[str], k: int) -> dict | None:
+    """Pooled acceptance length of each prompt category (MT-Bench's eight), results and categories
+    in the prompts' order; None for plain decoding. Says where a head is weak (math, code, ...)."""
+    if not k:
+        return None
+    groups = collections.defaultdict(list)
+    for category, result in zip(categories, results, strict=True):
+        groups[category].append(result)
+    return {category: round(engine_lib.pooled_stats(group, k)["acceptance_length"], 4)
+            for category, group in sorted(groups.items())}
+
+
 def tree_label(row: dict) -> str:
     """K/D/N of a tree row, "-" for a chain or plain decoding."""
     if "speculative_eagle_topk" not in row:
@@ -242,6 +254,9 @@ def print_table(rows: list[dict]) -> None:
               f"{row['compile_seconds']:>11.1f}")
         if row["acceptance_rate_per_position"]:
             print(f"{'':<11}per position: " + " ".join(f"{x:.3f}" for x in row["acceptance_rate_per_position"]))
+        if row.get("acceptance_length_by_category"):
+            print(f"{'':<11}by category: " + " ".join(f"{name} {value:.2f}"
+                                                      for name, value in row["acceptance_length_by_category"].items()))
 
 
 def main(argv=None) -> int:
@@ -253,6 +268,7 @@ def main(argv=None) -> int:
     if args.num_prompts > len(questions):
         print(f"[eagle.py] only {len(questions)} questions; using all", file=sys.stderr)
     texts = [question["turns"][0] for question in questions[:args.num_prompts]]
+    categories = [question["category"] for question in questions[:args.num_prompts]]
 
     target, tokenizer_dir = models.load_target(args.model, args.dtype)
     tokenizer = tokenization.load(tokenizer_dir)
@@ -303,6 +319,7 @@ def main(argv=None) -> int:
             speculative_num_draft_tokens=tree and tree.num_draft_tokens,
             acceptance_length=round(stats["acceptance_length"], 4),
             acceptance_rate_per_position=[round(x, 4) for x in stats["acceptance_rate_per_position"]],
+            acceptance_length_by_category=acceptance_by_category(measured["results"], categories, k),
             output_tokens_per_second=round(measured["total_tokens"] / measured["seconds"], 2),
             num_prompts=len(prompts), max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             dtype=args.dtype, device=device.device_kind, platform=device.platform, jax_version=jax.__version__,

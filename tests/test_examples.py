@@ -77,6 +77,21 @@ def test_eagle_records_both_schedulers(model_dir, tmp_path, capsys, monkeypatch)
     assert rows[0]["total_tokens"] == rows[1]["total_tokens"]
 
 
+def test_acceptance_is_pooled_per_category(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "examples"))
+    import types
+    import eagle as eagle_script
+
+    result = lambda drafts, accepted: types.SimpleNamespace(stats=dict(
+        num_drafts=drafts, num_accepted_tokens=accepted, acceptance_rate_per_position=[accepted / drafts, 0.0]))
+    results = [result(2, 2), result(1, 1), result(2, 0)]
+    by_category = eagle_script.acceptance_by_category(results, ["math", "coding", "math"], k=2)
+    assert by_category == {"coding": 2.0, "math": 1.5}  # math: 1 + 2 accepted / 4 drafts, pooled
+    assert eagle_script.acceptance_by_category(results, ["math"] * 3, k=0) is None
+    with pytest.raises(ValueError):
+        eagle_script.acceptance_by_category(results, ["math"], k=2)
+
+
 def mtbench_row(method, k, tokens_per_second, acceptance, **settings):
     return dict(method=method, k=k, mode="compiled", batch_size=1, temperature=0.0, max_new_tokens=256,
                 num_prompts=80, output_tokens_per_second=tokens_per_second, acceptance_length=acceptance,
