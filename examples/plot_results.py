@@ -13,7 +13,7 @@ data exists:
   All from static batches with speculation never disabled (rows with a `scheduler` of
   continuous or a `speculative_disable_by_batch_size` are left out).
 From docs/results/training/*_metrics.json (`eagle_jax.train`): training_curves.png.
-From scaling.json (heads_pipeline.sh's SCALING_TOKENS runs, with `train_tokens` and `train_steps`):
+From scaling.json (heads_pipeline.sh's SCALING_TOKENS runs, with `train_tokens` and `scheduled_steps`):
   * data_scaling.png: MT-Bench acceptance length vs tokens trained on, one line per step count.
 From profile.json (examples/profile_step.py and examples/scale_8b.py rows), when present:
   * step_breakdown.png: draft / verify / rest of a speculative step;
@@ -306,14 +306,15 @@ def plot_training(directory: Path, out: Path) -> None:
 
 def plot_data_scaling(rows: list[dict], out: Path) -> None:
     """data_scaling.png: acceptance length vs generated tokens trained on (log scale), one line per
-    (method, k, train steps): runs of equal steps on nested subsets, so only the data differs."""
+    (method, k, scheduled steps): runs of equal steps on nested subsets, so only the data differs
+    (a time cap may end a run a few steps early: `train_steps` is what ran)."""
     rows = [r for r in rows if "train_tokens" in r]
     if not rows:
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
     series = collections.defaultdict(dict)
     for row in sorted(rows, key=lambda r: r.get("date", "")):  # a repeated point: the latest wins
-        series[(row["method"], row["k"], row.get("train_steps"))][row["train_tokens"]] = row["acceptance_length"]
+        series[(row["method"], row["k"], row.get("scheduled_steps"))][row["train_tokens"]] = row["acceptance_length"]
     for (method, k, steps), points in sorted(series.items(), key=str):
         tokens = sorted(points)
         ax.plot(tokens, [points[t] for t in tokens], marker="o", linewidth=2, color=COLORS.get(method),
@@ -321,7 +322,7 @@ def plot_data_scaling(rows: list[dict], out: Path) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("generated tokens trained on (nested random subsets)")
     ax.set_ylabel("acceptance length (MT-Bench)")
-    ax.set_ylim(bottom=1.0)
+    ax.set_ylim(1.0, max(r["acceptance_length"] for r in rows) + 0.3)  # room above a flat curve's points
     sub = f"{rows[-1]['num_prompts']} prompts x {rows[-1]['max_new_tokens']} tokens, greedy, batch 1, {rows[-1]['device']}"
     finish(fig, ax, out / "data_scaling.png", "Draft-head acceptance vs training data, equal steps", sub)
 

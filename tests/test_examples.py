@@ -125,8 +125,10 @@ def test_plots_compare_default_settings_and_draw_the_tree_sweep(tmp_path, monkey
 def test_data_scaling_plot_keeps_one_point_per_size_and_steps(tmp_path, monkeypatch):
     sys.path.insert(0, str(REPO / "examples"))
     import plot_results
-    rows = [mtbench_row("eagle3", 5, 1100.0, acceptance, train_tokens=tokens, train_steps=763, date=date)
-            for tokens, acceptance, date in [(10**6, 1.60, "1"), (4 * 10**6, 1.61, "1"), (4 * 10**6, 1.7, "2")]]
+    rows = [mtbench_row("eagle3", 5, 1100.0, acceptance, train_tokens=tokens, scheduled_steps=763, train_steps=steps,
+                        date=date)  # a time cap ends runs a few steps apart: one line still
+            for tokens, acceptance, steps, date in [(10**6, 1.60, 732, "1"), (4 * 10**6, 1.61, 737, "1"),
+                                                    (4 * 10**6, 1.7, 715, "2")]]
     rows.append(mtbench_row("eagle3", 5, 1900.0, 2.9))  # not a scaling point: no train_tokens
     drawn = []
     monkeypatch.setattr(plot_results, "finish", lambda fig, ax, path, *rest: drawn.append(

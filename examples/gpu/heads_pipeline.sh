@@ -92,14 +92,21 @@ trace_steps() {  # trace_steps GPU: issue 10's step_trace rows (plain and EAGLE-
 scaling() {  # scaling GPU: the SCALING_TOKENS points, one after another on GPU
   [ -n "$SCALING_TOKENS" ] || return 0
   local seconds=${SCALING_SECONDS:-200}
-  read -r attention steps <<< "$(sized eagle3 "$seconds")"
+  read -r attention steps <<< "$(BATCH_SIZE= STEP_MS= sized eagle3 "$seconds")"  # from scratch, batch 64
   for tokens in $SCALING_TOKENS; do
     out="$run/scaling-$tokens"
     CUDA_VISIBLE_DEVICES=$1 python3 -m eagle_jax.train --method eagle3 --unroll 7 --attention "$attention" \
       --train-tokens "$tokens" --data "$run/distill-scaling" --output "$out" --steps "$steps" --batch-size 64 \
       --warmup-steps 200 --max-seconds "$seconds" --eval-prompts 0 && cp "$out/metrics.json" "$r/eagle3_scaling_${tokens}_metrics.json" &&
     CUDA_VISIBLE_DEVICES=$1 python3 examples/eagle.py --method eagle3 --draft "$out/head" --max_num_seqs 1 --num_prompts 80 \
-      --max_new_tokens 256 --num_spec_tokens 5 --out "$r/scaling.json"
+      --max_new_tokens 256 --num_spec_tokens 5 --out "$r/scaling.json" &&
+    python3 - "$r/scaling.json" "$out/metrics.json" "$steps" <<'EOF'
+import json, sys  # the point's training, on its row (plot_results.py's data_scaling.png reads these)
+rows, metrics = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
+rows[-1].update(train_tokens=metrics["num_trained_tokens"], train_steps=metrics["steps"],
+                scheduled_steps=int(sys.argv[3]), train_seconds=round(metrics["train_seconds"], 1))
+open(sys.argv[1], "w").write(json.dumps(rows, indent=1) + "\n")
+EOF
   done
 }
 
