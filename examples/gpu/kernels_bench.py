@@ -80,7 +80,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--config", help="HF config.json whose layer shapes to use (default: SmolLM2-135M's)")
     parser.add_argument("--dtype", choices=sorted(models.DTYPES), default="bfloat16")
-    parser.add_argument("--rows", type=int_list, default=[1], help="M = batch x tokens, or a comma list (<= 16)")
+    parser.add_argument("--rows", type=int_list, default=[1], help=f"M = batch x tokens, or a comma list (<= {fused_linear.MAX_ROWS})")
     parser.add_argument("--ops", default=",".join(OPS), help=f"comma list of {OPS}")
     parser.add_argument("--block-n", type=int_list, default=[fused_linear.Tiling.block_n])
     parser.add_argument("--block-k", type=int_list, default=[fused_linear.Tiling.block_k])
