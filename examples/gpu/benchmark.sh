@@ -28,6 +28,11 @@ trees() {  # issue 12: EAGLE-2 trees with the shipped EAGLE-3 head beside its ch
       --label "tree $tree" --out $r/profile.json
   done
 }
+tree_heads() {  # issue 12: the shipped head's two best-known trees and their neighbours (top-4 and top-8 x 16
+  # and 64 nodes, depth 5), a short form of `trees` for a lease that also trains a head
+  python3 examples/eagle.py --method eagle3 --speculative_eagle_topk 4,8 --speculative_num_steps 5 \
+    --speculative_num_draft_tokens 16,64 --max_num_seqs 1 $m
+}
 tree_kernels() {  # issues 10, 12: the best tree (4/5/16: a 17-row verify) and the chain with the fused linear
   # kernels around XLA's attention (a tree's attention is XLA's under either Pallas setting)
   python3 examples/eagle.py --method eagle3 --num_spec_tokens 5 --speculative_eagle_topk 4 --speculative_num_steps 5 \
@@ -91,6 +96,6 @@ sampling() {  # temperature 1.0; cold vs warm start
   python3 examples/profile_step.py --parts cold_warm --out $r/profile.json
 }
 
-for section in ${@:-batching batch_kernels trees tree_kernels batch_k kernels l2_probe attention_split real_kernels xla_flags peers sampling}; do
+for section in ${@:-batching batch_kernels trees tree_heads tree_kernels batch_k kernels l2_probe attention_split real_kernels xla_flags peers sampling}; do
   $section
 done
