@@ -91,16 +91,19 @@ def latest(rows: list[dict]) -> list[dict]:
     return list({setting_key(row): row for row in rows}.values())
 
 
+def head_rank(row: dict) -> int:
+    """N of the row's `head` ("run N"); 0 for rows older than the field."""
+    return int(row["head"].split()[-1]) if "head" in row else 0
+
+
 def latest_of_newest_head(rows: list[dict]) -> list[dict]:
     """`latest`, except that a row measured with an older head (the `head` field, "run N"; none:
     older than any) never replaces one with a newer head, so the plots show the shipped heads even
     where an older head was measured later (a second GPU of the same lease)."""
-    def rank(row):
-        return int(row["head"].split()[-1]) if "head" in row else 0
     by_key = {}
     for row in rows:
         key = setting_key(row)
-        if key not in by_key or rank(row) >= rank(by_key[key]):
+        if key not in by_key or head_rank(row) >= head_rank(by_key[key]):
             by_key[key] = row
     return list(by_key.values())
 
@@ -376,32 +379,40 @@ def plot_scale(profile, out: Path) -> None:
     finish(fig, ax, out / "scale_8b.png", "Llama-3.1-8B-shaped step times vs their HBM floor", sub)
 
 
-def plot_trees(trees, batch1, sub, out: Path) -> None:
-    """EAGLE-2 trees: acceptance length and tokens/s vs verified nodes N, a line per top-k,
-    beside the chain at the same depth and plain decoding."""
+def plot_trees(trees, chains, plain, sub, out: Path) -> None:
+    """EAGLE-2 trees: acceptance length and tokens/s vs verified nodes N, a line per (top-k, depth).
+    Left, the chain at k = 5 and issue 12's goal (1.4x its acceptance); right, the fastest chain
+    and the fastest plain decoding (`plain`: batch-1 rows of any decode kernels)."""
     if not trees:
         return
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.6))
-    tree_colors = iter(["tab:green", "tab:red", "tab:purple", "tab:brown", "tab:olive"])
-    for topk in sorted({r["speculative_eagle_topk"] for r in trees}):
-        rows = sorted((r for r in trees if r["speculative_eagle_topk"] == topk),
+    colors = iter(plt.cm.tab10.colors[2:])  # blue and orange are the chains' colors
+    for topk, depth in sorted({(r["speculative_eagle_topk"], r["speculative_num_steps"]) for r in trees}):
+        rows = sorted((r for r in trees if (r["speculative_eagle_topk"], r["speculative_num_steps"]) == (topk, depth)),
                       key=lambda r: r["speculative_num_draft_tokens"])
         nodes = [r["speculative_num_draft_tokens"] for r in rows]
-        depth = "/".join(sorted({str(r["speculative_num_steps"]) for r in rows}))
         label = f"{LABELS[rows[0]['method']]} tree, top-{topk}, depth {depth}"
-        color = next(tree_colors, None)
+        color = next(colors, None)
         left.plot(nodes, [r["acceptance_length"] for r in rows], "o-", label=label, linewidth=2, color=color)
         right.plot(nodes, [r["output_tokens_per_second"] for r in rows], "o-", label=label, linewidth=2, color=color)
-    depths, methods = {r["speculative_num_steps"] for r in trees}, {r["method"] for r in trees}
-    for row in batch1:
-        if row["method"] in methods and row["k"] in depths:
-            left.axhline(row["acceptance_length"], color=COLORS[row["method"]], linestyle="--", linewidth=1.3,
-                         label=f"{LABELS[row['method']]} chain, k={row['k']}")
-            right.axhline(row["output_tokens_per_second"], color=COLORS[row["method"]], linestyle="--",
-                          linewidth=1.3, label=f"{LABELS[row['method']]} chain, k={row['k']}")
-        elif row["method"] == "none":
-            right.axhline(row["output_tokens_per_second"], color="black", linestyle=":", linewidth=1.3,
-                          label=LABELS["none"])
+    methods = {r["method"] for r in trees}
+    for method in sorted(methods):
+        mine = [r for r in chains if r["method"] == method]
+        at5 = [r for r in mine if r["k"] == 5]
+        if at5:
+            length = at5[-1]["acceptance_length"]
+            left.axhline(length, color=COLORS[method], linestyle="--", linewidth=1.3,
+                         label=f"{LABELS[method]} chain, k=5")
+            left.axhline(1.4 * length, color="gray", linestyle=":", linewidth=1.3, label="goal: 1.4x the chain at k=5")
+        if mine:
+            fastest = max(mine, key=lambda r: r["output_tokens_per_second"])
+            right.axhline(fastest["output_tokens_per_second"], color=COLORS[method], linestyle="--", linewidth=1.3,
+                          label=f"{LABELS[method]} chain, fastest k={fastest['k']}")
+    if plain:
+        fastest = max(plain, key=lambda r: r["output_tokens_per_second"])
+        kernels = fastest.get("decode_kernels", KEY_DEFAULTS["decode_kernels"])
+        right.axhline(fastest["output_tokens_per_second"], color="black", linestyle=":", linewidth=1.3,
+                      label=f"{LABELS['none']} ({kernels} kernels)")
     for ax, ylabel in ((left, "acceptance length"), (right, "output tokens / s")):
         ax.set_xscale("log", base=2)
         ticks = sorted({r["speculative_num_draft_tokens"] for r in trees})
@@ -452,12 +463,17 @@ def main(argv=None) -> int:
         plot_batch_scaling(ours, batch1, sub, out)
         trees = [r for r in every if r.get("speculative_eagle_topk") and r["batch_size"] == 1
                  and (r["num_prompts"], r["max_new_tokens"]) == setting and float(r.get("temperature", 0)) == 0]
+        newest = max((head_rank(r) for r in trees), default=0)
+        trees = [r for r in trees if head_rank(r) == newest]  # one head's trees: older heads' rows would mix in
         # The chain beside the trees is the one drafted by the trees' own head (a newer head may
         # have been measured since), and the latest plain decoding.
         drafts = {r.get("draft") for r in trees}
         same_head = [r for r in all_rows if r["method"] == "none" or r.get("draft") in drafts]
-        chains = [r for r in static_greedy(default_settings(latest(same_head)), setting) if r["batch_size"] == 1]
-        plot_trees(trees, chains, sub, out)
+        chains = [r for r in static_greedy(default_settings(latest(same_head)), setting)
+                  if r["batch_size"] == 1 and r["method"] != "none"]
+        plain = [r for r in static_greedy(every, setting) if r["batch_size"] == 1 and r["method"] == "none"
+                 and r.get("tensor_parallel_size", 1) == 1]
+        plot_trees(trees, chains, plain, sub, out)
     plot_training(Path(args.training), out)
     plot_data_scaling(load_rows(Path(args.scaling)), out)
     profile = load_rows(Path(args.profile))

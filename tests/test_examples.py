@@ -109,15 +109,25 @@ def test_plots_compare_default_settings_and_draw_the_tree_sweep(tmp_path, monkey
             mtbench_row("eagle3", 5, 1900.0, 2.9, head="run 6", date="2026-11-30T22:06:00"),
             mtbench_row("eagle3", 5, 1850.0, 2.8, head="run 5", date="2026-11-30T22:14:00")]
     rows += [mtbench_row("eagle3", 5, 1300.0 + n, 2.5 + n / 100, speculative_eagle_topk=topk, speculative_num_steps=5,
-                         speculative_num_draft_tokens=n) for topk in (4, 8) for n in (16, 32)]
+                         speculative_num_draft_tokens=n, head="run 6") for topk in (4, 8) for n in (16, 32)]
+    # An older head's tree, measured later at a setting the newest head lacks, stays out of the sweep.
+    rows.append(mtbench_row("eagle3", 5, 1000.0, 2.0, speculative_eagle_topk=4, speculative_num_steps=5,
+                            speculative_num_draft_tokens=64, head="run 5", date="2026-11-30T23:00:00"))
     results = tmp_path / "mtbench.json"
     results.write_text(json.dumps(rows))
-    drawn = []
+    drawn, sweeps = [], []
     monkeypatch.setattr(plot_results, "plot_otps", lambda batch1, peers, sub, out: drawn.append(batch1))
+    draw_trees = plot_results.plot_trees
+    monkeypatch.setattr(plot_results, "plot_trees", lambda *args: (sweeps.append(args[:3]), draw_trees(*args)))
     assert plot_results.main(["--results", str(results), "--profile", str(tmp_path / "none.json"),
                               "--scaling", str(tmp_path / "none.json"), "--out-dir", str(tmp_path)]) == 0
     [batch1] = drawn
     assert sorted((r["method"], r["output_tokens_per_second"]) for r in batch1) == [("eagle3", 1900.0), ("none", 800.0)]
+    [(trees, chains, plain)] = sweeps
+    assert sorted(r["speculative_num_draft_tokens"] for r in trees) == [16, 16, 32, 32]
+    # Beside the trees: the chain, and plain decoding with any kernels on one device (the fastest is drawn).
+    assert all(r["method"] == "eagle3" for r in chains)
+    assert sorted(r["output_tokens_per_second"] for r in plain) == [700.0, 800.0]
     assert (tmp_path / "tree_sweep.png").stat().st_size > 0
     assert not (tmp_path / "data_scaling.png").exists()  # no scaling rows given
 
