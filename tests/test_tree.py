@@ -183,6 +183,34 @@ def test_tree_greedy_is_lossless(run_tree, reference, case):  # noqa: F811
     assert [r.token_ids for r in run_tree(*case)] == reference
 
 
+@pytest.mark.parametrize("shape, k", [((2, 3, 16384), 8), ((1, 4, 5000), 4), ((3, 1100), 1), ((2, 300), 8)])
+def test_two_stage_top_k_equals_lax_top_k(shape, k):
+    """Values and indices equal `lax.top_k`'s, ties (few distinct values) and -inf included, for
+    rows a whole number of chunks long, with a padded last chunk, and too short to split."""
+    rng = np.random.default_rng(k)
+    values = jnp.asarray(rng.integers(-6, 3, shape), jnp.float32)  # nine values: ties everywhere
+    values = jnp.where(jnp.asarray(rng.random(shape) < 0.3), -jnp.inf, values)
+    for row_values in (values, jnp.asarray(rng.standard_normal(shape), jnp.float32)):
+        top, indices = tree_lib.top_k(row_values, k)
+        expected_top, expected_indices = jax.lax.top_k(row_values, k)
+        np.testing.assert_array_equal(top, expected_top)
+        np.testing.assert_array_equal(indices, expected_indices)
+
+
+def test_trees_draft_the_same_with_two_stage_top_k(target, make_head, prompts, reference, monkeypatch):  # noqa: F811
+    """The tiny test vocabularies are too short to split: chunks of 8 send them through both
+    stages. Same drafts, so the same tokens accepted at each step, as with one `lax.top_k`."""
+    def run(kind, chunk):
+        monkeypatch.setattr(tree_lib, "TOP_K_CHUNK", chunk)
+        engine = engine_lib.Engine(target, make_head(kind), tree=tree_lib.TreeOptions(3, 3, 6), max_length=64)
+        return engine.generate(prompts, max_new_tokens=MAX_NEW, ignore_eos=True, steps_per_call=4)
+    for kind in ("eagle-noisy", "eagle3-random"):
+        split, whole = run(kind, 8), run(kind, 10_000)
+        assert [r.token_ids for r in split] == [r.token_ids for r in whole] == reference
+        assert [r.stats for r in split] == [r.stats for r in whole]
+        assert sum(r.stats["num_accepted_tokens"] for r in split) > 0  # drafts that the target takes: ids matter
+
+
 @pytest.mark.parametrize("kind, num_steps, batch_size", [("eagle-noisy", 3, 2), ("eagle3-biased", 4, 1)])
 def test_a_tree_of_topk_1_is_the_chain(target, prompts, make_head, run_tree, kind, num_steps, batch_size):  # noqa: F811
     chain = engine_lib.Engine(target, make_head(kind), num_speculative_tokens=num_steps, max_length=64,

@@ -3,7 +3,7 @@
 # $RESULTS/*.json as it finishes a setting, so a run cut short keeps what it measured.
 # From the repo root, after `source examples/gpu/setup.sh`:
 #   bash examples/gpu/benchmark.sh [SECTION ...]      (default: every section, in this order)
-# Sections needing no model files (random weights): kernels, step_kernels, l2_probe, attention_split, xla_flags.
+# Sections needing no model files (random weights): kernels, step_kernels, l2_probe, attention_fill, attention_split, xla_flags.
 # (heads_pipeline.sh runs the whole queue on the second GPU while the first trains one head.)
 set -x
 export EAGLE_JAX_MTBENCH=.stage/mtbench_question.jsonl
@@ -23,7 +23,10 @@ trees() {  # issue 12: EAGLE-2 trees with the shipped EAGLE-3 head beside its ch
   python3 examples/eagle.py --method none,eagle3 --num_spec_tokens 5 --max_num_seqs 1 $m
   python3 examples/eagle.py --method eagle3 --num_spec_tokens 5 --speculative_eagle_topk 4,8 --speculative_num_steps 5 \
     --speculative_num_draft_tokens 16,32,64 --max_num_seqs 1 $m
-  for tree in 4,5,16 8,5,64; do  # where a tree step's time goes, beside the chain's (issue 12)
+  tree_steps
+}
+tree_steps() {  # issue 12: where a tree step's time goes (the shipped head; the chain's trace is step_kernels')
+  for tree in 4,5,16 8,5,64; do
     python3 examples/profile_step.py --parts step_trace --method eagle3 --tree $tree --cache-length 1024 \
       --label "tree $tree" --out $r/profile.json
   done
@@ -67,6 +70,11 @@ l2_probe() {  # issue 10: the kernels alone with and without 256 MB read between
   python3 examples/gpu/kernels_bench.py --rows 1 --ops decode_attention,norm_gate_up,down_proj_residual --tokens 1,6 \
     --evict-mb 0,256 --out $r/kernels.json
 }
+attention_fill() {  # issue 10: the attention kernel alone over the step trace's fill (64 filled slots of 128,
+  # a cold L2 too): in the traced step the 6-token verify costs 26.6 µs a layer, alone over 512 filled 13.8
+  python3 examples/gpu/kernels_bench.py --rows 1 --ops decode_attention --tokens 1,6 --cache-length 128 \
+    --evict-mb 0,256 --label "step fill" --out $r/kernels.json
+}
 attention_split() {  # issue 10: the attention kernel split over the cache (Tiling.splits), at a decode
   # step (1 token a row) and a k = 5 chain's verify (6 tokens), at the default tiling
   python3 examples/gpu/kernels_bench.py --rows 1,4 --ops decode_attention --tokens 1,6 --splits 1,2,4,8 \
@@ -96,6 +104,6 @@ sampling() {  # temperature 1.0; cold vs warm start
   python3 examples/profile_step.py --parts cold_warm --out $r/profile.json
 }
 
-for section in ${@:-batching batch_kernels trees tree_heads tree_kernels batch_k kernels l2_probe attention_split real_kernels xla_flags peers sampling}; do
+for section in ${@:-batching batch_kernels trees tree_heads tree_kernels batch_k kernels l2_probe attention_fill attention_split real_kernels xla_flags peers sampling}; do
   $section
 done

@@ -17,6 +17,9 @@ Random bf16 weights, no model files. Ops (`kernels.fused_linear`, implementation
     the filled keys and values, which attention must read
   * decoder_layer: one cached decode call of a whole `layers.DecoderLayer` (cache --cache-length),
     decode_kernels "xla" vs "pallas" vs "pallas_linear" (default tiling)
+  * draft_top_k: an EAGLE-2 tree's expansion of `rows` frontier nodes, the `rows` best of each
+    node's --draft-vocab float32 log-probabilities: `lax.top_k` ("xla") vs `tree.top_k`
+    ("two_stage": chunks of `tree.TOP_K_CHUNK`, then the best of those)
 Each is jitted alone. wall_us: median host time of one call ended by `block_until_ready` over
 --iterations calls (mostly dispatch for kernels this small). kernels and busy_us per call: from a
 `jax.profiler` trace of --trace-calls calls (examples/step_trace.py: device time, overlaps merged):
@@ -59,6 +62,7 @@ from jax.experimental.pallas import triton as plgpu
 from eagle_jax import config as config_lib
 from eagle_jax import layers
 from eagle_jax import models
+from eagle_jax import tree
 from eagle_jax.kernels import decode_attention
 from eagle_jax.kernels import fused_linear
 import script_errors
@@ -68,7 +72,8 @@ from results_file import append_rows
 # SmolLM2-135M's decoder layer.
 DEFAULT_CONFIG = config_lib.LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=1,
                                         num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0)
-OPS = ("norm_linear", "norm_gate_up", "o_proj_residual", "down_proj_residual", "decode_attention", "decoder_layer")
+OPS = ("norm_linear", "norm_gate_up", "o_proj_residual", "down_proj_residual", "decode_attention", "decoder_layer",
+       "draft_top_k")
 
 
 def int_list(text: str) -> list[int]:
@@ -96,6 +101,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--trace-calls", type=int, default=100, help="calls traced for kernels and busy time")
     parser.add_argument("--cache-length", type=int, default=1024,
                         help="KV cache slots of decode_attention and decoder_layer")
+    parser.add_argument("--draft-vocab", type=int, default=16384, help="draft_top_k's row length (the run-8 head's)")
     parser.add_argument("--evict-mb", type=int_list, default=[0],
                         help="MB read by a kernel after each call (the L2 cache evicted), or a comma list; GPU only")
     parser.add_argument("--label", default="", help="free text saved in every row")
@@ -295,6 +301,15 @@ def run_cases(args, cfg: config_lib.LlamaConfig, dtype, common: dict, evict) -> 
                                      weight_bytes=weight_bytes, cache_length=args.cache_length,
                                      attend_length=attend_length,
                                      tiling=tiling and vars(tiling), **measure(call, inputs, args, evict), **common))
+                continue
+            if op == "draft_top_k":
+                values = jax.random.normal(jax.random.key(0), (1, count, args.draft_vocab), jnp.float32)
+                for implementation, top_k in (("xla", jax.lax.top_k), ("two_stage", tree.top_k)):
+                    jitted = jax.jit(lambda v, top_k=top_k, k=count: top_k(v, k))
+                    rows.append(dict(op=op, implementation=implementation, rows=count, draft_vocab=args.draft_vocab,
+                                     weight_bytes=values.size * 4,
+                                     **measure(lambda v, jitted=jitted: (jitted(v), (v,)), (values,), args, evict),
+                                     **common))
                 continue
             function, inputs, weight_bytes = cases[op]
             pallas = tilings(args, fused_linear.Tiling, block_n=args.block_n, block_k=args.block_k)
