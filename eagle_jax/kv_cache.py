@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from eagle_jax import attention_ops
+from eagle_jax.kernels import compact_cache
 
 
 @struct.dataclass
@@ -43,7 +43,7 @@ class KVCache:
         return cls(keys=zeros(), values=zeros(), lengths=jnp.zeros((batch_size,), jnp.int32))
 
 
-def compact(cache: KVCache, start: jax.Array, sources: jax.Array) -> KVCache:
+def compact(cache: KVCache, start: jax.Array, sources: jax.Array, implementation: str = "xla") -> KVCache:
     """Moves, in every layer, the entry at slot start + sources[b, m] to slot start + m.
 
     After a tree verify the accepted path's keys and values sit at scattered node slots; the
@@ -53,7 +53,9 @@ def compact(cache: KVCache, start: jax.Array, sources: jax.Array) -> KVCache:
     Args:
         start: [B] int32 the committed length of each row.
         sources: [B, M] int32 offsets from `start` of the entries to keep, in their new order.
+        implementation: "xla" (a gather and a write per buffer) or "pallas" (one kernel for all
+            of them, `kernels.compact_cache`).
     """
-    slots = (start[:, None] + sources)[:, :, None, None]  # [B, M, 1, 1]
-    move = lambda array: attention_ops.write_rows(array, jnp.take_along_axis(array, slots, axis=1), start)
-    return cache.replace(keys=tuple(map(move, cache.keys)), values=tuple(map(move, cache.values)))
+    moved = compact_cache.compact(cache.keys + cache.values, start, sources, implementation=implementation)
+    layers = len(cache.keys)
+    return cache.replace(keys=moved[:layers], values=moved[layers:])

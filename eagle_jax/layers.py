@@ -29,8 +29,9 @@ from eagle_jax.kernels import fused_linear
 DECODE_KERNELS = ("xla", "pallas", "pallas_linear")
 
 
-def linear_kernels(decode_kernels: str) -> str:
-    """The `kernels.fused_linear` implementation a `decode_kernels` setting runs."""
+def fused_kernels(decode_kernels: str) -> str:
+    """The implementation ("xla" or "pallas") of the kernels a `decode_kernels` setting runs
+    besides attention: `kernels.fused_linear`, and `kernels.compact_cache` after a tree's verify."""
     return "xla" if decode_kernels == "xla" else "pallas"
 
 
@@ -331,7 +332,7 @@ class DecoderLayer(nnx.Module):
         attention, norm = self.self_attn, self.input_layernorm
         if fused_linears:
             qkv = fused_linear.norm_linear(x, norm.weight[...], norm.eps, attention.qkv_proj.kernel[...],
-                                           implementation=linear_kernels(self.decode_kernels))
+                                           implementation=fused_kernels(self.decode_kernels))
         else:
             qkv = attention.qkv_proj(norm(x))
         if uses_attention_kernel(self.decode_kernels, x, mask, attention):
@@ -346,7 +347,7 @@ class DecoderLayer(nnx.Module):
             x = x + attention.output(attended)
             return residual_mlp(x, self.post_attention_layernorm, self.mlp), keys, values
         x = fused_linear.linear_residual(attended.reshape(*x.shape[:2], -1), attention.o_proj.kernel[...], x,
-                                         implementation=linear_kernels(self.decode_kernels))
+                                         implementation=fused_kernels(self.decode_kernels))
         return residual_mlp(x, self.post_attention_layernorm, self.mlp, self.decode_kernels), keys, values
 
 
@@ -354,7 +355,7 @@ def residual_mlp(x: jax.Array, norm: RMSNorm, mlp: MLP, decode_kernels: str = "x
     """x + mlp(norm(x)), in two fused kernels when `uses_decode_kernels` says so."""
     if not uses_decode_kernels(decode_kernels, x, mlp.gate_up_proj, mlp.down_proj):
         return x + mlp(norm(x))
-    implementation = linear_kernels(decode_kernels)
+    implementation = fused_kernels(decode_kernels)
     hidden = fused_linear.norm_gate_up(x, norm.weight[...], norm.eps, mlp.gate_up_proj.kernel[...],
                                        implementation=implementation)
     return fused_linear.linear_residual(hidden, mlp.down_proj.kernel[...], x, implementation=implementation)
@@ -391,7 +392,9 @@ def with_decode_kernels(module: nnx.Module, decode_kernels: str) -> nnx.Module:
     in larger cached calls of up to `decode_attention.MAX_TOKENS` tokens a row (batched decode
     steps and verifies) only the attention kernel (`uses_attention_kernel`). "pallas_linear" runs
     the fused linear kernels where "pallas" does, with XLA's rotary, cache writes and attention
-    between them (six kernels or so in place of the attention kernel). In Pallas interpret
+    between them (six kernels or so in place of the attention kernel). Under either Pallas
+    setting a tree step moves its accepted path into place in one kernel (`kernels.compact_cache`)
+    rather than two per layer's keys and values. In Pallas interpret
     mode unless the backend is a GPU (so CPU tests run the kernel code).
     The setting is a static attribute, so it is part of the module's graph and of every
     program compiled from it.

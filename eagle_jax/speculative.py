@@ -308,7 +308,8 @@ def _tree_step(target: llama.Llama, head, state: DecodeState, opts: Options) -> 
                                      _capture_layers(head), mask=mask)
     choices = sampling_lib.select(target.logits(hidden), opts.sampling, accept_rng)  # [B, N+1]: one draw per node
     num_accepted, next_token, path = tree_lib.accept(nodes, choices, opts.k)
-    cache = kv_cache_lib.compact(cache, committed, path)  # the path's entries to slots L..L+k
+    # The path's entries to slots L..L+k, in one kernel for every layer under the Pallas settings.
+    cache = kv_cache_lib.compact(cache, committed, path, layers.fused_kernels(target.layers[0].decode_kernels))
     on_path = lambda x: None if x is None else jnp.take_along_axis(x, path[..., None], axis=1)
     drafts = jnp.take_along_axis(nodes.tokens, path[:, 1:], axis=1)
     return _commit(state, opts, rng, cache, drafts, num_accepted, next_token, draft_cache,

@@ -230,3 +230,16 @@ def test_kernel_bench_runs_without_model_files(tmp_path, tiny_hf_config):
         ("kernel_bench", "decoder_layer", "xla", None), ("kernel_bench", "decoder_layer", "pallas", None),
         ("kernel_bench", "decoder_layer", "pallas_linear", None)]
     assert all(r["kernels"] > 0 and r["busy_us"] > 0 and r["wall_us"] > 0 for r in rows)
+
+
+def test_kernel_bench_times_the_tree_ops(tmp_path):
+    """draft_top_k (one lax.top_k vs two stages) and compact_cache (XLA vs one kernel), on CPU."""
+    out = tmp_path / "rows.json"
+    assert load_kernel_bench().main(["--dtype", "float32", "--ops", "draft_top_k,compact_cache", "--rows", "4",
+                                     "--draft-vocab", "4096", "--cache-length", "32", "--iterations", "1",
+                                     "--trace-calls", "1", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["op"], r["implementation"], r["rows"]) for r in rows] == [
+        ("draft_top_k", "xla", 4), ("draft_top_k", "two_stage", 4), ("compact_cache", "xla", 4),
+        ("compact_cache", "pallas", 4)]
+    assert all(r["kernels"] > 0 and r["busy_us"] > 0 for r in rows)

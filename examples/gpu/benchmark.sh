@@ -3,7 +3,7 @@
 # $RESULTS/*.json as it finishes a setting, so a run cut short keeps what it measured.
 # From the repo root, after `source examples/gpu/setup.sh`:
 #   bash examples/gpu/benchmark.sh [SECTION ...]      (default: every section, in this order)
-# Sections needing no model files (random weights): kernels, step_kernels, l2_probe, attention_fill, attention_split, xla_flags.
+# Sections needing no model files (random weights): kernels, step_kernels, tree_ops, l2_probe, attention_fill, attention_split, xla_flags.
 # (heads_pipeline.sh runs the whole queue on the second GPU while the first trains one head.)
 set -x
 export EAGLE_JAX_MTBENCH=.stage/mtbench_question.jsonl
@@ -36,8 +36,13 @@ tree_heads() {  # issue 12: the shipped head's two best-known trees and their ne
   python3 examples/eagle.py --method eagle3 --speculative_eagle_topk 4,8 --speculative_num_steps 5 \
     --speculative_num_draft_tokens 16,64 --max_num_seqs 1 $m
 }
-tree_kernels() {  # issues 10, 12: the best tree (4/5/16: a 17-row verify) and the chain with the fused linear
-  # kernels around XLA's attention (a tree's attention is XLA's under either Pallas setting)
+tree_ops() {  # issue 12: a tree step's own ops alone (random data): the expansion's top-k, one call
+  # against two stages; the accepted path's move into place, a gather and write per buffer against one kernel
+  python3 examples/gpu/kernels_bench.py --rows 4,8 --ops draft_top_k --out $r/kernels.json
+  python3 examples/gpu/kernels_bench.py --rows 6 --ops compact_cache --out $r/kernels.json
+}
+tree_kernels() {  # issues 10, 12: the best tree (4/5/16: a 17-row verify) with the fused linear kernels around
+  # XLA's attention (a tree's attention is XLA's under either Pallas setting) and the one-kernel compaction
   python3 examples/eagle.py --method eagle3 --num_spec_tokens 5 --speculative_eagle_topk 4 --speculative_num_steps 5 \
     --speculative_num_draft_tokens 16 --max_num_seqs 1 --decode_kernels pallas_linear $m
   python3 examples/profile_step.py --parts step_trace --method eagle3 --tree 4,5,16 --cache-length 1024 \
@@ -104,6 +109,6 @@ sampling() {  # temperature 1.0; cold vs warm start
   python3 examples/profile_step.py --parts cold_warm --out $r/profile.json
 }
 
-for section in ${@:-batching batch_kernels trees tree_heads tree_kernels batch_k kernels l2_probe attention_fill attention_split real_kernels xla_flags peers sampling}; do
+for section in ${@:-batching batch_kernels trees tree_heads tree_ops tree_kernels batch_k kernels l2_probe attention_fill attention_split real_kernels xla_flags peers sampling}; do
   $section
 done

@@ -20,6 +20,9 @@ Random bf16 weights, no model files. Ops (`kernels.fused_linear`, implementation
   * draft_top_k: an EAGLE-2 tree's expansion of `rows` frontier nodes, the `rows` best of each
     node's --draft-vocab float32 log-probabilities: `lax.top_k` ("xla") vs `tree.top_k`
     ("two_stage": chunks of `tree.TOP_K_CHUNK`, then the best of those)
+  * compact_cache: a tree verify's accepted path (`rows` entries) moved into place in every
+    layer's keys and values (30 layers, --cache-length slots): `kernels.compact_cache`, a gather
+    and a write per buffer ("xla") vs one kernel for all ("pallas")
 Each is jitted alone. wall_us: median host time of one call ended by `block_until_ready` over
 --iterations calls (mostly dispatch for kernels this small). kernels and busy_us per call: from a
 `jax.profiler` trace of --trace-calls calls (examples/step_trace.py: device time, overlaps merged):
@@ -63,6 +66,7 @@ from eagle_jax import config as config_lib
 from eagle_jax import layers
 from eagle_jax import models
 from eagle_jax import tree
+from eagle_jax.kernels import compact_cache
 from eagle_jax.kernels import decode_attention
 from eagle_jax.kernels import fused_linear
 import script_errors
@@ -72,8 +76,9 @@ from results_file import append_rows
 # SmolLM2-135M's decoder layer.
 DEFAULT_CONFIG = config_lib.LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=1,
                                         num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0)
+SMOLLM2_LAYERS = 30  # compact_cache moves a path in every layer's keys and values
 OPS = ("norm_linear", "norm_gate_up", "o_proj_residual", "down_proj_residual", "decode_attention", "decoder_layer",
-       "draft_top_k")
+       "draft_top_k", "compact_cache")
 
 
 def int_list(text: str) -> list[int]:
@@ -301,6 +306,19 @@ def run_cases(args, cfg: config_lib.LlamaConfig, dtype, common: dict, evict) -> 
                                      weight_bytes=weight_bytes, cache_length=args.cache_length,
                                      attend_length=attend_length,
                                      tiling=tiling and vars(tiling), **measure(call, inputs, args, evict), **common))
+                continue
+            if op == "compact_cache":
+                shape = (1, args.cache_length, cfg.num_kv_heads, cfg.head_dim)
+                start, sources = jnp.asarray([args.cache_length // 2], jnp.int32), 2 * jnp.arange(count)[None]
+                moved_bytes = 4 * SMOLLM2_LAYERS * count * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+                for implementation in compact_cache.IMPLEMENTATIONS:
+                    buffers = tuple(jnp.zeros(shape, dtype) for _ in range(2 * SMOLLM2_LAYERS))  # donated below
+                    jitted = jax.jit(lambda b, implementation=implementation: compact_cache.compact(
+                        b, start, sources, implementation=implementation), donate_argnums=0)
+                    measured = measure(lambda b, jitted=jitted: (lambda out: (out, (out,)))(jitted(b)), (buffers,),
+                                       args, evict)
+                    rows.append(dict(op=op, implementation=implementation, rows=count, cache_length=args.cache_length,
+                                     weight_bytes=moved_bytes, **measured, **common))
                 continue
             if op == "draft_top_k":
                 values = jax.random.normal(jax.random.key(0), (1, count, args.draft_vocab), jnp.float32)
