@@ -62,12 +62,13 @@ class Llama(nnx.Module):
         features = jnp.concatenate([captured[i] for i in capture_layers], axis=-1) if capture_layers else None
         return self.norm(x), cache, features
 
+    def output_embedding(self) -> jax.Array:
+        """[V, D]: row t scores token t (the lm_head, or the input embedding when tied)."""
+        return self.embed_tokens.embedding[...] if self.config.tie_word_embeddings else self.lm_head.kernel[...].T
+
     def logits(self, hidden: jax.Array, vocab_ids: jax.Array | None = None) -> jax.Array:
         """float32 logits [..., V] from final-norm hidden states; [..., len(vocab_ids)] for a subset."""
-        if self.config.tie_word_embeddings:
-            weight = self.embed_tokens.embedding[...]  # [V, D]
-        else:
-            weight = self.lm_head.kernel[...].T
+        weight = self.output_embedding()
         if vocab_ids is not None:  # gather rows first: a slice of the product costs the full product
             weight = jnp.take(weight, vocab_ids, axis=0)
         return layers.float32_logits(hidden, weight.T)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from eagle_jax import data
@@ -183,3 +184,30 @@ def test_allreduce_latency_records_both_chains(tmp_path):
     rows = json.loads(out.read_text())
     assert [(row["chain"], row["width"]) for row in rows] == [("unrolled", 8), ("unrolled", 16), ("loop", 8), ("loop", 16)]
     assert all(row["kind"] == "all_reduce" and row["us_per_all_reduce"] > 0 for row in rows)
+
+
+def test_vocab_init_probe_records_every_start(model_dir, random_head, save_head, tmp_path):  # noqa: F811
+    """examples/vocab_init_probe.py on a tiny model: a head extended by `extend_draft_vocabulary`
+    from a smaller one, one row per start with an agreement share per unrolled step."""
+    sys.path.insert(0, str(REPO / "examples"))
+    import vocab_init_probe
+    from eagle_jax import models, train
+
+    target, _ = models.load_target(model_dir, "float32")
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 101, (6, 24))
+    data_path = data.save_dataset(dict(input_ids=tokens, loss_mask=np.ones_like(tokens, bool),
+                                     lengths=np.full(6, 24)), tmp_path / "data.npz")
+    counts = train.token_counts(data.load_dataset(data_path), 101)
+    smaller = random_head(target.config, "eagle3", seed=3, draft_vocab_size=40, feature_layers=(0, 1, 1))
+    smaller.d2t[...] = train.draft_vocabulary(counts, 40)
+    larger = train.extend_draft_vocabulary(smaller, counts, 60, np.asarray(target.output_embedding()))
+    out = tmp_path / "rows.json"
+    assert vocab_init_probe.main(["--model", str(model_dir), "--head", str(save_head(larger, tmp_path / "larger")),
+                                  "--smaller-head", str(save_head(smaller, tmp_path / "smaller")), "--data", str(data_path),
+                                  "--counts", str(data_path), "--extend-to", "80", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["variant"] for r in rows] == ["trained", "mean", "embedding", "extended to 80, untrained", "smaller head"]
+    assert all(len(r["top1_agreement_by_step"]) == 3 and r["added_tokens"] == 20 for r in rows)
+    # The larger head's added columns are the embedding placement itself: those two drafts agree.
+    assert rows[0]["top1_agreement_by_step"] == rows[2]["top1_agreement_by_step"]
