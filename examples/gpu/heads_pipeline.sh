@@ -24,6 +24,9 @@
 # SCALING_TOKENS="N1 N2 ..." (with HEADS=eagle3): GPU 1 first (one GPU: last) trains EAGLE-3 from
 # scratch on nested subsets of N tokens of the carried data, SCALING_SECONDS each (equal steps),
 # and evaluates each at k = 5 on MT-Bench (rows in RESULTS/scaling.json): the data-scaling curve.
+# EXTEND_UNTRAINED="N1 N2 ..." (HEADS=eagle3): before training, the shipped EAGLE-3 head extended to an
+# N-token draft vocabulary with no training (`train.extend_draft_vocabulary`'s placed columns,
+# train --steps 0) is evaluated at k = 5 and 6 on MT-Bench (rows in RESULTS/mtbench_eagle3-vocabN.json).
 # On one GPU, HEADS=eagle3 runs the head, then BENCH_SECTIONS (else the step traces), then the scaling runs.
 # GPU1_VARIANT="NAME=VALUE ..." (HEADS=eagle3 on two GPUs, in place of the scaling runs): GPU 1 trains a
 # second EAGLE-3 head with these settings changed (e.g. "DRAFT_VOCAB_SIZE=16384"), into
@@ -89,6 +92,14 @@ trace_steps() {  # trace_steps GPU: issue 10's step_trace rows (plain and EAGLE-
   eval "$t --method none --batch-size 1024 --cache-length 768 --trace-steps 8 --steps-per-call 8 --label distill-step"
 }
 
+extend_untrained() {  # extend_untrained GPU: the EXTEND_UNTRAINED sizes, one after another on GPU
+  for size in $EXTEND_UNTRAINED; do
+    CUDA_VISIBLE_DEVICES=$1 python3 -m eagle_jax.train --method eagle3 --init-head eagle_jax/heads/smollm2-135m-instruct-eagle3 \
+      --draft-vocab-size "$size" --data "$run/distill" --output "$run/eagle3-vocab$size" --steps 0 --eval-prompts 0 &&
+    CUDA_VISIBLE_DEVICES=$1 python3 examples/eagle.py --method eagle3 --draft "$run/eagle3-vocab$size/head" --max_num_seqs 1 \
+      --num_prompts 80 --max_new_tokens 256 --num_spec_tokens 5,6 --out "$r/mtbench_eagle3-vocab$size.json"
+  done
+}
 scaling() {  # scaling GPU: the SCALING_TOKENS points, one after another on GPU
   [ -n "$SCALING_TOKENS" ] || return 0
   local seconds=${SCALING_SECONDS:-200}
@@ -150,6 +161,7 @@ else
   fi
   distill 0 "$run/distill" --rounds 3 --temperatures 0,0.8,1.0,0.7
   distill_extra 0
+  extend_untrained 0
   train 0 eagle3 7
   evaluate 0 eagle3
   if [ "$gpus" -lt 2 ]; then  # one GPU: what GPU 1 would run, after the head (BENCH_SECTIONS, else the step traces)
