@@ -204,11 +204,10 @@ def test_trees_draft_the_same_with_two_stage_top_k(target, make_head, prompts, r
         monkeypatch.setattr(tree_lib, "TOP_K_CHUNK", chunk)
         engine = engine_lib.Engine(target, make_head(kind), tree=tree_lib.TreeOptions(3, 3, 6), max_length=64)
         return engine.generate(prompts, max_new_tokens=MAX_NEW, ignore_eos=True, steps_per_call=4)
-    for kind in ("eagle-noisy", "eagle3-random"):
-        split, whole = run(kind, 8), run(kind, 10_000)
-        assert [r.token_ids for r in split] == [r.token_ids for r in whole] == reference
-        assert [r.stats for r in split] == [r.stats for r in whole]
-        assert sum(r.stats["num_accepted_tokens"] for r in split) > 0  # drafts that the target takes: ids matter
+    split, whole = run("eagle3-random", 8), run("eagle3-random", 10_000)  # draft ids mapped to target ids
+    assert [r.token_ids for r in split] == [r.token_ids for r in whole] == reference
+    assert [r.stats for r in split] == [r.stats for r in whole]
+    assert sum(r.stats["num_accepted_tokens"] for r in split) > 0  # drafts that the target takes: ids matter
 
 
 @pytest.mark.parametrize("kind, num_steps, batch_size", [("eagle-noisy", 3, 2), ("eagle3-biased", 4, 1)])
