@@ -55,9 +55,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def agreement(head, target, tokens: jax.Array, loss_mask: jax.Array, steps: int = 3) -> list[float]:
-    """Per unrolled step, the share of the target's tokens whose top-1 the head drafts."""
-    _, captured, logits = train_objective.target_outputs(target, tokens, head.config.feature_layers)
+def agreement(head, target, tokens: jax.Array, loss_mask: jax.Array, teacher: tuple, steps: int = 3) -> list[float]:
+    """Per unrolled step, the share of the target's tokens whose top-1 the head drafts. `teacher`:
+    the target's (captured features, logits) on `tokens`, computed once for every variant."""
+    captured, logits = teacher
     n = tokens.shape[1] - 1
     shares = []
     for step, (_, draft_logits) in enumerate(train_objective.unrolled_head(
@@ -79,11 +80,14 @@ def main(argv=None) -> int:
     rows = np.random.default_rng(0).choice(len(dataset["input_ids"]), min(args.rows, len(dataset["input_ids"])),
                                            replace=False)
     tokens, loss_mask = jnp.asarray(dataset["input_ids"][rows], jnp.int32), jnp.asarray(dataset["loss_mask"][rows])
+    embedding = np.asarray(target.output_embedding())
     # The smaller head extended again, by the rule under test, then given the trained head's other columns.
-    placed = train.extend_draft_vocabulary(smaller, counts, head.config.draft_vocab_size,
-                                           np.asarray(target.output_embedding()))
+    placed = train.extend_draft_vocabulary(smaller, counts, head.config.draft_vocab_size, embedding)
     if not np.array_equal(np.asarray(placed.d2t[...]), np.asarray(head.d2t[...])):
         raise SystemExit("error: --head's draft vocabulary is not --smaller-head's extended by these counts")
+    # Extensions keep the head's feature layers, so every variant reads the same target outputs.
+    _, captured, logits = train_objective.target_outputs(target, tokens, head.config.feature_layers)
+    measure = lambda variant: agreement(variant, target, tokens, loss_mask, (captured, logits))
     ids = np.asarray(head.to_target_ids(jnp.arange(head.config.draft_vocab_size)))
     added = ~np.isin(ids, np.asarray(smaller.to_target_ids(jnp.arange(smaller.config.draft_vocab_size))))
     trained = np.asarray(head.lm_head.kernel[...])
@@ -97,14 +101,12 @@ def main(argv=None) -> int:
     results = []
     for name, kernel in starts.items():
         head.lm_head.kernel[...] = jnp.asarray(kernel)
-        results.append(dict(common, variant=name, top1_agreement_by_step=agreement(head, target, tokens, loss_mask)))
+        results.append(dict(common, variant=name, top1_agreement_by_step=measure(head)))
     head.lm_head.kernel[...] = jnp.asarray(trained)
     for size in [int(size) for size in args.extend_to.split(",") if size.strip()]:
-        extended = train.extend_draft_vocabulary(head, counts, size, np.asarray(target.output_embedding()))
-        results.append(dict(common, variant=f"extended to {size}, untrained",
-                            top1_agreement_by_step=agreement(extended, target, tokens, loss_mask)))
-    results.append(dict(common, variant="smaller head", top1_agreement_by_step=agreement(smaller, target, tokens,
-                                                                                         loss_mask)))
+        extended = train.extend_draft_vocabulary(head, counts, size, embedding)
+        results.append(dict(common, variant=f"extended to {size}, untrained", top1_agreement_by_step=measure(extended)))
+    results.append(dict(common, variant="smaller head", top1_agreement_by_step=measure(smaller)))
     for row in results:
         print(f"{row['variant']:>30}: top-1 agreement by unrolled step {row['top1_agreement_by_step']}")
     append_rows(args.out, results)

@@ -63,16 +63,11 @@ def compact(buffers: tuple[jax.Array, ...], start: jax.Array, sources: jax.Array
     )(start.astype(jnp.int32), sources.astype(jnp.int32), *buffers)
 
 
-def _block(size: int) -> int:
-    """The power of two >= size (Triton's tensor sizes)."""
-    return 1 << max(size - 1, 0).bit_length()
-
-
 def _kernel(start_ref, sources_ref, *refs, count: int):
     """One (row, kv head) of every buffer: refs are the `count` inputs, then their aliased outputs."""
     row, kv_head = pl.program_id(0), pl.program_id(1)
     length, (cache_length, _, head_dim) = sources_ref.shape[1], refs[0].shape[1:]
-    entries, columns = jnp.arange(_block(length)), jnp.arange(_block(head_dim))
+    entries, columns = jnp.arange(pl.next_power_of_2(length)), jnp.arange(pl.next_power_of_2(head_dim))  # Triton's sizes
     real = entries < length
     start = start_ref[row]
     sources = start + plgpu.load(sources_ref.at[row, entries], mask=real, other=0)
