@@ -25,11 +25,12 @@ from eagle_jax import tokenization
 
 def distill(engine: engine_lib.Engine, prompts: list[np.ndarray], max_new_tokens: int, sequence_length: int,
             pad_id: int, sampling: sampling_lib.Sampling = sampling_lib.Sampling(), chunk: int | None = None,
-            progress: bool = True, desc: str = "distill") -> dict[str, np.ndarray]:
+            progress: bool = True, desc: str = "distill", seed: int = 0) -> dict[str, np.ndarray]:
     """Generates an answer per prompt and packs prompt + answer rows, the loss on the answer.
 
     Prompts are processed shortest first so each batch pads little. `source` [rows] is the
-    index of the prompt each row answers (rows whose answer fits nothing are dropped).
+    index of the prompt each row answers (rows whose answer fits nothing are dropped). Sampled
+    answers depend on `seed`: another seed answers the same prompts anew.
     """
     order = np.argsort([len(p) for p in prompts], kind="stable")
     chunk = chunk or engine.batch_size * 8
@@ -41,8 +42,11 @@ def distill(engine: engine_lib.Engine, prompts: list[np.ndarray], max_new_tokens
     for first in range(0, rows, chunk):
         indices = order[first:first + chunk]
         began = time.perf_counter()
+        # Seed 0 keeps the chunk offset as the chunk's seed (the parts of earlier runs); another seed is
+        # mixed with it, so that no chunk of one seed samples like a chunk of another.
+        chunk_seed = int(np.random.SeedSequence([seed, first]).generate_state(1)[0] >> 1) if seed else first
         results = engine.generate([prompts[i] for i in indices], max_new_tokens=max_new_tokens, sampling=sampling,
-                                  seed=first)
+                                  seed=chunk_seed)
         for index, result in zip(indices, results):
             sequence = np.concatenate([prompts[index], np.asarray(result.token_ids, np.int32)])[:sequence_length]
             input_ids[index, :len(sequence)] = sequence
@@ -133,13 +137,15 @@ def follow_up_prompts(conversations: list[list[np.ndarray]], round_index: int, p
 def distill_conversations(engine: engine_lib.Engine, conversations: list[list[np.ndarray]],
                           temperatures: list[float], num_rounds: int, max_prompt_tokens: int, max_new_tokens: int,
                           pad_id: int, eos_id: int, out_dir: Path, deadline: float = float("inf"),
-                          progress: bool = True) -> list[Path]:
+                          progress: bool = True, seed: int = 0) -> list[Path]:
     """Distils every round (user turn) greedily, then again at each sampling temperature.
 
     Each (round, temperature) part is written to `out_dir/round{r}-t{T}.npz` as soon as it is
     done and reused when present, so an interrupted run resumes where it stopped; no new part
     starts after `deadline` (a `time.time()` value). Round r > 0 prompts are built from round
-    r-1's greedy answers (`follow_up_prompts`). Returns the parts written or found.
+    r-1's greedy answers (`follow_up_prompts`). A sampled part with `seed` != 0 is named
+    `round{r}-t{T}-s{seed}.npz`: fresh answers that sit beside those of other seeds (greedy parts
+    do not depend on the seed). Returns the parts written or found.
     """
     if num_rounds > 1 and temperatures[0] != 0:
         raise ValueError("later rounds build on greedy answers: the first temperature must be 0")
@@ -150,7 +156,8 @@ def distill_conversations(engine: engine_lib.Engine, conversations: list[list[np
     parts = []
     for temperature in temperatures:
         for round_index in range(num_rounds):
-            path = out_dir / f"round{round_index}-t{temperature:g}.npz"
+            suffix = f"-s{seed}" if seed and temperature else ""
+            path = out_dir / f"round{round_index}-t{temperature:g}{suffix}.npz"
             if round_index not in rounds:
                 greedy_path = out_dir / f"round{round_index - 1}-t0.npz"
                 if not greedy_path.is_file():  # the deadline came first
@@ -166,7 +173,7 @@ def distill_conversations(engine: engine_lib.Engine, conversations: list[list[np
                 continue
             arrays = distill(engine, prompts, max_new_tokens, sequence_length, pad_id,
                              sampling_lib.Sampling(temperature=temperature), progress=progress,
-                             desc=f"round {round_index} T={temperature:g}")
+                             desc=f"round {round_index} T={temperature:g}", seed=seed)
             data_lib.save_dataset(arrays, path)
             parts.append(path)
             print(f"{path.name}: {len(arrays['input_ids'])} rows, {int(arrays['loss_mask'].sum())} generated tokens",
@@ -207,6 +214,8 @@ def main(argv=None) -> int:
     parser.add_argument("--temperatures", default="0", help="with --turns: comma list, greedy (0) first")
     parser.add_argument("--rounds", type=int, default=1, help="with --turns: user turns per conversation")
     parser.add_argument("--max-seconds", type=float, help="with --turns: start no new part after this long")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="sampling seed: another seed answers the same prompts anew (parts named -s<seed>)")
     parser.add_argument("--dtype", choices=sorted(models.DTYPES), default="bfloat16")
     args = parser.parse_args(argv)
     began = time.time()
@@ -227,7 +236,7 @@ def main(argv=None) -> int:
         deadline = began + args.max_seconds if args.max_seconds else float("inf")
         parts = distill_conversations(engine, conversations, temperatures, args.rounds, args.max_prompt_tokens,
                                       args.max_new_tokens, pad_id, target.config.eos_token_ids[0], Path(args.out),
-                                      deadline)
+                                      deadline, seed=args.seed)
         arrays = data_lib.load_dataset(args.out)
         print(f"{len(parts)} parts, {len(arrays['input_ids'])} sequences, {int(arrays['loss_mask'].sum())} generated "
               f"tokens in {args.out} ({time.time() - began:.0f} s)", file=sys.stderr)
@@ -240,7 +249,7 @@ def main(argv=None) -> int:
         prompts = tokenize_prompts(tokenizer, [json.loads(line)["prompt"] for line in lines])
     prompts = [p for p in prompts if len(p) <= args.max_prompt_tokens]
     arrays = distill(engine, prompts, args.max_new_tokens, sequence_length, pad_id=pad_id,
-                     sampling=sampling_lib.Sampling(temperature=args.temperature))
+                     sampling=sampling_lib.Sampling(temperature=args.temperature), seed=args.seed)
     data_lib.save_dataset(arrays, args.out)
     print(f"{len(arrays['input_ids'])} sequences, {int(arrays['loss_mask'].sum())} generated tokens -> {args.out}",
           file=sys.stderr)

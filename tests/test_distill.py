@@ -89,3 +89,19 @@ def test_distill_conversations_builds_rounds_and_resumes(random_target, tmp_path
     again = distill.distill_conversations(generator, conversations, [0.0, 1.0], out_dir=tmp_path, deadline=0, **kwargs)
     assert again == parts and all(part.stat().st_mtime_ns == before[part] for part in parts)
     assert len(data.load_dataset(tmp_path)["input_ids"]) == sum(len(data.load_dataset(p)["input_ids"]) for p in parts)
+
+
+def test_another_seed_samples_fresh_answers_beside_the_first(random_target, tmp_path):
+    target = random_target(seed=3, vocab_size=61, eos_token_id=None)
+    rng = np.random.default_rng(1)
+    conversations = [[rng.integers(3, 61, size=rng.integers(2, 6)).astype(np.int32)] for _ in range(6)]
+    generator = engine.Engine(target, batch_size=4, max_length=64, fixed_shapes=True)
+    kwargs = dict(num_rounds=1, max_prompt_tokens=24, max_new_tokens=6, pad_id=0, eos_id=2, progress=False)
+    first = distill.distill_conversations(generator, conversations, [0.0, 1.0], out_dir=tmp_path, **kwargs)
+    second = distill.distill_conversations(generator, conversations, [0.0, 1.0], out_dir=tmp_path, seed=5, **kwargs)
+    # The greedy part does not depend on the seed and is reused; the sampled one is new, beside the first.
+    assert [part.name for part in first] == ["round0-t0.npz", "round0-t1.npz"]
+    assert [part.name for part in second] == ["round0-t0.npz", "round0-t1-s5.npz"]
+    one, other = data.load_dataset(first[1]), data.load_dataset(second[1])
+    np.testing.assert_array_equal(one["source"], other["source"])  # the same prompts, answered anew
+    assert not np.array_equal(one["input_ids"], other["input_ids"])

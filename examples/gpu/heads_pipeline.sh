@@ -33,6 +33,9 @@
 # RUN_DIR/eagle3-variant, evaluated as the first (rows in RESULTS/*_eagle3-variant.json): two levers, one lease.
 # A staged .stage/extra_turns.npz (prompt sources beyond ShareGPT, docs/TRAINING.md) is distilled
 # too, at EXTRA_TEMPERATURES (default 0,0.8), into parts named extra-*.
+# One GPU: DISTILL_ROUNDS (default 3) and DISTILL_TEMPERATURES (default 0,0.8,1.0,0.7) set the ShareGPT
+# distillation; DISTILL_SEED (default 0) samples every distillation's answers anew (parts named -s<seed>),
+# e.g. to train a shipped head on fresh answers to the prompts it has seen.
 set -x
 run=${1:?run directory}; r=${RESULTS:-docs/results}; mkdir -p "$run" "$r"
 export EAGLE_JAX_MTBENCH=.stage/mtbench_question.jsonl
@@ -41,7 +44,7 @@ train_seconds=${TRAIN_SECONDS:-540}
 
 distill() {  # distill GPU OUT_DIR ARGS...: greedy rounds need --rounds 3 --temperatures 0,...
   CUDA_VISIBLE_DEVICES=$1 python3 -m eagle_jax.distill --turns .stage/turns.npz --out "$2" --max-prompt-tokens 384 \
-    --max-new-tokens 256 --batch-size 1024 --max-seconds "${DISTILL_SECONDS:-240}" "${@:3}"
+    --max-new-tokens 256 --batch-size 1024 --max-seconds "${DISTILL_SECONDS:-240}" --seed "${DISTILL_SEED:-0}" "${@:3}"
 }
 profile() {  # profile GPU METHOD ATTENTION [UNROLL]: one train_trace row in $r/profile.json
   [ -n "$PROFILE_FROM" ] && return 0
@@ -127,7 +130,7 @@ distill_extra() {  # distill_extra GPU: .stage/extra_turns.npz (examples/prepare
   [ -f .stage/extra_turns.npz ] || return 0
   CUDA_VISIBLE_DEVICES=$1 python3 -m eagle_jax.distill --turns .stage/extra_turns.npz --out "$run/distill-extra" \
     --max-prompt-tokens 384 --max-new-tokens 256 --batch-size 1024 --rounds 1 --temperatures "${EXTRA_TEMPERATURES:-0,0.8}" \
-    --max-seconds "${DISTILL_SECONDS:-240}"
+    --max-seconds "${DISTILL_SECONDS:-240}" --seed "${DISTILL_SEED:-0}"
   for part in "$run"/distill-extra/*.npz; do mv "$part" "$run/distill/extra-$(basename "$part")"; done
 }
 
@@ -159,7 +162,7 @@ else
   if [ "$gpus" -ge 2 ] && [ -n "$GPU1_VARIANT" ]; then (variant 1; bench 1 $BENCH_SECTIONS) &
   elif [ "$gpus" -ge 2 ]; then (scaling 1; bench 1 $BENCH_SECTIONS) &
   fi
-  distill 0 "$run/distill" --rounds 3 --temperatures 0,0.8,1.0,0.7
+  distill 0 "$run/distill" --rounds "${DISTILL_ROUNDS:-3}" --temperatures "${DISTILL_TEMPERATURES:-0,0.8,1.0,0.7}"
   distill_extra 0
   extend_untrained 0
   train 0 eagle3 7
