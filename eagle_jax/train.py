@@ -216,6 +216,8 @@ class Trainer:
 def batches(dataset: dict[str, np.ndarray], batch_size: int, seed: int, start_step: int):
     """Endless shuffled batches (epoch order fixed by seed, so a resumed run sees the same stream)."""
     count = len(dataset["input_ids"])
+    if count < batch_size:  # no whole batch: the loop below would spin forever
+        raise ValueError(f"the dataset has {count} rows, fewer than one batch of {batch_size}: lower --batch-size")
     rng = np.random.default_rng(seed)
     order, step = rng.permutation(count), 0
     while True:
@@ -296,9 +298,10 @@ def main(argv=None) -> int:
     parser.add_argument("--learning-rate", type=float, default=5e-4)
     parser.add_argument("--warmup-steps", type=int, default=100)
     parser.add_argument("--unroll", type=int, help="training-time-test steps (default: 1 eagle, 7 eagle3)")
-    parser.add_argument("--draft-vocab-size", type=int, default=8192,
-                        help="EAGLE-3 draft vocabulary; larger than an --init-head's, that head's is extended "
-                             "with the most frequent other tokens (`extend_draft_vocabulary`)")
+    parser.add_argument("--draft-vocab-size", type=int,
+                        help="EAGLE-3 draft vocabulary (default: an --init-head's, else 8192); larger than an "
+                             "--init-head's, that head's is extended with the most frequent other tokens "
+                             "(`extend_draft_vocabulary`)")
     parser.add_argument("--attention", choices=["auto", "xla", "cudnn"], default="auto",
                         help="attention of the train step: XLA einsums, or cuDNN's fused kernel (GPU, bf16/fp16; "
                              "1.7x faster steps on an H200); auto picks cuDNN where it runs")
@@ -322,31 +325,34 @@ def main(argv=None) -> int:
     dataset = data_lib.load_dataset(args.data)
     if args.train_tokens:
         dataset = data_lib.subset_by_tokens(dataset, args.train_tokens)
-    unroll = args.unroll or (1 if args.method == "eagle" else 7)
-    cfg = TrainConfig(method=args.method, steps=args.steps, batch_size=args.batch_size, learning_rate=args.learning_rate,
-                      warmup_steps=args.warmup_steps, draft_vocab_size=args.draft_vocab_size,
-                      head_intermediate_size=args.head_intermediate_size,
-                      objective=train_objective.Objective(num_steps=unroll,
-                                                          attention=attention_implementation(args.attention, args.dtype)))
     output = Path(args.output)
     head = None
+    draft_vocab_size = args.draft_vocab_size or TrainConfig.draft_vocab_size
     if args.init_head:
         head = models.load_head(args.init_head, target, args.dtype, param_dtype="float32")
         kind = "eagle3" if isinstance(head, eagle.Eagle3Head) else "eagle"
         if kind != args.method:
             parser.error(f"--init-head {args.init_head} is an {kind} head, not {args.method}")
-        if kind == "eagle3" and head.config.draft_vocab_size > args.draft_vocab_size:
+        if kind == "eagle3":  # by default the head keeps its vocabulary
+            draft_vocab_size = args.draft_vocab_size or head.config.draft_vocab_size
+        if kind == "eagle3" and head.config.draft_vocab_size > draft_vocab_size:
             parser.error(f"--init-head {args.init_head} has a {head.config.draft_vocab_size}-token draft vocabulary, "
-                         f"more than --draft-vocab-size {args.draft_vocab_size} (a vocabulary extends, never shrinks)")
+                         f"more than --draft-vocab-size {draft_vocab_size} (a vocabulary extends, never shrinks)")
         width = head.config.layer.intermediate_size
         if args.head_intermediate_size and args.head_intermediate_size < width:
             parser.error(f"--init-head {args.init_head} has an MLP {width} wide, more than --head-intermediate-size "
                          f"{args.head_intermediate_size} (a head widens, never narrows)")
         if args.head_intermediate_size and args.head_intermediate_size > width:
             head = widen_mlp(head, args.head_intermediate_size)
-        if kind == "eagle3" and head.config.draft_vocab_size < args.draft_vocab_size:
-            head = extend_draft_vocabulary(head, token_counts(dataset, target.config.vocab_size), args.draft_vocab_size,
+        if kind == "eagle3" and head.config.draft_vocab_size < draft_vocab_size:
+            head = extend_draft_vocabulary(head, token_counts(dataset, target.config.vocab_size), draft_vocab_size,
                                            np.asarray(target.output_embedding()))
+    unroll = args.unroll or (1 if args.method == "eagle" else 7)
+    cfg = TrainConfig(method=args.method, steps=args.steps, batch_size=args.batch_size, learning_rate=args.learning_rate,
+                      warmup_steps=args.warmup_steps, draft_vocab_size=draft_vocab_size,
+                      head_intermediate_size=args.head_intermediate_size,
+                      objective=train_objective.Objective(num_steps=unroll,
+                                                          attention=attention_implementation(args.attention, args.dtype)))
     began = time.perf_counter()
     trainer, log = train(target, dataset, cfg, output, head=head, max_seconds=args.max_seconds)
     seconds = time.perf_counter() - began

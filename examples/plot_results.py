@@ -467,8 +467,10 @@ def main(argv=None) -> int:
         trees = [r for r in trees if head_rank(r) == newest]  # one head's trees: older heads' rows would mix in
         # The chain beside the trees is the one drafted by the trees' own head (a newer head may
         # have been measured since), and the latest plain decoding.
-        drafts = {r.get("draft") for r in trees}
-        same_head = [r for r in all_rows if r["method"] == "none" or r.get("draft") in drafts]
+        # A head is named by its `head` field ("run N"; every lease exports to the same path), else its path.
+        drafted_by = lambda row: row.get("head") or row.get("draft")
+        heads = {drafted_by(r) for r in trees}
+        same_head = [r for r in all_rows if r["method"] == "none" or drafted_by(r) in heads]
         chains = [r for r in static_greedy(default_settings(latest(same_head)), setting)
                   if r["batch_size"] == 1 and r["method"] != "none"]
         plain = [r for r in static_greedy(every, setting) if r["batch_size"] == 1 and r["method"] == "none"

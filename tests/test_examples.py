@@ -108,9 +108,13 @@ def test_plots_compare_default_settings_and_draw_the_tree_sweep(tmp_path, monkey
             mtbench_row("none", 0, 150.0, 1.0, tensor_parallel_size=2),
             # The newest head's row stands, though an older head was measured after it.
             mtbench_row("eagle3", 5, 1900.0, 2.9, head="run 6", date="2026-11-30T22:06:00"),
-            mtbench_row("eagle3", 5, 1850.0, 2.8, head="run 5", date="2026-11-30T22:14:00")]
+            mtbench_row("eagle3", 5, 1850.0, 2.8, head="run 5", date="2026-11-30T22:14:00"),
+            # A newer head with no trees yet, exported to the same path: its chain is not the trees' chain.
+            mtbench_row("eagle3", 5, 1950.0, 3.0, head="run 7", draft="/root/stage/run/eagle3/head",
+                        date="2026-12-01T10:00:00")]
     rows += [mtbench_row("eagle3", 5, 1300.0 + n, 2.5 + n / 100, speculative_eagle_topk=topk, speculative_num_steps=5,
-                         speculative_num_draft_tokens=n, head="run 6") for topk in (4, 8) for n in (16, 32)]
+                         speculative_num_draft_tokens=n, head="run 6", draft="/root/stage/run/eagle3/head")
+             for topk in (4, 8) for n in (16, 32)]
     # An older head's tree, measured later at a setting the newest head lacks, stays out of the sweep.
     rows.append(mtbench_row("eagle3", 5, 1000.0, 2.0, speculative_eagle_topk=4, speculative_num_steps=5,
                             speculative_num_draft_tokens=64, head="run 5", date="2026-11-30T23:00:00"))
@@ -123,11 +127,11 @@ def test_plots_compare_default_settings_and_draw_the_tree_sweep(tmp_path, monkey
     assert plot_results.main(["--results", str(results), "--profile", str(tmp_path / "none.json"),
                               "--scaling", str(tmp_path / "none.json"), "--out-dir", str(tmp_path)]) == 0
     [batch1] = drawn
-    assert sorted((r["method"], r["output_tokens_per_second"]) for r in batch1) == [("eagle3", 1900.0), ("none", 800.0)]
+    assert sorted((r["method"], r["output_tokens_per_second"]) for r in batch1) == [("eagle3", 1950.0), ("none", 800.0)]
     [(trees, chains, plain)] = sweeps
     assert sorted(r["speculative_num_draft_tokens"] for r in trees) == [16, 16, 32, 32]
     # Beside the trees: the chain, and plain decoding with any kernels on one device (the fastest is drawn).
-    assert all(r["method"] == "eagle3" for r in chains)
+    assert [(r["method"], r["head"]) for r in chains] == [("eagle3", "run 6")]  # the trees' own head's chain
     assert sorted(r["output_tokens_per_second"] for r in plain) == [700.0, 800.0]
     assert (tmp_path / "tree_sweep.png").stat().st_size > 0
     assert not (tmp_path / "data_scaling.png").exists()  # no scaling rows given
@@ -211,3 +215,26 @@ def test_vocab_init_probe_records_every_start(model_dir, random_head, save_head,
     assert all(len(r["top1_agreement_by_step"]) == 3 and r["added_tokens"] == 20 for r in rows)
     # The larger head's added columns are the embedding placement itself: those two drafts agree.
     assert rows[0]["top1_agreement_by_step"] == rows[2]["top1_agreement_by_step"]
+
+
+def test_train_cli_keeps_an_init_heads_draft_vocabulary(model_dir, random_head, save_head, tmp_path):  # noqa: F811
+    """`python -m eagle_jax.train --init-head` without `--draft-vocab-size` trains the head at its own
+    vocabulary (a fixed default of 8,192 refused a larger shipped head and cost a lease its training)."""
+    from eagle_jax import models, train
+
+    target, _ = models.load_target(model_dir, "float32")
+    tokens = np.random.default_rng(0).integers(0, 101, (6, 24))
+    data_path = data.save_dataset(dict(input_ids=tokens, loss_mask=np.ones_like(tokens, bool),
+                                     lengths=np.full(6, 24)), tmp_path / "data.npz")
+    head = random_head(target.config, "eagle3", seed=3, draft_vocab_size=40, feature_layers=(0, 1, 1))
+    init = save_head(head, tmp_path / "init")
+    argv = ["--method", "eagle3", "--model", str(model_dir), "--init-head", str(init), "--data", str(data_path),
+            "--steps", "0", "--batch-size", "4", "--eval-prompts", "0", "--dtype", "float32"]
+    assert train.main([*argv, "--output", str(tmp_path / "kept")]) == 0
+    assert models.load_head(tmp_path / "kept" / "head", target).config.draft_vocab_size == 40
+    assert train.main([*argv, "--output", str(tmp_path / "extended"), "--draft-vocab-size", "50"]) == 0
+    assert models.load_head(tmp_path / "extended" / "head", target).config.draft_vocab_size == 50
+    with pytest.raises(SystemExit):  # a vocabulary extends, never shrinks
+        train.main([*argv, "--output", str(tmp_path / "smaller"), "--draft-vocab-size", "30"])
+    with pytest.raises(ValueError, match="fewer than one batch"):  # 6 rows: it used to loop forever
+        train.main([*argv, "--output", str(tmp_path / "big"), "--batch-size", "8"])

