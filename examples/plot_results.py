@@ -465,9 +465,9 @@ def main(argv=None) -> int:
                  and (r["num_prompts"], r["max_new_tokens"]) == setting and float(r.get("temperature", 0)) == 0]
         newest = max((head_rank(r) for r in trees), default=0)
         trees = [r for r in trees if head_rank(r) == newest]  # one head's trees: older heads' rows would mix in
-        # The chain beside the trees is the one drafted by the trees' own head (a newer head may
-        # have been measured since), and the latest plain decoding.
-        # A head is named by its `head` field ("run N"; every lease exports to the same path), else its path.
+        # The chain beside the trees is the one drafted by the trees' own head (a newer head may have
+        # been measured since), and the latest plain decoding. A head is named by its `head` field
+        # ("run N"), else by its path: every lease exports its head to the same path.
         drafted_by = lambda row: row.get("head") or row.get("draft")
         heads = {drafted_by(r) for r in trees}
         same_head = [r for r in all_rows if r["method"] == "none" or drafted_by(r) in heads]

