@@ -5,10 +5,13 @@
 #   bash examples/gpu/benchmark.sh [SECTION ...]      (default: every section, in this order)
 # Sections needing no model files (random weights): kernels, step_kernels, tree_ops, l2_probe, attention_fill, attention_split, xla_flags.
 # (heads_pipeline.sh runs the whole queue on the second GPU while the first trains one head.)
+# DRAFT=DIR runs the EAGLE-3 rows with that head instead of the shipped one (e.g. a head trained in
+# the same lease, so that its trees and sampling rows are measured before it ships), if it exists.
 set -x
 export EAGLE_JAX_MTBENCH=.stage/mtbench_question.jsonl
 r=${RESULTS:-docs/results}; mkdir -p $r
-m="--num_prompts 80 --max_new_tokens 256 --out $r/mtbench.json"
+d=""; [ -d "${DRAFT:-}" ] && d="--draft $DRAFT"  # a head that failed to train leaves the shipped one
+m="--num_prompts 80 --max_new_tokens 256 --out $r/mtbench.json $d"
 config=${RANDOM_TARGET_CONFIG:-.stage/tokenizer/config.json}  # SmolLM2's config.json, for random weights
 
 batching() {  # issue 11: static batches vs decode slots refilled as rows finish
@@ -100,13 +103,17 @@ xla_flags() {  # issue 10: XLA flags against the M = 1 matmul lowering (plain st
 peers() {  # HF transformers on the same GPU; the exit test every 8 steps; eager vs compiled acceptance
   python3 examples/hf_peers.py --modes eager,static,prompt_lookup --num_prompts 3 --max_new_tokens 128 --dtype bfloat16 --out $r/mtbench.json
   python3 examples/eagle.py --method none,eagle3 --num_spec_tokens 5 --max_num_seqs 1 --steps_per_check 8 $m
+  eager_check
+}
+eager_check() {  # the seed's own check: eager and compiled acceptance within 0.01 (2 prompts x 32 tokens)
   for mode in --eager ""; do
-    python3 examples/eagle.py --method eagle3 --num_spec_tokens 3 --max_num_seqs 1 --num_prompts 2 --max_new_tokens 32 $mode --out $r/mtbench.json
+    python3 examples/eagle.py --method eagle3 --num_spec_tokens 3 --max_num_seqs 1 --num_prompts 2 --max_new_tokens 32 $mode \
+      --out $r/mtbench.json $d
   done
 }
 sampling() {  # temperature 1.0; cold vs warm start
   python3 examples/eagle.py --method none,eagle3 --num_spec_tokens 5 --max_num_seqs 1 --temperature 1.0 $m
-  python3 examples/profile_step.py --parts cold_warm --out $r/profile.json
+  python3 examples/profile_step.py --parts cold_warm --out $r/profile.json $d
 }
 
 for section in ${@:-batching batch_kernels trees tree_heads tree_ops tree_kernels batch_k kernels l2_probe attention_fill attention_split real_kernels xla_flags peers sampling}; do
