@@ -462,7 +462,9 @@ def main(argv=None) -> int:
         plot_per_position(batch1, sub, out)
         plot_batch_scaling(ours, batch1, sub, out)
         trees = [r for r in every if r.get("speculative_eagle_topk") and r["batch_size"] == 1
-                 and (r["num_prompts"], r["max_new_tokens"]) == setting and float(r.get("temperature", 0)) == 0]
+                 and (r["num_prompts"], r["max_new_tokens"]) == setting and float(r.get("temperature", 0)) == 0
+                 and r.get("decode_kernels", KEY_DEFAULTS["decode_kernels"]) == KEY_DEFAULTS["decode_kernels"]]
+        # (trees on other decode kernels are another setting, compared in docs/BENCHMARKS.md's tables)
         newest = max((head_rank(r) for r in trees), default=0)
         trees = [r for r in trees if head_rank(r) == newest]  # one head's trees: older heads' rows would mix in
         # The chain beside the trees is the one drafted by the trees' own head (a newer head may have

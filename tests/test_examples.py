@@ -118,6 +118,9 @@ def test_plots_compare_default_settings_and_draw_the_tree_sweep(tmp_path, monkey
     # An older head's tree, measured later at a setting the newest head lacks, stays out of the sweep.
     rows.append(mtbench_row("eagle3", 5, 1000.0, 2.0, speculative_eagle_topk=4, speculative_num_steps=5,
                             speculative_num_draft_tokens=64, head="run 5", date="2026-11-30T23:00:00"))
+    # The newest head's tree on other decode kernels is another setting: it stays out too.
+    rows.append(mtbench_row("eagle3", 5, 1100.0, 2.7, speculative_eagle_topk=4, speculative_num_steps=5,
+                            speculative_num_draft_tokens=16, head="run 6", decode_kernels="pallas_linear"))
     results = tmp_path / "mtbench.json"
     results.write_text(json.dumps(rows))
     drawn, sweeps = [], []
@@ -135,6 +138,15 @@ def test_plots_compare_default_settings_and_draw_the_tree_sweep(tmp_path, monkey
     assert sorted(r["output_tokens_per_second"] for r in plain) == [700.0, 800.0]
     assert (tmp_path / "tree_sweep.png").stat().st_size > 0
     assert not (tmp_path / "data_scaling.png").exists()  # no scaling rows given
+
+
+def test_eager_vs_compiled_names_where_a_run_leaves_its_reference():
+    sys.path.insert(0, str(REPO / "examples"))
+    import eager_vs_compiled
+    assert eager_vs_compiled.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert eager_vs_compiled.first_difference([1, 5, 3], [1, 2, 3]) == 1
+    assert eager_vs_compiled.first_difference([1, 2], [1, 2, 3]) == 2  # one stopped early
+    assert eager_vs_compiled.agreement([[1, 2], [7, 2]], [[1, 2], [1, 2]]) == "yes, no (token 0)"
 
 
 def test_data_scaling_plot_keeps_one_point_per_size_and_steps(tmp_path, monkeypatch):
