@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Packs what a lease has produced so far into $OUT, for a poll call to bring back: the results
-# folder, the EAGLE-1 and EAGLE-3 heads under the run folder (and a GPU1_VARIANT's) and the extra distilled parts, as one tar split into 15 MB parts
+# folder, the EAGLE-1 and EAGLE-3 heads under the run folder (and a GPU1_VARIANT's) and the distilled parts, as one tar split into 15 MB parts
 # (a call returns at most 8 files of 16 MiB) with their sha256. Run it at the end of every poll,
 # so a machine released early loses only what came after the last poll.
 #   bash examples/gpu/collect.sh [STAGE_DIR]      (default /root/stage)
@@ -8,11 +8,16 @@
 set -e
 stage=${1:-/root/stage}; out=${OUT:?OUT is where a call returns files}
 cd "$stage"
-# run/distill/extra-*: the extra prompt sources distilled in this lease (a few MB), to be carried
-# into the next one with the rest of the distilled tokens.
+# run/distill/*.npz: the tokens distilled in this lease (~5 MB per 2.7 M tokens), to be carried into
+# the next one (stage_local.sh carries them; setup.sh unpacks them into run/distill, where the
+# pipeline reuses every part it finds and a new DISTILL_SEED adds fresh ones beside them).
 # The shipped kinds' heads only: the data-scaling runs' heads (run/scaling-*) stay, their rows come back.
-paths=$(ls -d results run/eagle/head run/eagle3/head run/eagle3-variant/head run/distill/extra-*.npz 2>/dev/null || true)
-[ -n "$paths" ] || { echo "collect: nothing yet under $stage"; exit 0; }
+# Parts that were carried in (setup.sh lists them in run/distill/.carried) are already here.
+carried=$(cat run/distill/.carried 2>/dev/null || true)
+new_parts=$(for part in run/distill/*.npz; do [ -f "$part" ] && ! grep -qx "$(basename "$part")" <<< "$carried" && echo "$part"; done)
+paths=$(ls -d results run/eagle/head run/eagle3/head run/eagle3-variant/head 2>/dev/null || true)
+paths="$paths $new_parts"; paths=${paths# }; paths=${paths% }
+[ -n "${paths// }" ] || { echo "collect: nothing yet under $stage"; exit 0; }
 rm -f "$out"/results.tar.part*
 tar -cf - $paths | split -b 15000000 -d - "$out/results.tar.part"
 cat "$out"/results.tar.part* | sha256sum | sed 's/-$/results.tar/' > "$out/results.sha256"

