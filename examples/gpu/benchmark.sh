@@ -22,6 +22,15 @@ batch_kernels() {  # issues 10-11: at 16 and 64 rows the Pallas attention kernel
   python3 examples/eagle.py --method none,eagle3 --num_spec_tokens 5 --max_num_seqs 16,64 --scheduler static,continuous \
     --decode_kernels pallas $m
 }
+batch_eagle() {  # issue 11: EAGLE-3 at 16 and 64 rows on both decode kernels, beside batch_kernels' plain rows
+  # (its EAGLE-3 rows, cut off in lease 11), and speculation paused above 16 rows at 64
+  for kernels in pallas xla; do
+    python3 examples/eagle.py --method eagle3 --num_spec_tokens 5 --max_num_seqs 16,64 --scheduler static,continuous \
+      --decode_kernels $kernels $m
+  done
+  python3 examples/eagle.py --method eagle3 --num_spec_tokens 5 --max_num_seqs 64 --scheduler static,continuous \
+    --speculative_disable_by_batch_size 16 --decode_kernels pallas $m
+}
 trees() {  # issue 12: EAGLE-2 trees with the shipped EAGLE-3 head beside its chain and plain decoding
   python3 examples/eagle.py --method none,eagle3 --num_spec_tokens 5 --max_num_seqs 1 $m
   python3 examples/eagle.py --method eagle3 --num_spec_tokens 5 --speculative_eagle_topk 4,8 --speculative_num_steps 5 \
