@@ -33,6 +33,7 @@ import datetime
 import os
 import shlex
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -57,6 +58,7 @@ from eagle_jax import speculative
 from eagle_jax import tokenization
 from eagle_jax import tree as tree_lib
 import script_errors  # examples/ is on sys.path when run as a script
+import step_trace
 from results_file import append_rows
 
 METHODS = ("none", "eagle", "eagle3")
@@ -112,6 +114,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--draft", help="EAGLE head directory, or a comma list (the method of each is read from "
                                         "its config); default: the shipped head for each method")
     parser.add_argument("--eager", action="store_true", help="op by op without jit (very slow; use few prompts)")
+    parser.add_argument("--trace", action="store_true",
+                        help="after the timed run, run the prompts once more under jax.profiler and record where "
+                             "the device time went, per XLA program (row field `trace`); the timed figures "
+                             "are not traced")
     parser.add_argument("--decode_kernels", "--decode-kernels", choices=("auto",) + layers.DECODE_KERNELS,
                         default="auto",
                         help="pallas: fused Pallas kernels in decode steps of up to 32 rows, the attention "
@@ -220,6 +226,27 @@ def run_setting(engine, prompts, warmup_prompts, args, sampling, desc) -> dict:
                 compile_seconds_after_warmup=compile_after_warmup, num_compilations=engine.num_compilations,
                 ttft_ms_p50=1000 * np.percentile(first_token, 50), latency_s_p50=np.percentile(latency, 50),
                 latency_s_p90=np.percentile(latency, 90), calls=calls)
+
+
+def traced_run(engine, prompts, args, sampling) -> dict:
+    """The timed run's calls once more under `jax.profiler.trace`: host wall time, the device's busy
+    time (union of kernel intervals) and idle time within the run, and busy time per XLA program
+    (`step_trace.by_module`), e.g. to see what continuous batching's prefills, inserts and shorter
+    loops cost beside static batches."""
+    per_call = len(prompts) if engine.scheduler == "continuous" else engine.batch_size
+    with tempfile.TemporaryDirectory(prefix="eagle-trace-") as log_dir:
+        with jax.profiler.trace(log_dir):
+            began = time.perf_counter()
+            for number, index in enumerate(range(0, len(prompts), per_call)):
+                engine.generate(prompts[index:index + per_call], max_new_tokens=args.max_new_tokens, sampling=sampling,
+                                seed=args.seed + 1 + number, steps_per_call=args.steps_per_call)
+            wall = time.perf_counter() - began
+        summary = step_trace.by_module(step_trace.load_trace(step_trace.find_trace_file(log_dir)))
+    return dict(device=summary["trace_device"], wall_seconds=round(wall, 4),
+                busy_seconds=round(summary["busy_us"] / 1e6, 4),
+                idle_seconds=round(summary["span_us"] / 1e6 - summary["busy_us"] / 1e6, 4),
+                modules=[dict(module=m["module"], kernels=m["kernels"], busy_seconds=round(m["busy_us"] / 1e6, 6))
+                         for m in summary["modules"]])
 
 
 def acceptance_by_category(results, categories: list[str], k: int) -> dict | None:
@@ -342,6 +369,12 @@ def main(argv=None) -> int:
             **{key: round(value, 4) if isinstance(value, float) else value
                for key, value in measured["calls"].items()},
         )
+        if args.trace:
+            row["trace"] = traced_run(engine, prompts, args, sampling)
+            print(f"[eagle.py] {desc} traced: device busy {row['trace']['busy_seconds']:.3f} s, idle "
+                  f"{row['trace']['idle_seconds']:.3f} s of {row['trace']['wall_seconds']:.3f} s; "
+                  + ", ".join(f"{m['module']} {m['busy_seconds']:.3f} s" for m in row["trace"]["modules"][:4]),
+                  file=sys.stderr)
         row = {key: value for key, value in row.items() if value is not None}
         if writes:
             append_rows(args.out, [row])

@@ -62,6 +62,7 @@ class Event:
     start_us: float
     end_us: float
     thread: tuple  # (pid, tid)
+    module: str = ""  # the XLA program that ran it (`hlo_module`, e.g. "jit__run")
 
 
 def find_trace_file(log_dir: str | Path) -> Path:
@@ -149,7 +150,8 @@ def kernel_events(trace: dict, device: str = "auto") -> tuple[str, list[Event], 
               or CPU_CONTROL_FLOW.fullmatch(event.get("name", ""))):
             continue
         start = float(event["ts"])
-        selected = Event(event.get("name", ""), start, start + float(event["dur"]), (pid, tid))
+        selected = Event(event.get("name", ""), start, start + float(event["dur"]), (pid, tid),
+                         str(event.get("args", {}).get("hlo_module", "")))
         (copies if device == "gpu" and _is_copy(event) else kernels).append(selected)
     return device, _innermost(kernels), _innermost(copies)
 
@@ -259,3 +261,24 @@ def measure(engine: engine_lib.Engine, prompt, *, trace_steps: int = 64, steps_p
     if trace_dir is not None:
         row["trace_file"] = str(trace_file)
     return row
+
+
+def by_module(trace: dict, device: str = "auto") -> dict:
+    """Where a whole run's device time went, per XLA program (prefill, insert, the step loop, ...).
+
+    Returns the device used, the union of every kernel's interval (`busy_us`), first start to last
+    end (`span_us`), and per `hlo_module`, heaviest first: its kernels and the union of their
+    intervals. Time in the span that no kernel covers is the device waiting (on the host, on a
+    transfer, or on a loop's exit test).
+    """
+    device, kernels, _ = kernel_events(trace, device)
+    if not kernels:
+        raise ValueError(f"no {device} kernel events in the trace (see examples/step_trace.py for what is selected)")
+    groups = collections.defaultdict(list)
+    for event in kernels:
+        groups[event.module].append(event)
+    modules = [dict(module=module or "(unnamed)", kernels=len(events), busy_us=round(union_us(events), 1))
+               for module, events in groups.items()]
+    return dict(trace_device=device, busy_us=round(union_us(kernels), 1),
+                span_us=round(max(e.end_us for e in kernels) - min(e.start_us for e in kernels), 1),
+                modules=sorted(modules, key=lambda m: (-m["busy_us"], m["module"])))

@@ -67,10 +67,17 @@ def test_eagle_records_both_schedulers(model_dir, tmp_path, capsys, monkeypatch)
     code = eagle_script.main(["--model", str(model_dir), "--dataset", str(questions), "--method", "none",
                               "--num_prompts", "3", "--max_new_tokens", "5", "--max_num_seqs", "2", "--dtype",
                               "float32", "--scheduler", "continuous,static", "--cache-dir", "none", "--steps_per_call",
-                              "2", "--out", str(out)])
+                              "2", "--trace", "--out", str(out)])
     assert code == 0, capsys.readouterr().err
     rows = json.loads(out.read_text())
     assert [row["scheduler"] for row in rows] == ["continuous", "static"]
+    # --trace: a second, traced run of the same prompts says which programs kept the device busy.
+    modules = [{m["module"] for m in row["trace"]["modules"]} for row in rows]
+    assert {"jit__start_rows", "jit__insert", "jit__run"} <= modules[0]  # slots: prefill, insert, step loop
+    assert {"jit__start", "jit__run"} <= modules[1] and "jit__insert" not in modules[1]
+    for row in rows:
+        assert row["trace"]["device"] == "cpu" and 0 < row["trace"]["busy_seconds"] <= row["trace"]["wall_seconds"]
+        assert all(0 <= m["busy_seconds"] <= row["trace"]["busy_seconds"] + 1e-4 for m in row["trace"]["modules"])
     for row in rows:
         assert row["batch_size"] == 2 and row["num_prompts"] == 3 and row["output_tokens_per_second"] > 0
         assert 0 < row["ttft_ms_p50"] / 1000 <= row["latency_s_p50"] <= row["latency_s_p90"] <= row["wall_seconds"]

@@ -175,3 +175,19 @@ def test_random_target_from_a_config_needs_no_weights(tmp_path):
     [row] = json.loads(out.read_text())
     assert code == 0 and row["random_head"] and row["method"] == "eagle3" and row["kernels_per_step"] > 10
     assert row["prompt_length"] == 7
+
+
+def test_by_module_splits_device_time_by_program():
+    events = [metadata(GPU, "/device:GPU:0"), metadata(GPU, "Stream #7(Kernel)", STREAM_A),
+              metadata(GPU, "Stream #13(Kernel)", STREAM_B),
+              complete(GPU, STREAM_A, "fusion_1", 0.0, 10.0, hlo_module="jit__run"),
+              complete(GPU, STREAM_B, "fusion_2", 5.0, 10.0, hlo_module="jit__run"),  # overlaps fusion_1
+              complete(GPU, STREAM_A, "gemm_3", 40.0, 4.0, hlo_module="jit__start_rows"),
+              complete(GPU, STREAM_A, "copy_4", 50.0, 1.0)]  # no module recorded
+    summary = step_trace.by_module({"traceEvents": events})
+    assert summary["trace_device"] == "gpu" and summary["busy_us"] == 20.0 and summary["span_us"] == 51.0
+    assert summary["modules"] == [dict(module="jit__run", kernels=2, busy_us=15.0),
+                                  dict(module="jit__start_rows", kernels=1, busy_us=4.0),
+                                  dict(module="(unnamed)", kernels=1, busy_us=1.0)]
+    with pytest.raises(ValueError, match="no gpu kernel events"):
+        step_trace.by_module({"traceEvents": events[:3]}, device="gpu")

@@ -31,6 +31,11 @@ batch_eagle() {  # issue 11: EAGLE-3 at 16 and 64 rows on both decode kernels, b
   python3 examples/eagle.py --method eagle3 --num_spec_tokens 5 --max_num_seqs 64 --scheduler static,continuous \
     --speculative_disable_by_batch_size 16 --decode_kernels pallas $m
 }
+batch_trace() {  # issue 11: why continuous batching loses to static at 16 rows (0.73x, lease 11): a traced
+  # second run of each says how much of the wall time the device was busy, and in which program
+  python3 examples/eagle.py --method none --max_num_seqs 16 --scheduler static,continuous --decode_kernels pallas \
+    --trace $m
+}
 trees() {  # issue 12: EAGLE-2 trees with the shipped EAGLE-3 head beside its chain and plain decoding
   python3 examples/eagle.py --method none,eagle3 --num_spec_tokens 5 --max_num_seqs 1 $m
   python3 examples/eagle.py --method eagle3 --num_spec_tokens 5 --speculative_eagle_topk 4,8 --speculative_num_steps 5 \
