@@ -14,7 +14,7 @@ cd "$stage"
 # The shipped kinds' heads only: the data-scaling runs' heads (run/scaling-*) stay, their rows come back.
 # Parts that were carried in (setup.sh lists them in run/distill/.carried) are already here.
 carried=$(cat run/distill/.carried 2>/dev/null || true)
-new_parts=$(for part in run/distill/*.npz; do [ -f "$part" ] && ! grep -qx "$(basename "$part")" <<< "$carried" && echo "$part"; done)
+new_parts=$(for part in run/distill/*.npz; do [ -f "$part" ] && ! grep -qx "$(basename "$part")" <<< "$carried" && echo "$part"; done; true)
 paths=$(ls -d results run/eagle/head run/eagle3/head run/eagle3-variant/head 2>/dev/null || true)
 paths="$paths $new_parts"; paths=${paths# }; paths=${paths% }
 [ -n "${paths// }" ] || { echo "collect: nothing yet under $stage"; exit 0; }
