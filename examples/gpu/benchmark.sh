@@ -131,6 +131,6 @@ sampling() {  # temperature 1.0; cold vs warm start
   python3 examples/profile_step.py --parts cold_warm --out $r/profile.json $d
 }
 
-for section in ${@:-batching batch_kernels trees tree_heads tree_ops tree_kernels batch_k kernels l2_probe attention_fill attention_split real_kernels xla_flags peers sampling}; do
+for section in ${@:-batching batch_kernels batch_eagle batch_trace trees tree_heads tree_ops tree_kernels batch_k kernels l2_probe attention_fill attention_split real_kernels xla_flags peers sampling}; do
   $section
 done
