@@ -36,7 +36,7 @@ case ${1:?prepare or call N} in
     cat "$stage"/carry/distill.tar.part* | sha256sum | sed 's/-$/distill.tar/' > "$stage/carry/distill.sha256"
     echo "$(ls "$stage"/carry/distill.tar.part* | wc -l) part(s): $(cd "$stage/distill" && ls -- *.npz | tr '\n' ' ')" ;;
   call)
-    parts=("$stage"/gguf/gguf.part* $(ls "$stage"/carry/distill.tar.part* 2>/dev/null))
+    parts=("$stage"/gguf/gguf.part* $(ls "$stage"/carry/distill.tar.part* 2>/dev/null || true))
     n=${2:?call number}; (( n >= 1 && n <= ${#parts[@]} + 1 )) || { echo "calls are 1..$(( ${#parts[@]} + 1 ))" >&2; exit 2; }
     rm -rf .stage && mkdir -p .stage && cp "$stage/gguf.sha256" .stage/
     [ -f "$stage/carry/distill.sha256" ] && cp "$stage/carry/distill.sha256" .stage/
