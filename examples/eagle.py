@@ -190,6 +190,16 @@ def resolve_drafts(args, target) -> dict[str, tuple[object, Path]]:
     return loaded
 
 
+def call_size(engine, prompts) -> int:
+    """Prompts per `generate` call: all of them through decode slots, one batch at a time in static batches."""
+    return len(prompts) if engine.scheduler == "continuous" else engine.batch_size
+
+
+def generate_call(engine, batch, args, sampling, seed):
+    return engine.generate(batch, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=seed,
+                           steps_per_call=args.steps_per_call)
+
+
 def run_setting(engine, prompts, warmup_prompts, args, sampling, desc) -> dict:
     """Warm-up (untimed) then timed generation; returns the measured numbers.
 
@@ -197,12 +207,10 @@ def run_setting(engine, prompts, warmup_prompts, args, sampling, desc) -> dict:
     Every prompt counts as arriving when the timed run starts: its time to first token and its
     latency are counted from then (its call's start plus the engine's `Result` times).
     """
-    per_call = len(prompts) if engine.scheduler == "continuous" else engine.batch_size
-    generate = lambda batch, seed: engine.generate(batch, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                                                   seed=seed, steps_per_call=args.steps_per_call)
+    per_call = call_size(engine, prompts)
     began = time.perf_counter()
     for index in range(0, len(warmup_prompts), per_call):
-        generate(warmup_prompts[index:index + per_call], args.seed)
+        generate_call(engine, warmup_prompts[index:index + per_call], args, sampling, args.seed)
     warmup_seconds = time.perf_counter() - began
     compile_after_warmup = engine.compile_seconds
 
@@ -211,7 +219,7 @@ def run_setting(engine, prompts, warmup_prompts, args, sampling, desc) -> dict:
     starts = range(0, len(prompts), per_call)
     for number, index in enumerate(tqdm.tqdm(starts, desc=desc, unit="call", file=sys.stderr)):
         call_began = time.perf_counter() - began
-        batch = generate(prompts[index:index + per_call], args.seed + 1 + number)
+        batch = generate_call(engine, prompts[index:index + per_call], args, sampling, args.seed + 1 + number)
         # Result.seconds is its batch's (count each batch once); a continuous call's prompts
         # each have their own, so the call counts until its last token.
         device_seconds += batch[0].seconds if engine.scheduler == "static" else max(r.finish_seconds for r in batch)
@@ -233,13 +241,12 @@ def traced_run(engine, prompts, args, sampling) -> dict:
     time (union of kernel intervals) and idle time within the run, and busy time per XLA program
     (`step_trace.by_module`), e.g. to see what continuous batching's prefills, inserts and shorter
     loops cost beside static batches."""
-    per_call = len(prompts) if engine.scheduler == "continuous" else engine.batch_size
+    per_call = call_size(engine, prompts)
     with tempfile.TemporaryDirectory(prefix="eagle-trace-") as log_dir:
         with jax.profiler.trace(log_dir):
             began = time.perf_counter()
-            for number, index in enumerate(range(0, len(prompts), per_call)):
-                engine.generate(prompts[index:index + per_call], max_new_tokens=args.max_new_tokens, sampling=sampling,
-                                seed=args.seed + 1 + number, steps_per_call=args.steps_per_call)
+            for number, index in enumerate(range(0, len(prompts), per_call)):  # the timed run's calls and seeds
+                generate_call(engine, prompts[index:index + per_call], args, sampling, args.seed + 1 + number)
             wall = time.perf_counter() - began
         summary = step_trace.by_module(step_trace.load_trace(step_trace.find_trace_file(log_dir)))
     return dict(device=summary["trace_device"], wall_seconds=round(wall, 4),
