@@ -92,7 +92,10 @@ def latest(rows: list[dict]) -> list[dict]:
 
 
 def head_rank(row: dict) -> int:
-    """N of the row's `head` ("run N"); 0 for rows older than the field."""
+    """N of the row's `head` ("run N"); 0 for rows older than the field; -1 for a head that was not
+    shipped (`"shipped": false`): its rows are shown only where no other row has the setting."""
+    if row.get("shipped") is False:
+        return -1
     return int(row["head"].split()[-1]) if "head" in row else 0
 
 
@@ -291,7 +294,7 @@ def plot_training(directory: Path, out: Path) -> None:
         return
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     run_number = {path: int(path.stem.removesuffix("_metrics").partition("_run")[2] or 1) for path in runs}
-    for path in runs:
+    for path in sorted(runs, key=lambda path: (path.name.partition("_")[0], run_number[path])):  # legend: run 2 before 10
         record = json.loads(path.read_text())
         log = [entry for entry in record.get("log", []) if "accuracy_0" in entry]
         if len(log) < 2:

@@ -118,7 +118,9 @@ def test_plots_compare_default_settings_and_draw_the_tree_sweep(tmp_path, monkey
             mtbench_row("eagle3", 5, 1850.0, 2.8, head="run 5", date="2026-11-30T22:14:00"),
             # A newer head with no trees yet, exported to the same path: its chain is not the trees' chain.
             mtbench_row("eagle3", 5, 1950.0, 3.0, head="run 7", draft="/root/stage/run/eagle3/head",
-                        date="2026-12-01T10:00:00")]
+                        date="2026-12-01T10:00:00"),
+            # A newer head that was not shipped never replaces a shipped head's row.
+            mtbench_row("eagle3", 5, 1990.0, 2.95, head="run 8", shipped=False, date="2026-12-01T15:00:00")]
     rows += [mtbench_row("eagle3", 5, 1300.0 + n, 2.5 + n / 100, speculative_eagle_topk=topk, speculative_num_steps=5,
                          speculative_num_draft_tokens=n, head="run 6", draft="/root/stage/run/eagle3/head")
              for topk in (4, 8) for n in (16, 32)]
