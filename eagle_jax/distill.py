@@ -237,9 +237,12 @@ def main(argv=None) -> int:
         parts = distill_conversations(engine, conversations, temperatures, args.rounds, args.max_prompt_tokens,
                                       args.max_new_tokens, pad_id, target.config.eos_token_ids[0], Path(args.out),
                                       deadline, seed=args.seed)
-        arrays = data_lib.load_dataset(args.out)
-        print(f"{len(parts)} parts, {len(arrays['input_ids'])} sequences, {int(arrays['loss_mask'].sum())} generated "
-              f"tokens in {args.out} ({time.time() - began:.0f} s)", file=sys.stderr)
+        # These parts only: the directory may hold others (another temperature's run, parts carried
+        # from an earlier lease), which would be counted as if this run had them.
+        masks = [data_lib.load_dataset(part)["loss_mask"] for part in parts]
+        print(f"{len(parts)} parts, {sum(len(mask) for mask in masks)} sequences, "
+              f"{sum(int(mask.sum()) for mask in masks)} generated tokens in {args.out} ({time.time() - began:.0f} s)",
+              file=sys.stderr)
         return 0
     if args.prompts.endswith(".npz"):
         packed = data_lib.load_dataset(args.prompts)

@@ -113,14 +113,21 @@ class CallCounts:
     `sync_seconds` is the host's wall time blocked fetching results (it waits there for the
     device's queued work); `host_seconds` is the rest of the loop's wall time (inputs, dispatch,
     harvesting, streaming). On an asynchronous device the two add up to the loop's wall time.
+    `run_seconds` and `prefill_seconds` are the parts of `host_seconds` spent inside run calls and
+    inside prefill and insert calls: dispatch alone where the device runs asynchronously, the
+    whole device loop where a call returns only when its loop has ended (XLA:GPU's data-dependent
+    `while_loop`), so that `run_seconds / run_steps` is then the time a step costs.
     """
 
     run_calls: int = 0
+    run_steps: int = 0  # device-loop iterations over all run calls (each call: its longest-running row's steps)
     prefill_calls: int = 0
     insert_calls: int = 0
     syncs: int = 0  # device-to-host fetches that wait for the device
     sync_seconds: float = 0.0
     host_seconds: float = 0.0
+    run_seconds: float = 0.0
+    prefill_seconds: float = 0.0
 
     @property
     def device_calls(self) -> int:
@@ -128,6 +135,13 @@ class CallCounts:
 
     def as_dict(self) -> dict:
         return dict(dataclasses.asdict(self), device_calls=self.device_calls)
+
+    def timed(self, seconds: str, call: Callable, *args):
+        """`call(*args)`, its wall time added to the field `seconds` ("run_seconds" or "prefill_seconds")."""
+        began = time.perf_counter()
+        result = call(*args)
+        setattr(self, seconds, getattr(self, seconds) + time.perf_counter() - began)
+        return result
 
     def fetch(self, arrays):
         """`jax.device_get(arrays)`, counted as a sync."""
@@ -196,19 +210,21 @@ def generate(programs: SlotPrograms, prompts: Sequence[np.ndarray], budgets: Seq
     shown = np.zeros(programs.batch_size, np.int64)
     generated = np.zeros(programs.batch_size, np.int64)  # per slot, as of the last harvest
     finished: list[Finished | None] = [None] * len(prompts)
+    steps = np.zeros(programs.batch_size, np.int64)  # per slot, its row's num_steps as of the last harvest
     while True:
         starting = [(slot, queue.popleft()) for slot in range(programs.batch_size) if owner[slot] is None and queue]
         if starting:
             now = time.perf_counter()
             inputs = _prefill_inputs([prompts[index] for _, index in starting], [budgets[index] for _, index in starting],
                                      [slot for slot, _ in starting], programs.batch_size, programs.widths)
-            rows = programs.prefill(*inputs, jax.random.fold_in(prefill_rng, starting[0][1]))
+            key = jax.random.fold_in(prefill_rng, starting[0][1])
+            rows = calls.timed("prefill_seconds", programs.prefill, *inputs, key)
             take = np.zeros(programs.batch_size, bool)
             for slot, index in starting:
                 take[slot] = True
-                owner[slot], shown[slot], generated[slot] = index, 0, 1  # prefill emitted one token
+                owner[slot], shown[slot], generated[slot], steps[slot] = index, 0, 1, 0  # prefill emitted one token
                 prefilled[slot], first_token[slot] = now, None
-            state = programs.insert(state, rows, take)
+            state = calls.timed("prefill_seconds", programs.insert, state, rows, take)
             calls.prefill_calls += 1
             calls.insert_calls += 1
         if all(index is None for index in owner):
@@ -220,14 +236,16 @@ def generate(programs: SlotPrograms, prompts: Sequence[np.ndarray], budgets: Seq
                    if index is not None]
         # Leave the device loop to refill only when slots can be refilled, and as a batch.
         wait_for = min(refill_at, len(queue)) if queue else programs.batch_size + 1
-        state = programs.run(state, attend_length(programs.attend_lengths, programs.opts, programs.steps_per_call,
-                                                  running), np.int32(wait_for))
+        state = calls.timed("run_seconds", programs.run, state, attend_length(
+            programs.attend_lengths, programs.opts, programs.steps_per_call, running), np.int32(wait_for))
         calls.run_calls += 1
         # One fetch: tokens, cursors and the acceptance counters (stats), not the caches.
         host = calls.fetch(state.replace(cache=None, draft_cache=None, pending_tokens=None, pending_features=None,
                                          pending_count=None, next_token=None, rng=None))
         output, counts, done = host.output, host.num_generated, host.done
         generated[:] = counts
+        calls.run_steps += int(np.max(host.num_steps - steps))
+        steps[:] = host.num_steps
         now = time.perf_counter()
         harvest = [slot for slot, index in enumerate(owner) if index is not None and done[slot]]
         for slot, index in enumerate(owner):
@@ -258,12 +276,15 @@ def generate_static(programs: BatchPrograms, num_rows: int,
     prefilled = time.perf_counter()
     began = prefilled if began is None else began
     calls = CallCounts(prefill_calls=1)
-    state = programs.prefill()
+    state = calls.timed("prefill_seconds", programs.prefill)
     shown = np.zeros(num_rows, np.int64)
     first_token = None
     finish = np.full(num_rows, np.nan)
+    steps = np.zeros(num_rows, np.int64)  # num_steps as of the last fetch (prefill: none)
     while True:
-        counts, done = calls.fetch((state.num_generated, state.done))
+        counts, done, num_steps = calls.fetch((state.num_generated, state.done, state.num_steps))
+        calls.run_steps += int(np.max(num_steps[:num_rows] - steps))
+        steps = num_steps[:num_rows]
         if on_tokens is not None:  # only streaming needs the tokens before the batch ends
             _stream(calls.fetch(state.output), counts, shown, list(range(num_rows)), on_tokens)
         now = time.perf_counter() - began
@@ -273,8 +294,8 @@ def generate_static(programs: BatchPrograms, num_rows: int,
             break
         running = [(programs.prompt_lengths[row], programs.opts.max_new_tokens, counts[row])
                    for row in range(num_rows) if not done[row]]
-        state = programs.step(state, attend_length(tuple(programs.runs), programs.opts, programs.steps_per_call,
-                                                   running))
+        state = calls.timed("run_seconds", programs.step, state, attend_length(
+            tuple(programs.runs), programs.opts, programs.steps_per_call, running))
         calls.run_calls += 1
     output, counts = calls.fetch((state.output, state.num_generated))
     seconds = time.perf_counter() - prefilled

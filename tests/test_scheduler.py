@@ -244,3 +244,25 @@ def test_refills_wait_for_several_rows(target, prompts, eos_id, reference):
     # Budgets fit in one call (16 steps), so with refill_at = SLOTS every refill but the last
     # waits for all three slots: 7 prompts take 3 prefills (3, 3, 1).
     assert calls[SLOTS]["prefill_calls"] == 3 and calls[SLOTS]["run_calls"] < calls[1]["run_calls"], calls
+
+
+def test_run_steps_count_each_device_loop_iteration(target, prompts, eos_id, reference):
+    """`CallCounts.run_steps`: plain decoding emits one token a step after the prefill's, so a batch
+    of one loops len - 1 steps, and one slot of continuous batching runs the prompts back to back
+    (whatever a call's length: four steps here, so most prompts take several calls)."""
+    plain = reference("plain")
+    assert [r.calls["run_steps"] for r in plain] == [len(r.token_ids) - 1 for r in plain]
+    # A static batch loops as long as its longest row (one budget for all: static batches have one).
+    batched = engine_lib.Engine(target, max_length=MAX_LENGTH, batch_size=SLOTS, fixed_shapes=True).generate(
+        prompts, max_new_tokens=16, eos_ids=[eos_id])
+    longest = [max(len(r.token_ids) - 1 for r in batched[start:start + SLOTS]) for start in range(0, len(prompts), SLOTS)]
+    assert len(set(longest)) > 1  # EOS ends some batches early: not one figure for all
+    assert [r.calls["run_steps"] for r in batched] == [longest[row // SLOTS] for row in range(len(prompts))]
+    engine = engine_lib.Engine(target, max_length=MAX_LENGTH, batch_size=1, scheduler="continuous", refill_at=1)
+    results = engine.generate(prompts, max_new_tokens=list(BUDGETS), eos_ids=[eos_id], steps_per_call=4)
+    assert [r.token_ids for r in results] == [r.token_ids for r in plain]
+    assert results[0].calls["run_steps"] == sum(len(r.token_ids) - 1 for r in plain)
+    # The time inside run and prefill/insert calls is part of the loop's host time, for both schedulers.
+    for calls in (results[0].calls, batched[0].calls):
+        assert 0 < calls["run_seconds"] and 0 < calls["prefill_seconds"]
+        assert calls["run_seconds"] + calls["prefill_seconds"] <= calls["host_seconds"]

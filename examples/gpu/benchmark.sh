@@ -31,6 +31,15 @@ batch_eagle() {  # issue 11: EAGLE-3 at 16 and 64 rows on both decode kernels, b
   python3 examples/eagle.py --method eagle3 --num_spec_tokens 5 --max_num_seqs 64 --scheduler static,continuous \
     --speculative_disable_by_batch_size 16 --decode_kernels pallas $m
 }
+batch_steps() {  # issue 11: continuous batching ran 0.76x static at 16 rows (lease 12) with the device busy as long
+  # in both (the traces): each row's run_steps (device-loop iterations) gives a step's cost in each, and
+  # refill_at 16 (refill only once every slot is free) separates the refill rounds from the slot programs;
+  # then the disable threshold at 64 rows, cut off in lease 12
+  python3 examples/eagle.py --method none --max_num_seqs 16 --scheduler static,continuous --decode_kernels pallas $m
+  python3 examples/eagle.py --method none --max_num_seqs 16 --scheduler continuous --refill_at 16 --decode_kernels pallas $m
+  python3 examples/eagle.py --method eagle3 --num_spec_tokens 5 --max_num_seqs 64 --scheduler static,continuous \
+    --speculative_disable_by_batch_size 16 --decode_kernels pallas $m
+}
 batch_trace() {  # issue 11: why continuous batching loses to static at 16 rows (0.73x, lease 11): a traced
   # second run of each says how much of the wall time the device was busy, and in which program
   python3 examples/eagle.py --method none --max_num_seqs 16 --scheduler static,continuous --decode_kernels pallas \
@@ -133,6 +142,6 @@ sampling() {  # temperature 1.0; cold vs warm start
   python3 examples/profile_step.py --parts cold_warm --out $r/profile.json $d
 }
 
-for section in ${@:-batching batch_kernels batch_eagle batch_trace trees tree_heads tree_ops tree_kernels batch_k kernels l2_probe attention_fill attention_split real_kernels xla_flags peers sampling}; do
+for section in ${@:-batching batch_kernels batch_eagle batch_steps batch_trace trees tree_heads tree_ops tree_kernels batch_k kernels l2_probe attention_fill attention_split real_kernels xla_flags peers sampling}; do
   $section
 done

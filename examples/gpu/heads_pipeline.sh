@@ -10,6 +10,8 @@
 # SKIP_DISTILL=1 trains on the parts already in RUN_DIR/distill (carried from an earlier lease);
 # INIT_FROM_SHIPPED=1 starts each head from the shipped one (eagle_jax/heads/) instead of random;
 # TRAIN_TOKENS=N trains on a nested random subset of N generated tokens (data-scaling runs).
+# TRAIN_PARTS="GLOB ..." trains on the parts of RUN_DIR/distill that match (e.g. "round* extra-round0-t0.npz"):
+# distilled and carried parts that match none are kept, not trained on.
 # LEARNING_RATE sets the peak rate (default eagle_jax.train's 5e-4), e.g. lower to continue a head.
 # BATCH_SIZE: sequences a step (default 64), the step count scaled down to fit the same time.
 # DRAFT_VOCAB_SIZE (EAGLE-3): with INIT_FROM_SHIPPED, a larger one extends the shipped head's vocabulary.
@@ -70,6 +72,13 @@ sized() {  # sized METHOD SECONDS: "attention steps", the steps that fit SECONDS
   step_ms=${STEP_MS:-$step_ms}
   echo "$attention $(python3 -c "print(int($2 * 1000 / ($step_ms * ${BATCH_SIZE:-64} / 64) * 0.92))")"
 }
+train_data() {  # train_data NAME: the parts NAME trains on: $run/distill, or with TRAIN_PARTS="GLOB ..." links
+  # to the matching parts in $run/train-parts-NAME (its own: two heads may train at once)
+  [ -n "$TRAIN_PARTS" ] || { echo "$run/distill"; return; }
+  rm -rf "$run/train-parts-$1" && mkdir -p "$run/train-parts-$1"
+  (cd "$run/distill" && for glob in $TRAIN_PARTS; do for part in $glob; do [ -f "$part" ] && ln -f "$part" "../train-parts-$1/"; done; done)
+  echo "$run/train-parts-$1"
+}
 train() {  # train GPU METHOD UNROLL [NAME]: steps sized to $train_seconds from the profiled step time,
   # into $run/NAME (default METHOD)
   local name=${4:-$2}
@@ -78,7 +87,7 @@ train() {  # train GPU METHOD UNROLL [NAME]: steps sized to $train_seconds from 
   CUDA_VISIBLE_DEVICES=$1 python3 -m eagle_jax.train --method "$2" --unroll "$3" --attention "$attention" $init \
     ${TRAIN_TOKENS:+--train-tokens $TRAIN_TOKENS} ${LEARNING_RATE:+--learning-rate $LEARNING_RATE} \
     ${DRAFT_VOCAB_SIZE:+--draft-vocab-size $DRAFT_VOCAB_SIZE} ${HEAD_INTERMEDIATE_SIZE:+--head-intermediate-size $HEAD_INTERMEDIATE_SIZE} \
-    --data "$run/distill" --output "$run/$name" --steps "$steps" --batch-size "${BATCH_SIZE:-64}" --warmup-steps 200 \
+    --data "$(train_data "$name")" --output "$run/$name" --steps "$steps" --batch-size "${BATCH_SIZE:-64}" --warmup-steps 200 \
     --max-seconds "$train_seconds" --eval-prompts 0 && cp "$run/$name/metrics.json" "$r/${name}_metrics.json"
 }
 evaluate() {  # evaluate GPU METHOD [NAME]: $run/NAME's head on held-out ShareGPT at k = 5, MT-Bench at k = 1..7
@@ -170,7 +179,7 @@ else
   elif [ "$gpus" -ge 2 ]; then (scaling 1; bench 1 $BENCH_SECTIONS) &
   fi
   distill 0 "$run/distill" --rounds "${DISTILL_ROUNDS:-3}" --temperatures "${DISTILL_TEMPERATURES:-0,0.8,1.0,0.7}"
-  distill_extra 0
+  [ -n "$SKIP_DISTILL" ] || distill_extra 0  # SKIP_DISTILL: the carried parts alone
   extend_untrained 0
   train 0 eagle3 7
   evaluate 0 eagle3
