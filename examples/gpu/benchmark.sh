@@ -33,10 +33,13 @@ batch_eagle() {  # issue 11: EAGLE-3 at 16 and 64 rows on both decode kernels, b
 }
 batch_steps() {  # issue 11: continuous batching ran 0.76x static at 16 rows (lease 12) with the device busy as long
   # in both (the traces): each row's run_steps (device-loop iterations) gives a step's cost in each, and
-  # refill_at 16 (refill only once every slot is free) separates the refill rounds from the slot programs;
-  # then the disable threshold at 64 rows, cut off in lease 12
+  # refill_at 16 (refill only once every slot is free) separates the refill rounds from the slot programs,
+  # and the exit test every 8 steps says what the loop's per-step test costs each; then the disable
+  # threshold at 64 rows, cut off in lease 12
   python3 examples/eagle.py --method none --max_num_seqs 16 --scheduler static,continuous --decode_kernels pallas $m
   python3 examples/eagle.py --method none --max_num_seqs 16 --scheduler continuous --refill_at 16 --decode_kernels pallas $m
+  python3 examples/eagle.py --method none --max_num_seqs 16 --scheduler static,continuous --steps_per_check 8 \
+    --decode_kernels pallas $m
   python3 examples/eagle.py --method eagle3 --num_spec_tokens 5 --max_num_seqs 64 --scheduler static,continuous \
     --speculative_disable_by_batch_size 16 --decode_kernels pallas $m
 }
