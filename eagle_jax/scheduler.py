@@ -120,7 +120,9 @@ class CallCounts:
     """
 
     run_calls: int = 0
-    run_steps: int = 0  # device-loop iterations over all run calls (each call: its longest-running row's steps)
+    # Device-loop iterations over all run calls (each call: its longest-running row's steps; with
+    # steps_per_check > 1, the idle steps up to a call's exit test are not counted).
+    run_steps: int = 0
     prefill_calls: int = 0
     insert_calls: int = 0
     syncs: int = 0  # device-to-host fetches that wait for the device
