@@ -357,6 +357,8 @@ def main(argv=None) -> int:
             output_tokens_per_second=round(measured["total_tokens"] / measured["seconds"], 2),
             num_prompts=len(prompts), max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             dtype=args.dtype, device=device.device_kind, platform=device.platform, jax_version=jax.__version__,
+            # Settings from the environment that change the compiled programs (None: the defaults).
+            xla_flags=os.environ.get("XLA_FLAGS") or None, matmul_precision=jax.config.jax_default_matmul_precision,
             date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             command=command_line(), compile_seconds=round(measured["compile_seconds"], 3),
             total_tokens=measured["total_tokens"], seconds=round(measured["seconds"], 4),

@@ -51,7 +51,7 @@ COLORS = {"none": "black", "eagle": "tab:blue", "eagle3": "tab:orange"}
 EAGLE_METHODS = ("eagle", "eagle3")
 KEY = ("method", "k", "mode", "batch_size", "temperature", "max_new_tokens", "num_prompts", "scheduler",
        "speculative_disable_by_batch_size", "decode_kernels", "tensor_parallel_size", "steps_per_check",
-       "speculative_eagle_topk", "speculative_num_steps", "speculative_num_draft_tokens")
+       "speculative_eagle_topk", "speculative_num_steps", "speculative_num_draft_tokens", "xla_flags")
 # Rows written before a field existed: static batches, XLA kernels, one device, a test every step.
 KEY_DEFAULTS = {"scheduler": "static", "decode_kernels": "xla", "tensor_parallel_size": 1, "steps_per_check": 1}
 
@@ -112,9 +112,9 @@ def latest_of_newest_head(rows: list[dict]) -> list[dict]:
 
 
 def default_settings(rows: list[dict]) -> list[dict]:
-    """Chain rows at the default settings: XLA kernels, one device, the exit test every step
-    (trees apart: a tree row's k is its depth, not comparable with a chain's k)."""
-    return [r for r in rows if not r.get("speculative_eagle_topk") and all(
+    """Chain rows at the default settings: XLA kernels, one device, the exit test every step, no
+    XLA_FLAGS (trees apart: a tree row's k is its depth, not comparable with a chain's k)."""
+    return [r for r in rows if not r.get("speculative_eagle_topk") and not r.get("xla_flags") and all(
         r.get(name, KEY_DEFAULTS[name]) == KEY_DEFAULTS[name] for name in ("decode_kernels", "tensor_parallel_size",
                                                                            "steps_per_check"))]
 
@@ -479,7 +479,7 @@ def main(argv=None) -> int:
         chains = [r for r in static_greedy(default_settings(latest(same_head)), setting)
                   if r["batch_size"] == 1 and r["method"] != "none"]
         plain = [r for r in static_greedy(every, setting) if r["batch_size"] == 1 and r["method"] == "none"
-                 and r.get("tensor_parallel_size", 1) == 1]
+                 and r.get("tensor_parallel_size", 1) == 1 and not r.get("xla_flags")]
         plot_trees(trees, chains, plain, sub, out)
     plot_training(Path(args.training), out)
     plot_data_scaling(load_rows(Path(args.scaling)), out)

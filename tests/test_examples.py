@@ -82,6 +82,8 @@ def test_eagle_records_both_schedulers(model_dir, tmp_path, capsys, monkeypatch)
         assert row["batch_size"] == 2 and row["num_prompts"] == 3 and row["output_tokens_per_second"] > 0
         assert 0 < row["ttft_ms_p50"] / 1000 <= row["latency_s_p50"] <= row["latency_s_p90"] <= row["wall_seconds"]
         assert 1 <= row["run_calls"] < row["device_calls"] and row["syncs"] >= row["run_calls"]
+        # The environment's XLA flags change the programs, so the row says which ran (conftest sets some).
+        assert row["xla_flags"] == os.environ["XLA_FLAGS"] and "matmul_precision" not in row  # None: left out
     assert rows[0]["total_tokens"] == rows[1]["total_tokens"]
 
 
@@ -113,6 +115,7 @@ def test_plots_compare_default_settings_and_draw_the_tree_sweep(tmp_path, monkey
             # Later rows of other settings must not replace the default ones in the comparison.
             mtbench_row("none", 0, 700.0, 1.0, decode_kernels="pallas"),
             mtbench_row("none", 0, 150.0, 1.0, tensor_parallel_size=2),
+            mtbench_row("none", 0, 990.0, 1.0, xla_flags="--xla_gpu_enable_command_buffer=+WHILE"),
             # The newest head's row stands, though an older head was measured after it.
             mtbench_row("eagle3", 5, 1900.0, 2.9, head="run 6", date="2026-11-30T22:06:00"),
             mtbench_row("eagle3", 5, 1850.0, 2.8, head="run 5", date="2026-11-30T22:14:00"),

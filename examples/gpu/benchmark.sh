@@ -43,6 +43,14 @@ batch_steps() {  # issue 11: continuous batching ran 0.76x static at 16 rows (le
   python3 examples/eagle.py --method eagle3 --num_spec_tokens 5 --max_num_seqs 64 --scheduler static,continuous \
     --speculative_disable_by_batch_size 16 --decode_kernels pallas $m
 }
+while_graphs() {  # issues 10, 11: XLA:GPU runs a data-dependent while_loop from the host, one round trip a step
+  # (the run calls return only when their loop ends: lease 12's counters); "+WHILE" records the loop into the
+  # command buffer as a CUDA graph conditional node, so the device runs the steps back to back
+  f="--xla_gpu_enable_command_buffer=+WHILE"
+  XLA_FLAGS="$f" python3 examples/eagle.py --method none,eagle3 --num_spec_tokens 5 --max_num_seqs 1 $m
+  XLA_FLAGS="$f" python3 examples/eagle.py --method none --max_num_seqs 16 --scheduler static,continuous \
+    --decode_kernels pallas $m
+}
 batch_trace() {  # issue 11: why continuous batching loses to static at 16 rows (0.73x, lease 11): a traced
   # second run of each says how much of the wall time the device was busy, and in which program
   python3 examples/eagle.py --method none --max_num_seqs 16 --scheduler static,continuous --decode_kernels pallas \
@@ -145,6 +153,6 @@ sampling() {  # temperature 1.0; cold vs warm start
   python3 examples/profile_step.py --parts cold_warm --out $r/profile.json $d
 }
 
-for section in ${@:-batching batch_kernels batch_eagle batch_steps batch_trace trees tree_heads tree_ops tree_kernels batch_k kernels l2_probe attention_fill attention_split real_kernels xla_flags peers sampling}; do
+for section in ${@:-batching batch_kernels batch_eagle batch_steps while_graphs batch_trace trees tree_heads tree_ops tree_kernels batch_k kernels l2_probe attention_fill attention_split real_kernels xla_flags peers sampling}; do
   $section
 done
