@@ -52,8 +52,10 @@ EAGLE_METHODS = ("eagle", "eagle3")
 KEY = ("method", "k", "mode", "batch_size", "temperature", "max_new_tokens", "num_prompts", "scheduler",
        "speculative_disable_by_batch_size", "decode_kernels", "tensor_parallel_size", "steps_per_check",
        "speculative_eagle_topk", "speculative_num_steps", "speculative_num_draft_tokens", "xla_flags")
-# Rows written before a field existed: static batches, XLA kernels, one device, a test every step.
-KEY_DEFAULTS = {"scheduler": "static", "decode_kernels": "xla", "tensor_parallel_size": 1, "steps_per_check": 1}
+# Rows written before a field existed: static batches, XLA kernels, one device, a test every step,
+# no XLA flags (a row run without them has none).
+KEY_DEFAULTS = {"scheduler": "static", "decode_kernels": "xla", "tensor_parallel_size": 1, "steps_per_check": 1,
+                "xla_flags": None}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -114,9 +116,9 @@ def latest_of_newest_head(rows: list[dict]) -> list[dict]:
 def default_settings(rows: list[dict]) -> list[dict]:
     """Chain rows at the default settings: XLA kernels, one device, the exit test every step, no
     XLA_FLAGS (trees apart: a tree row's k is its depth, not comparable with a chain's k)."""
-    return [r for r in rows if not r.get("speculative_eagle_topk") and not r.get("xla_flags") and all(
+    return [r for r in rows if not r.get("speculative_eagle_topk") and all(
         r.get(name, KEY_DEFAULTS[name]) == KEY_DEFAULTS[name] for name in ("decode_kernels", "tensor_parallel_size",
-                                                                           "steps_per_check"))]
+                                                                           "steps_per_check", "xla_flags"))]
 
 
 def static_greedy(rows: list[dict], setting: tuple[int, int]) -> list[dict]:
