@@ -5,12 +5,14 @@ Both heads share one interface, so the speculative loop and the trainer do not c
   * `attention_input(embedded, features)` -> (attention input, residual); `attention`, the
     layer's `layers.Attention`; `finish(attended, residual, decode_kernels="xla")` -> next
     features; `logits(out, target)`.
+  * `extra_layers`: EAGLE-3 only, plain Llama decoder layers after the first (empty for one layer).
   * `__call__(tokens, features, positions, cache, target, mask=None, attend_length=None)`: those
-    four with a KV cache (`mask`: `layers.SlotMask` for tree drafting; `attend_length`: as
+    with a KV cache (a layer each) (`mask`: `layers.SlotMask` for tree drafting; `attend_length`: as
     `layers.Attention`); returns (next features [B, T, D],
     logits [B, T, V_draft], cache).
   * `to_target_ids(draft_ids)`: draft vocabulary -> target vocabulary.
-The split lets training run the same layer under its own attention pattern (training-time test).
+The split lets training run the same layers under its own attention pattern (training-time test):
+`forward_layers` runs them all and takes attention as an argument.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from eagle_jax import llama
 
 @dataclasses.dataclass(frozen=True)
 class EagleConfig:
-    """A draft head: its one-layer Llama config plus what is specific to the EAGLE kind."""
+    """A draft head: its layers' Llama config plus what is specific to the EAGLE kind."""
 
     method: str  # "eagle" (EAGLE-1) or "eagle3"
     layer: config_lib.LlamaConfig
@@ -37,6 +39,14 @@ class EagleConfig:
     draft_vocab_size: int = 0  # EAGLE-3 only
     target_hidden_size: int = 0  # EAGLE-3: width of each captured target feature
     feature_layers: tuple[int, ...] = ()  # EAGLE-3: target layers whose inputs are captured
+    # Decoder layers. EAGLE-3 may have more than one (its first is the midlayer, the rest plain
+    # Llama layers, `layers.1..` in the public layout as vLLM reads it); EAGLE-1 has one.
+    num_layers: int = 1
+
+    def __post_init__(self):
+        if self.num_layers < 1 or (self.method == "eagle" and self.num_layers != 1):
+            raise ValueError(f"an {self.method} head has {'exactly one' if self.method == 'eagle' else 'at least one'} "
+                             f"decoder layer, got num_layers={self.num_layers}")
 
     @property
     def hidden_size(self) -> int:
@@ -75,6 +85,10 @@ class Eagle1Head(nnx.Module):
     def finish(self, attended, residual, decode_kernels: str = "xla"):
         return layers.residual_mlp(residual + attended, self.post_attention_layernorm, self.mlp, decode_kernels)
 
+    @property
+    def extra_layers(self) -> tuple:
+        return ()
+
     def logits(self, out, target: llama.Llama):
         return target.logits(out)
 
@@ -96,6 +110,7 @@ class Eagle3Head(nnx.Module):
         num_features = len(cfg.feature_layers)
         self.fc = nnx.Linear(num_features * cfg.target_hidden_size, hidden, use_bias=False, rngs=rngs, **kw)
         self.midlayer = Eagle3Midlayer(cfg, rngs=rngs, **kw)
+        self.layers = nnx.List([layers.DecoderLayer(cfg.layer, rngs=rngs, **kw) for _ in range(cfg.num_layers - 1)])
         self.norm = layers.RMSNorm(hidden, eps, **kw)
         self.lm_head = nnx.Linear(hidden, cfg.draft_vocab_size, use_bias=False, rngs=rngs, **kw)
         # d2t[i] = target_id - draft_id; a Param-free variable so it travels with the weights.
@@ -115,8 +130,12 @@ class Eagle3Head(nnx.Module):
         return jnp.concatenate([layer.input_layernorm(embedded), layer.hidden_norm(features)], axis=-1), features
 
     def finish(self, attended, residual, decode_kernels: str = "xla"):
-        layer = self.midlayer  # the output, before the final norm, is fed back as g
+        layer = self.midlayer
         return layers.residual_mlp(attended + residual, layer.post_attention_layernorm, layer.mlp, decode_kernels)
+
+    @property
+    def extra_layers(self) -> nnx.List:
+        return self.layers
 
     def logits(self, out, target: llama.Llama):
         return layers.float32_logits(self.norm(out), self.lm_head.kernel[...])
@@ -146,14 +165,34 @@ class Eagle3Midlayer(nnx.Module):
         self.mlp = layers.MLP(cfg.layer, rngs=rngs, **kw)
 
 
+def forward_layers(head, embedded, features, attend, decode_kernels: str = "xla"):
+    """The head's layers over (embedded token, feature) pairs; returns the last layer's output.
+
+    That output, before the head's final norm, is both what `logits` reads and the feature fed
+    back to the next draft step. `attend(index, attention, x)` runs layer `index`'s attention
+    (`layers.Attention`) on its normed input x and returns the projected output: a KV cache at
+    inference, the training-time-test pattern in training.
+    """
+    x, residual = head.attention_input(embedded, features)
+    out = head.finish(attend(0, head.attention, x), residual, decode_kernels)
+    for index, layer in enumerate(head.extra_layers, start=1):
+        attended = attend(index, layer.self_attn, layer.input_layernorm(out))
+        out = layers.residual_mlp(out + attended, layer.post_attention_layernorm, layer.mlp, decode_kernels)
+    return out
+
+
 def _cached_forward(head, tokens, features, positions, cache: kv_cache_lib.KVCache, target: llama.Llama,
                     mask: layers.SlotMask | None = None, attend_length: int | None = None):
-    """One draft forward over T (token, feature) pairs with the head's one-layer KV cache."""
-    x, residual = head.attention_input(target.embed_tokens(tokens), features)
-    attended, keys, values = head.attention(x, positions, cache.keys[0], cache.values[0], mask=mask,
-                                            attend_length=attend_length)
-    out = head.finish(attended, residual, head.decode_kernels)
-    return out, head.logits(out, target), cache.replace(keys=(keys,), values=(values,))
+    """One draft forward over T (token, feature) pairs with the head's KV cache (one layer each)."""
+    keys, values = list(cache.keys), list(cache.values)
+
+    def attend(index, attention, x):
+        attended, keys[index], values[index] = attention(x, positions, keys[index], values[index], mask=mask,
+                                                         attend_length=attend_length)
+        return attended
+
+    out = forward_layers(head, target.embed_tokens(tokens), features, attend, head.decode_kernels)
+    return out, head.logits(out, target), cache.replace(keys=tuple(keys), values=tuple(values))
 
 
 def make_head(cfg: EagleConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
@@ -163,4 +202,4 @@ def make_head(cfg: EagleConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtyp
 
 def init_cache(cfg: EagleConfig, batch_size: int, max_length: int, dtype) -> kv_cache_lib.KVCache:
     layer = cfg.layer
-    return kv_cache_lib.KVCache.create(1, batch_size, max_length, layer.num_kv_heads, layer.head_dim, dtype)
+    return kv_cache_lib.KVCache.create(cfg.num_layers, batch_size, max_length, layer.num_kv_heads, layer.head_dim, dtype)

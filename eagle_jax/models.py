@@ -105,7 +105,7 @@ EAGLE1_RULES = [
     *[dataclasses.replace(rule, target=rule.target.lstrip("/"))
       for rule in checkpoint.decoder_layer_rules(r"layers\.0", "") if "input_layernorm" not in rule.target],
 ]
-EAGLE3_RULES = [
+EAGLE3_MIDLAYER_RULES = [
     checkpoint.Rule(r"fc\.weight", "fc/kernel", transpose=True),
     checkpoint.Rule(r"norm\.weight", "norm/weight"),
     checkpoint.Rule(r"lm_head\.weight", "lm_head/kernel", transpose=True),
@@ -113,6 +113,19 @@ EAGLE3_RULES = [
     checkpoint.Rule(r"midlayer\.hidden_norm\.weight", "midlayer/hidden_norm/weight"),
     *checkpoint.decoder_layer_rules(r"midlayer", "midlayer"),
 ]
+
+
+def eagle3_rules(num_layers: int) -> list[checkpoint.Rule]:
+    """An EAGLE-3 head's rules: the midlayer, then plain decoder layers `layers.1..` (vLLM's
+    names: it reads `midlayer.*` as `layers.0.*`), held as `layers/0..` in the head."""
+    return EAGLE3_MIDLAYER_RULES + [rule for index in range(1, num_layers)
+                                    for rule in checkpoint.decoder_layer_rules(rf"layers\.{index}", f"layers/{index - 1}")]
+
+
+def head_rules(cfg: eagle.EagleConfig) -> list[checkpoint.Rule]:
+    return eagle3_rules(cfg.num_layers) if cfg.method == "eagle3" else EAGLE1_RULES
+
+
 # EAGLE-1's layer 0 skips its input norm (saved anyway by SafeAILab); t2d is derivable from d2t;
 # embed_tokens is the target's (checked separately).
 HEAD_IGNORED = (r"layers\.0\.input_layernorm\.weight", r"t2d", r"embed_tokens\.weight", r".*rotary_emb\.inv_freq")
@@ -135,7 +148,8 @@ def head_config(hf_config: dict, tensor_names: set[str], target: config_lib.Llam
         cfg = eagle.EagleConfig(method="eagle3", layer=layer,
                                 draft_vocab_size=int(hf_config.get("draft_vocab_size") or layer.vocab_size),
                                 target_hidden_size=int(hf_config.get("target_hidden_size") or target.hidden_size),
-                                feature_layers=feature_layers(hf_config, target.num_layers))
+                                feature_layers=feature_layers(hf_config, target.num_layers),
+                                num_layers=int(hf_config.get("num_hidden_layers") or 1))
         checks.append(("target_hidden_size", cfg.target_hidden_size, target.hidden_size))
     else:
         cfg = eagle.EagleConfig(method="eagle", layer=layer, fc_bias="fc.bias" in tensor_names or bool(hf_config.get("bias")))
@@ -185,8 +199,7 @@ def load_head(path: str | Path, target: llama.Llama, dtype: str = "float32", par
     stored = DTYPES[param_dtype or dtype]
     factory = lambda: eagle.make_head(cfg, rngs=nnx.Rngs(0), dtype=DTYPES[dtype], param_dtype=stored)
     abstract = checkpoint.abstract_model(factory)
-    rules = EAGLE3_RULES if cfg.method == "eagle3" else EAGLE1_RULES
-    params = checkpoint.map_tensors(tensors, rules, checkpoint.param_shapes(abstract), ignored=HEAD_IGNORED)
+    params = checkpoint.map_tensors(tensors, head_rules(cfg), checkpoint.param_shapes(abstract), ignored=HEAD_IGNORED)
     return checkpoint.build_model(abstract, params, stored)
 
 
@@ -246,11 +259,10 @@ def export_head(head, target_config: config_lib.LlamaConfig, out_dir: str | Path
     """
     cfg = head.config
     params = checkpoint.flat_state(nnx.state(head))
-    rules = EAGLE3_RULES if cfg.method == "eagle3" else EAGLE1_RULES
     layer = cfg.layer
     fused_sizes = {"qkv_proj": layers.qkv_sizes(layer), "gate_up_proj": layers.gate_up_sizes(layer)}
     tensors = {}
-    for rule in rules:
+    for rule in head_rules(cfg):
         if rule.target in params:
             array = np.asarray(params[rule.target])
             if rule.part is not None:
@@ -260,7 +272,7 @@ def export_head(head, target_config: config_lib.LlamaConfig, out_dir: str | Path
             tensors[checkpoint.hf_name(rule, {})] = array.T if rule.transpose else array
     config = dict(
         architectures=["LlamaForCausalLMEagle3" if cfg.method == "eagle3" else "LlamaForCausalLM"],
-        model_type="llama", hidden_act="silu", num_hidden_layers=1, torch_dtype=dtype,
+        model_type="llama", hidden_act="silu", num_hidden_layers=cfg.num_layers, torch_dtype=dtype,
         hidden_size=layer.hidden_size, intermediate_size=layer.intermediate_size,
         num_attention_heads=layer.num_heads, num_key_value_heads=layer.num_kv_heads, head_dim=layer.head_dim,
         rms_norm_eps=layer.rms_norm_eps, rope_theta=layer.rope_theta, vocab_size=layer.vocab_size,

@@ -45,19 +45,21 @@ class TrainConfig:
     grad_clip: float = 0.5
     draft_vocab_size: int = 8192  # EAGLE-3
     head_intermediate_size: int | None = None  # the head's MLP width (None: the target's)
+    head_layers: int = 1  # EAGLE-3: decoder layers of a new head
     objective: train_objective.Objective = train_objective.Objective()
     seed: int = 0
     checkpoint_every: int = 500
 
 
 def new_head(target_config, cfg: TrainConfig, token_counts: np.ndarray | None = None, dtype=jnp.float32):
-    """A randomly initialised head shaped after the target (one layer of the target's width)."""
+    """A randomly initialised head shaped after the target (`cfg.head_layers` layers of the target's width)."""
     layer = dataclasses.replace(target_config, num_layers=1,
                                 intermediate_size=cfg.head_intermediate_size or target_config.intermediate_size)
     if cfg.method == "eagle3":
         head_cfg = eagle.EagleConfig(method="eagle3", layer=layer, draft_vocab_size=cfg.draft_vocab_size,
                                      target_hidden_size=target_config.hidden_size,
-                                     feature_layers=eagle.default_feature_layers(target_config.num_layers))
+                                     feature_layers=eagle.default_feature_layers(target_config.num_layers),
+                                     num_layers=cfg.head_layers)
     else:
         head_cfg = eagle.EagleConfig(method="eagle", layer=layer, fc_bias=True)
     head = eagle.make_head(head_cfg, rngs=nnx.Rngs(cfg.seed), dtype=dtype, param_dtype=jnp.float32)
@@ -109,37 +111,63 @@ def extend_draft_vocabulary(head: eagle.Eagle3Head, token_counts: np.ndarray, si
     columns[:, ~is_old] = (features(new_ids[~is_old]) @ fit).T
     extended = eagle.make_head(dataclasses.replace(head.config, draft_vocab_size=size), rngs=nnx.Rngs(0),
                                dtype=head.lm_head.dtype, param_dtype=head.lm_head.kernel[...].dtype)
-    extended.fc, extended.midlayer, extended.norm = head.fc, head.midlayer, head.norm
+    extended.fc, extended.midlayer, extended.layers, extended.norm = head.fc, head.midlayer, head.layers, head.norm
     extended.lm_head.kernel[...] = jnp.asarray(columns, head.lm_head.kernel[...].dtype)
     extended.d2t[...] = jnp.asarray(new_ids - np.arange(size), jnp.int32)
     return extended
 
 
 def widen_mlp(head, intermediate_size: int, seed: int = 0):
-    """Widens a trained head's (either kind's) MLP to `intermediate_size` in place; returns the head.
+    """Widens a trained head's (either kind's) MLPs, every layer's, to `intermediate_size` in place; returns the head.
 
     The added units get fresh gate and up columns and zero down_proj rows, so the head's output
     is unchanged at the start; training then grows them (Net2Net-style widening), to try a wider
     head without starting over.
     """
     layer = head.config.layer
-    mlp = head.midlayer.mlp if isinstance(head, eagle.Eagle3Head) else head.mlp
     old = layer.intermediate_size
     if intermediate_size < old or layer.mlp_bias:
         raise ValueError(f"an MLP {old} wide (bias {layer.mlp_bias}) widens to {old} or more units without biases, "
                          f"not {intermediate_size}")
     wide_layer = dataclasses.replace(layer, intermediate_size=intermediate_size)
-    wide = layers.MLP(wide_layer, rngs=nnx.Rngs(seed), dtype=mlp.down_proj.dtype, param_dtype=mlp.down_proj.kernel.dtype)
-    gate_up, fresh = mlp.gate_up_proj.kernel[...], wide.gate_up_proj.kernel[...]  # [H, 2F]: [gate | up]
-    wide.gate_up_proj.kernel[...] = jnp.concatenate(
-        [gate_up[:, :old], fresh[:, old:intermediate_size], gate_up[:, old:], fresh[:, intermediate_size + old:]], axis=1)
-    down = mlp.down_proj.kernel[...]
-    wide.down_proj.kernel[...] = jnp.concatenate([down, jnp.zeros((intermediate_size - old, down.shape[1]), down.dtype)])
-    if isinstance(head, eagle.Eagle3Head):
-        head.midlayer.mlp = wide
-    else:
-        head.mlp = wide
+
+    def widened(mlp):
+        wide = layers.MLP(wide_layer, rngs=nnx.Rngs(seed), dtype=mlp.down_proj.dtype,
+                          param_dtype=mlp.down_proj.kernel.dtype)
+        gate_up, fresh = mlp.gate_up_proj.kernel[...], wide.gate_up_proj.kernel[...]  # [H, 2F]: [gate | up]
+        wide.gate_up_proj.kernel[...] = jnp.concatenate(
+            [gate_up[:, :old], fresh[:, old:intermediate_size], gate_up[:, old:], fresh[:, intermediate_size + old:]],
+            axis=1)
+        down = mlp.down_proj.kernel[...]
+        wide.down_proj.kernel[...] = jnp.concatenate([down, jnp.zeros((intermediate_size - old, down.shape[1]),
+                                                                      down.dtype)])
+        return wide
+
+    first = head.midlayer if isinstance(head, eagle.Eagle3Head) else head
+    for owner in (first, *head.extra_layers):
+        owner.mlp = widened(owner.mlp)
     head.config = dataclasses.replace(head.config, layer=wide_layer)
+    return head
+
+
+def add_layers(head: eagle.Eagle3Head, num_layers: int, seed: int = 0) -> eagle.Eagle3Head:
+    """Deepens a trained EAGLE-3 head to `num_layers` decoder layers in place; returns the head.
+
+    Each added layer is a fresh Llama decoder layer whose o_proj and down_proj are zero, so it
+    adds nothing to its residual stream and the head's output is unchanged at the start; training
+    then grows it, to try a deeper head without starting over.
+    """
+    cfg = head.config
+    if num_layers < cfg.num_layers:
+        raise ValueError(f"a head of {cfg.num_layers} layers deepens to {cfg.num_layers} or more, not {num_layers}")
+    kernel = head.midlayer.mlp.down_proj.kernel
+    for index in range(cfg.num_layers, num_layers):
+        layer = layers.DecoderLayer(cfg.layer, rngs=nnx.Rngs(seed + index), dtype=head.midlayer.mlp.down_proj.dtype,
+                                    param_dtype=kernel.dtype)
+        for linear in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            linear.kernel[...] = jnp.zeros_like(linear.kernel[...])
+        head.layers.append(layer)
+    head.config = dataclasses.replace(cfg, num_layers=num_layers)
     return head
 
 
@@ -311,6 +339,9 @@ def main(argv=None) -> int:
                         help="MLP width of a new head (default: the target's); a wider head costs little at "
                              "inference, where the head's step is a small part of a speculative step. With "
                              "--init-head, that head's MLP is widened to it (`widen_mlp`)")
+    parser.add_argument("--head-layers", type=int,
+                        help="EAGLE-3: decoder layers of a new head (default 1); more than an --init-head's, "
+                             "layers that start as the identity are added to it (`add_layers`)")
     parser.add_argument("--init-head", help="start from this exported head (public layout) instead of random "
                                             "weights; a fresh optimiser and schedule (ignored when resuming)")
     parser.add_argument("--max-seconds", type=float, help="stop (and checkpoint) after this much training time")
@@ -318,6 +349,8 @@ def main(argv=None) -> int:
     parser.add_argument("--eval-k", type=int, default=5)
     parser.add_argument("--eval-max-new-tokens", type=int, default=256)
     args = parser.parse_args(argv)
+    if args.head_layers is not None and (args.head_layers < 1 or (args.method == "eagle" and args.head_layers != 1)):
+        parser.error(f"--head-layers {args.head_layers}: an EAGLE-3 head has 1 or more layers, an EAGLE-1 head one")
     # Read before training, so a missing MT-Bench file fails at once rather than after the run.
     questions = data_lib.load_mtbench()[:args.eval_prompts] if args.eval_prompts else []
 
@@ -344,13 +377,18 @@ def main(argv=None) -> int:
                          f"{args.head_intermediate_size} (a head widens, never narrows)")
         if args.head_intermediate_size and args.head_intermediate_size > width:
             head = widen_mlp(head, args.head_intermediate_size)
+        if args.head_layers and args.head_layers < head.config.num_layers:
+            parser.error(f"--init-head {args.init_head} has {head.config.num_layers} layers, more than --head-layers "
+                         f"{args.head_layers} (a head deepens, never loses layers)")
+        if args.head_layers and args.head_layers > head.config.num_layers:
+            head = add_layers(head, args.head_layers)
         if kind == "eagle3" and head.config.draft_vocab_size < draft_vocab_size:
             head = extend_draft_vocabulary(head, token_counts(dataset, target.config.vocab_size), draft_vocab_size,
                                            np.asarray(target.output_embedding()))
     unroll = args.unroll or (1 if args.method == "eagle" else 7)
     cfg = TrainConfig(method=args.method, steps=args.steps, batch_size=args.batch_size, learning_rate=args.learning_rate,
                       warmup_steps=args.warmup_steps, draft_vocab_size=draft_vocab_size,
-                      head_intermediate_size=args.head_intermediate_size,
+                      head_intermediate_size=args.head_intermediate_size, head_layers=args.head_layers or 1,
                       objective=train_objective.Objective(num_steps=unroll,
                                                           attention=attention_implementation(args.attention, args.dtype)))
     began = time.perf_counter()

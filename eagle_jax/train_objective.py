@@ -4,7 +4,8 @@ Alignment. For base position i the head's first step reads the pair (t_{i+1}, f_
 draft slot i does at inference, and predicts the target's distribution at position i+1. Step j
 reads (t_{i+1+j}, its own step-(j-1) output) at rotary position i+j and predicts position
 i+1+j. Its attention sees what a drafting step sees at inference: step-0 keys (true features)
-at positions <= i, and its own earlier steps' keys for the same i (the "diagonal").
+at positions <= i, and its own earlier steps' keys for the same i (the "diagonal"); in a head of
+several layers, each layer's attention does.
 
 EAGLE-1 (SafeAILab recipe): SmoothL1(out, f_{i+1}) + 0.1 * CE(lm_head(out), softmax(lm_head(f_{i+1}))),
 with uniform noise on the target features. EAGLE-3: CE against the target distribution restricted
@@ -70,21 +71,25 @@ def unrolled_head(head, target: llama.Llama, tokens: jax.Array, features: jax.Ar
     """
     batch, n = features.shape[:2]
     positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (batch, n))
-    attention = head.attention
-    results, diagonal_keys, diagonal_values = [], [], []
-    keys0 = values0 = None
+    num_layers = 1 + len(head.extra_layers)
+    # Per layer: step 0's keys and values (true features) and each later step's ("the diagonal").
+    first_keys, first_values = [None] * num_layers, [None] * num_layers
+    diagonal_keys, diagonal_values = [[] for _ in range(num_layers)], [[] for _ in range(num_layers)]
+    results = []
     for step in range(num_steps):
-        embedded = target.embed_tokens(_shift(tokens, 1 + step, n))
-        x, residual = head.attention_input(embedded, features)
-        q, k, v = attention.project(x, positions + step)
-        if step == 0:
-            keys0, values0 = k, v
-        else:
-            diagonal_keys.append(k)
-            diagonal_values.append(v)
-        attended = layers.causal_attention(q, keys0, values0, implementation, tuple(diagonal_keys),
-                                           tuple(diagonal_values))
-        out = head.finish(attention.output(attended), residual)
+
+        def attend(index, attention, x, step=step):
+            q, k, v = attention.project(x, positions + step)
+            if step == 0:
+                first_keys[index], first_values[index] = k, v
+            else:
+                diagonal_keys[index].append(k)
+                diagonal_values[index].append(v)
+            attended = layers.causal_attention(q, first_keys[index], first_values[index], implementation,
+                                               tuple(diagonal_keys[index]), tuple(diagonal_values[index]))
+            return attention.output(attended)
+
+        out = eagle.forward_layers(head, target.embed_tokens(_shift(tokens, 1 + step, n)), features, attend)
         results.append((out, head.logits(out, target)))
         features = out
     return results

@@ -158,13 +158,15 @@ def random_target(tiny_config):
 
 
 def head_config(target_cfg: config_lib.LlamaConfig, method: str, *, fc_bias: bool = False,
-                draft_vocab_size: int = 0, feature_layers: tuple[int, ...] = ()) -> eagle.EagleConfig:
-    """An EAGLE head config fitting `target_cfg` (its layer is the target's with one layer)."""
+                draft_vocab_size: int = 0, feature_layers: tuple[int, ...] = (),
+                num_layers: int = 1) -> eagle.EagleConfig:
+    """An EAGLE head config fitting `target_cfg` (its layers are the target's; EAGLE-3 may have several)."""
     layer = config_lib.LlamaConfig(**{**target_cfg.__dict__, "num_layers": 1})
     if method == "eagle3":
         return eagle.EagleConfig(method="eagle3", layer=layer, draft_vocab_size=draft_vocab_size,
                                  target_hidden_size=target_cfg.hidden_size,
-                                 feature_layers=feature_layers or tuple(range(min(3, target_cfg.num_layers))))
+                                 feature_layers=feature_layers or tuple(range(min(3, target_cfg.num_layers))),
+                                 num_layers=num_layers)
     return eagle.EagleConfig(method="eagle", layer=layer, fc_bias=fc_bias)
 
 
@@ -176,7 +178,7 @@ def vocab_map(vocab_size: int, draft_vocab_size: int, seed: int = 0) -> np.ndarr
 
 @pytest.fixture(scope="session")
 def random_head():
-    """Factory: `random_head(target_cfg, method, seed=0, fc_bias=False, draft_vocab_size=0, feature_layers=())`.
+    """Factory: `random_head(target_cfg, method, seed=0, fc_bias=False, draft_vocab_size=0, feature_layers=(), num_layers=1)`.
 
     Weights as `random_module`; EAGLE-3 heads get a d2t from `vocab_map` (draft ids -> distinct target ids).
     """
@@ -321,7 +323,7 @@ def agreeing_head(random_head):
 
 @pytest.fixture(scope="session")
 def biased_eagle3_head(random_head):
-    """Factory: `biased_eagle3_head(target_cfg, frequent, draft_vocab_size, seed=0)` -> EAGLE-3 head.
+    """Factory: `biased_eagle3_head(target_cfg, frequent, draft_vocab_size, seed=0, num_layers=1)` -> EAGLE-3 head.
 
     The draft (nearly) always drafts draft id 0 or 1, by the sign of its normalised output's first
     component (which depends on the features and the draft cache); d2t maps those two ids to the
@@ -329,9 +331,9 @@ def biased_eagle3_head(random_head):
     and then, and only if d2t is applied in the right direction.
     """
 
-    def make(target_cfg, frequent, draft_vocab_size: int, seed: int = 0):
+    def make(target_cfg, frequent, draft_vocab_size: int, seed: int = 0, num_layers: int = 1):
         head = random_head(target_cfg, "eagle3", seed=seed, draft_vocab_size=draft_vocab_size,
-                           feature_layers=tuple(range(min(3, target_cfg.num_layers))))
+                           feature_layers=tuple(range(min(3, target_cfg.num_layers))), num_layers=num_layers)
         norm = np.full(target_cfg.hidden_size, 0.1)
         norm[0] = 3.0
         _set(head, "norm/weight", norm)

@@ -55,6 +55,7 @@ def make_head(target, reference, random_head, agreeing_head, biased_eagle3_head)
         "eagle-noisy": lambda: agreeing_head(cfg, 0.3, residual=1.0, seed=1),
         "eagle-bias": lambda: agreeing_head(cfg, 0.3, residual=1.0, fc_bias=True, seed=2),
         "eagle3-biased": lambda: biased_eagle3_head(cfg, frequent, DRAFT_VOCAB, seed=3),
+        "eagle3-two-layers": lambda: biased_eagle3_head(cfg, frequent, DRAFT_VOCAB, seed=5, num_layers=2),
         "eagle3-random": lambda: random_head(cfg, "eagle3", seed=4, draft_vocab_size=DRAFT_VOCAB,
                                              feature_layers=(0, 1, 2)),
     }
@@ -79,12 +80,14 @@ def run(target, prompts, make_head):
     return generate
 
 
-CASES = [  # k = 1..5, both head kinds and batch sizes; 3 prompts each (batch size 2 leaves an idle row)
+CASES = [  # k = 1..5, both head kinds (EAGLE-3 with one and two layers) and batch sizes; 3 prompts each
+    # (batch size 2 leaves an idle row)
     ("eagle-agree", 3, 2),
     ("eagle-noisy", 1, 1),
     ("eagle-bias", 2, 1),
     ("eagle3-biased", 4, 2),
     ("eagle3-random", 5, 1),
+    ("eagle3-two-layers", 3, 2),
 ]
 
 
@@ -101,8 +104,8 @@ def test_agreeing_head_has_high_acceptance(run):
 
 
 def test_partial_agreement_accepts_some_drafts(run):
-    """The noisy and biased heads accept some drafts but not all (measured 1.1 to 1.6)."""
-    for case in [("eagle-noisy", 1, 1), ("eagle-bias", 2, 1), ("eagle3-biased", 4, 2)]:
+    """The noisy and biased heads accept some drafts but not all (measured 1.1 to 1.6; two layers: 1.1)."""
+    for case in [("eagle-noisy", 1, 1), ("eagle-bias", 2, 1), ("eagle3-biased", 4, 2), ("eagle3-two-layers", 3, 2)]:
         lengths = [r.stats["acceptance_length"] for r in run(*case)]
         assert 1 < np.mean(lengths) < case[1] + 1, (case, lengths)
 

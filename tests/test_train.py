@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -192,6 +193,45 @@ def test_an_extended_draft_vocabulary_keeps_trained_columns_and_places_the_added
     np.testing.assert_allclose(new_logits[:, np.searchsorted(new_ids, old_ids)], old_logits, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="extends"):
         train.extend_draft_vocabulary(head, counts, 10, embedding)
+
+
+def test_a_deepened_head_computes_what_it_did_and_exports_its_layers(target_and_data, tmp_path):
+    """`--init-head` with more `--head-layers`: the added layer starts as the identity (the head's
+    logits stay), exports as `layers.1.*` with num_hidden_layers 2, and loads back the same; widening
+    a deep head widens every layer's MLP."""
+    import json
+
+    import jax
+
+    from eagle_jax import hf_files
+
+    target, dataset, _ = target_and_data
+    cfg = train.TrainConfig(method="eagle3", draft_vocab_size=40)
+    head = train.new_head(target.config, cfg, train.token_counts(dataset, 61))
+    tokens = jnp.asarray(np.asarray(dataset["input_ids"][:2, :24]), jnp.int32)
+    _, captured, _ = train_objective.target_outputs(target, tokens, head.config.feature_layers)
+    logits = lambda h: np.stack([np.asarray(step[1]) for step in train_objective.unrolled_head(
+        h, target, tokens, h.project(captured[:, :23]), 3)])
+    before = logits(head)
+    deep = train.add_layers(head, 2)
+    assert deep.config.num_layers == 2 and len(deep.layers) == 1
+    np.testing.assert_allclose(logits(deep), before, rtol=1e-5, atol=1e-5)
+    # Trained a little, the added layer changes the logits; export and load keep them.
+    state = nnx.state(deep.layers[0])
+    nnx.update(deep.layers[0], jax.tree.map(lambda w: w + 0.05 * jax.random.normal(jax.random.key(2), w.shape), state))
+    trained = logits(deep)
+    assert not np.allclose(trained, before, atol=1e-3)
+    path = models.export_head(deep, target.config, tmp_path / "head", dtype="float32")
+    assert json.loads((path / "config.json").read_text())["num_hidden_layers"] == 2
+    names = set(hf_files.load_tensors(path, progress=False))
+    assert {"layers.1.self_attn.q_proj.weight", "layers.1.input_layernorm.weight", "midlayer.hidden_norm.weight"} <= names
+    loaded = models.load_head(path, target, "float32")
+    np.testing.assert_allclose(logits(loaded), trained, rtol=1e-5, atol=1e-5)
+    wide = train.widen_mlp(loaded, 96)
+    assert all(layer.mlp.down_proj.kernel.shape == (96, 32) for layer in (wide.midlayer, *wide.layers))
+    np.testing.assert_allclose(logits(wide), trained, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="deepens"):
+        train.add_layers(wide, 1)
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])

@@ -175,6 +175,7 @@ TREE_CASES = [  # (kind, K, D, N, batch size): EAGLE-1 and EAGLE-3, batch 2 runs
     ("eagle-bias", 2, 4, 5, 1),
     ("eagle3-biased", 2, 3, 5, 2),
     ("eagle3-random", 4, 2, 5, 1),
+    ("eagle3-two-layers", 2, 3, 5, 2),  # each layer's cache under the tree mask
 ]
 
 

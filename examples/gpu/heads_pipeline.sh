@@ -16,6 +16,8 @@
 # BATCH_SIZE: sequences a step (default 64), the step count scaled down to fit the same time.
 # DRAFT_VOCAB_SIZE (EAGLE-3): with INIT_FROM_SHIPPED, a larger one extends the shipped head's vocabulary.
 # HEAD_INTERMEDIATE_SIZE: the head's MLP width; with INIT_FROM_SHIPPED, a larger one widens the shipped head.
+# HEAD_LAYERS (EAGLE-3): the head's decoder layers; with INIT_FROM_SHIPPED, more than the shipped head's
+# adds layers that start as the identity (`train.add_layers`).
 # PROFILE_FROM=FILE skips the profiling and sizes training from the fastest train_trace row of
 # each method in FILE (e.g. docs/results/profile.json: a step costs the same in every lease).
 # STEP_MS overrides that step time (ms at batch 64), e.g. a wider head's from its last run's
@@ -84,9 +86,11 @@ train() {  # train GPU METHOD UNROLL [NAME]: steps sized to $train_seconds from 
   local name=${4:-$2}
   read -r attention steps <<< "$(sized "$2" "$train_seconds")"
   init=""; [ -n "$INIT_FROM_SHIPPED" ] && init="--init-head eagle_jax/heads/smollm2-135m-instruct-$2"
+  depth=""; [ "$2" = eagle3 ] && [ -n "$HEAD_LAYERS" ] && depth="--head-layers $HEAD_LAYERS"
   CUDA_VISIBLE_DEVICES=$1 python3 -m eagle_jax.train --method "$2" --unroll "$3" --attention "$attention" $init \
     ${TRAIN_TOKENS:+--train-tokens $TRAIN_TOKENS} ${LEARNING_RATE:+--learning-rate $LEARNING_RATE} \
     ${DRAFT_VOCAB_SIZE:+--draft-vocab-size $DRAFT_VOCAB_SIZE} ${HEAD_INTERMEDIATE_SIZE:+--head-intermediate-size $HEAD_INTERMEDIATE_SIZE} \
+    $depth \
     --data "$(train_data "$name")" --output "$run/$name" --steps "$steps" --batch-size "${BATCH_SIZE:-64}" --warmup-steps 200 \
     --max-seconds "$train_seconds" --eval-prompts 0 && cp "$run/$name/metrics.json" "$r/${name}_metrics.json"
 }
