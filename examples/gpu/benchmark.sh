@@ -31,17 +31,13 @@ batch_eagle() {  # issue 11: EAGLE-3 at 16 and 64 rows on both decode kernels, b
   python3 examples/eagle.py --method eagle3 --num_spec_tokens 5 --max_num_seqs 64 --scheduler static,continuous \
     --speculative_disable_by_batch_size 16 --decode_kernels pallas $m
 }
-batch_steps() {  # issue 11: continuous batching ran 0.76x static at 16 rows (lease 12) with the device busy as long
-  # in both (the traces): each row's run_steps (device-loop iterations) gives a step's cost in each, and
-  # refill_at 16 (refill only once every slot is free) separates the refill rounds from the slot programs,
-  # and the exit test every 8 steps says what the loop's per-step test costs each; then the disable
-  # threshold at 64 rows, cut off in lease 12
-  python3 examples/eagle.py --method none --max_num_seqs 16 --scheduler static,continuous --decode_kernels pallas $m
+batch_steps() {  # issue 11: continuous batching lost 0.4 s to static at 16 rows (lease 13): 0.17 s in refills
+  # that wrote the whole cache and 0.17 s of host time. After the fix (a refill writes the prefilled slots only,
+  # the idle state is built on the device): plain and EAGLE-3 at 16 and 64 rows, both schedulers; refill at 16
+  python3 examples/eagle.py --method none --max_num_seqs 16,64 --scheduler static,continuous --decode_kernels pallas $m
   python3 examples/eagle.py --method none --max_num_seqs 16 --scheduler continuous --refill_at 16 --decode_kernels pallas $m
-  python3 examples/eagle.py --method none --max_num_seqs 16 --scheduler static,continuous --steps_per_check 8 \
+  python3 examples/eagle.py --method eagle3 --num_spec_tokens 5 --max_num_seqs 16,64 --scheduler static,continuous \
     --decode_kernels pallas $m
-  python3 examples/eagle.py --method eagle3 --num_spec_tokens 5 --max_num_seqs 64 --scheduler static,continuous \
-    --speculative_disable_by_batch_size 16 --decode_kernels pallas $m
 }
 while_graphs() {  # issues 10, 11: XLA:GPU runs a data-dependent while_loop from the host, one round trip a step
   # (the run calls return only when their loop ends: lease 12's counters); "+WHILE" records the loop into the
