@@ -279,6 +279,9 @@ class Engine:
     def _insert(self, state, rows, take):
         return self._place(scheduler_lib.insert(state, rows, take))
 
+    def _empty(self, rng, *, shape):
+        return self._place(scheduler_lib.empty_state(shape, rng))
+
     def _program(self, name: str, function, args, static: dict, width: int, donate: tuple[str, ...] = ()):
         """The compiled program for this prefill width and static settings, compiled once.
 
@@ -388,15 +391,15 @@ class Engine:
 
         Shapes depend on the engine alone: prefills of all batch_size slots at once (each free
         slot's row holds its next prompt, so one call refills every freed slot) in power-of-two
-        widths up to max_length // 2 (one program each, all compiled here so that none compiles
-        mid-run), cache length max_length, an output buffer for the largest budget any prompt
-        could have; budgets are per row. A prefilled state does not depend on its width, so one
-        insert program serves every bucket. Run programs: one per attention length (a quarter,
-        half and all of the cache, `Options.attend_length`); the scheduler picks the shortest that
-        covers every slot its active rows can reach in the call, and how many rows must finish
-        before the call returns (`refill_at`, an argument, not a constant of the program).
+        widths w up to max_length // 2, each with caches of w slots (all that a prefill writes), and
+        one insert per width writing those w slots into the slots' caches of max_length (all
+        compiled here so that none compiles mid-run); an output buffer for the largest budget any
+        prompt could have; budgets are per row. `empty` builds the idle slots on the device. Run
+        programs: one per attention length (a quarter, half and all of the cache,
+        `Options.attend_length`); the scheduler picks the shortest that covers every slot its
+        active rows can reach in the call, and how many rows must finish before the call returns
+        (`refill_at`, an argument, not a constant of the program).
         """
-        width = self.max_length // 2
         opts = self.options(sampling=sampling, eos_ids=eos_ids, max_new_tokens=self.max_length - self.headroom - 1,
                             cache_length=self.max_length)
         compile_before = self.compile_seconds
@@ -404,27 +407,31 @@ class Engine:
         rows = self.batch_size
         row_args = lambda w: params + (np.zeros((rows, w), np.int32), np.ones((rows,), np.int32),
                                        np.ones((rows,), np.int32), jax.random.key(0))
+        width = self.max_length // 2
         widths = sorted({bucket_length(length, width) for length in range(1, width + 1)})
-        prefills = {w: self._program("prefill-slots", self._start_rows, row_args(w), dict(opts=opts), w)
+        # `speculative.start` writes cache slots [0, w) only: its caches need no more.
+        row_opts = {w: opts.replace(cache_length=w) for w in widths}
+        prefills = {w: self._program("prefill-slots", self._start_rows, row_args(w), dict(opts=row_opts[w]), w)
                     for w in widths}
-        if self.eager:
-            row_shape = jax.eval_shape(functools.partial(self._start_rows, opts=opts), *row_args(width))
-        else:
-            row_shape = prefills[width].out_info
-        def empty(rng):
-            state = scheduler_lib.empty_state(row_shape, self.batch_size, rng)
-            if self.mesh is None:
-                return state
-            return jax.device_put(state, sharding_lib.state_shardings(state, self.config, self.mesh))
 
-        state_shape = self._state_shape(jax.eval_shape(empty, jax.random.key(0)))
-        insert = self._program("insert", self._insert, (state_shape, self._state_shape(row_shape),
-                                                        np.zeros((rows,), bool)), {}, 0, donate=("state",))
+        def row_shape(w):  # the compiled prefill knows its output shapes: no second trace of the model
+            if self.eager:
+                return jax.eval_shape(functools.partial(self._start_rows, opts=row_opts[w]), *row_args(w))
+            return prefills[w].out_info
+
+        key = jax.random.key(0)
+        make_empty = functools.partial(self._empty, shape=scheduler_lib.slot_shape(row_shape(width), self.max_length))
+        empty = self._program("empty", make_empty, (key,), {}, 0)
+        state_shape = self._state_shape(jax.eval_shape(make_empty, key))
+        inserts = {w: self._program("insert", self._insert, (state_shape, self._state_shape(row_shape(w)),
+                                                             np.zeros((rows,), bool)), {}, w, donate=("state",))
+                   for w in widths}
         # Its own name: a static batch with the same options would lower the same step, but for
         # the prefill's output types rather than these (weak types may differ).
         runs = self._run_programs("slots-run", state_shape, steps_per_call, opts, (np.int32(1),), stop_on_finish=True)
         return scheduler_lib.SlotPrograms(
-            prefill=lambda tokens, *inputs: prefills[tokens.shape[1]](*params, tokens, *inputs), insert=insert,
+            prefill=lambda tokens, *inputs: prefills[tokens.shape[1]](*params, tokens, *inputs),
+            insert=lambda state, new, take: inserts[new.cache.max_length](state, new, take),
             run=lambda state, attend_length, refill_at: runs[attend_length](*params, state, refill_at), empty=empty,
             batch_size=self.batch_size, widths=tuple(widths), attend_lengths=tuple(runs),
             steps_per_call=steps_per_call, compile_seconds=self.compile_seconds - compile_before, opts=opts)

@@ -7,9 +7,11 @@ prefill / insert / generate split. The device holds one `DecodeState` of
 `batch_size` rows (slots) with one cache length, so no program recompiles across prompts:
 
 * prefill: the ordinary `speculative.start` on a batch of `batch_size` rows (one of a few
-  fixed widths): the row of each free slot holds its next prompt, with the prompt's own budget
-  of new tokens, so one call prefills every slot a round frees;
-* insert: writes the prefilled rows into their slots of the big state (donated);
+  fixed widths w): the row of each free slot holds its next prompt, with the prompt's own budget
+  of new tokens, so one call prefills every slot a round frees. Its caches are w slots long, all
+  that a prefill writes, not the slots' whole cache;
+* insert: writes the prefilled rows into their slots of the big state (donated, so in place),
+  only the first w slots of its caches: a refill moves what the prefill wrote, not the whole cache;
 * run: the ordinary `speculative.run_steps` on all slots, returning once `refill_at` of its
   rows have finished (a traced argument); idle slots are `done` and change nothing.
 
@@ -39,24 +41,52 @@ def insert(state: speculative.DecodeState, rows: speculative.DecodeState, take: 
     Every leaf but `rng` has batch as axis 0 (the caches' per-layer keys and values and their
     lengths, the per-row counters, outputs, budgets and pending draft pairs), so one tree map
     covers them all. `rng` is one key for the whole batch: the big state's is kept.
+
+    A leaf of `rows` may be shorter than the state's along other axes (the prefill's caches,
+    `KVCache` [B, w, K, H], against the slots' [B, S, K, H]): only that leading block is written;
+    with `state` donated, XLA updates it in place. A taken slot keeps its old row's entries past
+    w, which its new row never reads: a query sees only the slots up to its position
+    (`layers.Attention.attend`, `kernels.decode_attention`, `tree.visible_slots`), and every
+    forward writes its new keys from its cache's `lengths` on (a new row's: its prompt) before it
+    attends, so each slot a query sees holds the prompt or this row's own writes.
     """
-    pick = lambda big, new: jnp.where(take.reshape((-1,) + (1,) * (big.ndim - 1)), new.astype(big.dtype), big)
+    def pick(big, new):
+        corner = (0,) * big.ndim
+        old = jax.lax.slice(big, corner, new.shape)
+        picked = jnp.where(take.reshape((-1,) + (1,) * (big.ndim - 1)), new.astype(big.dtype), old)
+        return jax.lax.dynamic_update_slice(big, picked, corner)
+
     merged = jax.tree.map(pick, state.replace(rng=None), rows.replace(rng=None))
     return merged.replace(rng=state.rng)
 
 
-def empty_state(row_shape: speculative.DecodeState, batch_size: int, rng: jax.Array) -> speculative.DecodeState:
-    """`batch_size` idle slots shaped like the prefill's rows (arrays or ShapeDtypeStructs).
+def slot_shape(row_shape: speculative.DecodeState, cache_length: int) -> speculative.DecodeState:
+    """The prefill's output shapes (ShapeDtypeStructs) with caches `cache_length` slots long.
 
-    Built from host zeros (no device program): idle rows are `done`, so steps leave them as
-    they are; `pending_count` is 1 so an idle row's draft reads a real pending slot.
+    The caches' keys and values ([B, S, K, H], target and head) are the only leaves whose shape
+    follows the cache length: the output buffer follows `Options.max_new_tokens`, the pending
+    pairs k.
     """
-    zeros = lambda leaf: np.zeros((batch_size,) + tuple(leaf.shape[1:]), leaf.dtype)
-    state = jax.tree.map(zeros, row_shape.replace(rng=None))
-    state = state.replace(done=np.ones((batch_size,), bool))
+    def lengthen(cache):
+        resize = lambda leaf: jax.ShapeDtypeStruct(leaf.shape[:1] + (cache_length,) + leaf.shape[2:], leaf.dtype)
+        return None if cache is None else cache.replace(keys=tuple(map(resize, cache.keys)),
+                                                        values=tuple(map(resize, cache.values)))
+
+    return row_shape.replace(cache=lengthen(row_shape.cache), draft_cache=lengthen(row_shape.draft_cache))
+
+
+def empty_state(shape: speculative.DecodeState, rng: jax.Array) -> speculative.DecodeState:
+    """Idle slots of `shape` (ShapeDtypeStructs, `slot_shape`), built where it is traced: inside a
+    program, on the device, so no state-sized buffer crosses from the host.
+
+    Idle rows are `done`, so steps leave them as they are; `pending_count` is 1 so an idle row's
+    draft reads a real pending slot.
+    """
+    state = jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), shape.replace(rng=None))
+    state = state.replace(done=jnp.ones(state.done.shape, bool))
     if state.pending_count is not None:
-        state = state.replace(pending_count=np.ones((batch_size,), np.int32))
-    return jax.device_put(state).replace(rng=rng)
+        state = state.replace(pending_count=jnp.ones(state.pending_count.shape, jnp.int32))
+    return state.replace(rng=rng)
 
 
 @dataclasses.dataclass
@@ -90,14 +120,17 @@ class BatchPrograms:
 class SlotPrograms:
     """The compiled programs of one slot layout (see `Engine.slot_programs`)."""
 
-    # prefill(tokens [B, w], lengths [B], budgets [B], rng) -> a B-row DecodeState, w in widths
+    # prefill(tokens [B, w], lengths [B], budgets [B], rng) -> a B-row DecodeState whose caches
+    # are w slots long, w in widths
     prefill: Callable
-    insert: Callable  # insert(state, rows, take [B] bool) -> state; `state` is donated
+    # insert(state, rows, take [B] bool) -> state, `rows` a prefill's output (any width); `state`
+    # is donated
+    insert: Callable
     # run(state, attend_length, refill_at) -> state after up to steps_per_call steps or once
     # refill_at (int32) of the rows running at entry are done, attention reading cache slots
     # below attend_length (one of attend_lengths); `state` is donated.
     run: Callable
-    empty: Callable  # empty(rng) -> a state of idle slots
+    empty: Callable  # empty(rng) -> a state of idle slots, caches the whole cache long, built on the device
     batch_size: int
     widths: tuple[int, ...]  # the prefill buckets, ascending; the last is the longest prompt a slot takes
     attend_lengths: tuple[int, ...]  # ascending; the last is the whole cache

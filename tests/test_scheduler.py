@@ -6,9 +6,11 @@ enter and leave slots.
 """
 
 import collections
+import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -16,14 +18,17 @@ from eagle_jax import engine as engine_lib
 from eagle_jax import sampling as sampling_lib
 from eagle_jax import scheduler as scheduler_lib
 from eagle_jax import speculative
+from eagle_jax import tree as tree_lib
 
 MAX_LENGTH = 64  # prompts up to 32 tokens (prefills 16 and 32 wide), one 64-slot cache
 PROMPT_LENGTHS = (3, 17, 1, 9, 26, 6, 12)  # 7 prompts through 3 slots
 BUDGETS = (14, 5, 9, 1, 11, 16, 7)
 SLOTS = 3
-# Slot programs: one prefill per width bucket (16 and 32 here), one insert, and one run per
-# attention length (16, 32 and 64 slots here: a quarter, half and all of the cache).
-SLOT_PROGRAMS = len({engine_lib.bucket_length(n, MAX_LENGTH // 2) for n in range(1, MAX_LENGTH // 2 + 1)}) + 1 + 3
+# Slot programs: one prefill and one insert per width bucket (16 and 32 here), one building the
+# idle slots, and one run per attention length (16, 32 and 64 slots here: a quarter, half and all
+# of the cache).
+WIDTHS = sorted({engine_lib.bucket_length(n, MAX_LENGTH // 2) for n in range(1, MAX_LENGTH // 2 + 1)})
+SLOT_PROGRAMS = 2 * len(WIDTHS) + 1 + 3
 DRAFT_VOCAB = 64
 K = {"plain": 0, "eagle": 3, "eagle3": 4}
 
@@ -96,9 +101,9 @@ def test_continuous_equals_batch_one(target, prompts, heads, eos_id, reference, 
     # state (draft cache, pending pairs) was inserted intact too.
     assert [r.stats for r in results] == [r.stats for r in reference(kind)]
     assert [streamed[i] for i in range(len(prompts))] == expected
-    # Prefill (per bucket), insert and run: compiled once, before the first prompt; the prompts
+    # Prefill and insert (per bucket), empty and run: compiled once, before the first prompt; the prompts
     # compile nothing, nor does a second call with other budgets.
-    assert SLOT_PROGRAMS == 6 and engine.num_compilations == SLOT_PROGRAMS
+    assert SLOT_PROGRAMS == 8 and engine.num_compilations == SLOT_PROGRAMS
     with xla_compilations() as compiled:
         again = engine.generate(prompts[::-1], max_new_tokens=list(BUDGETS[::-1]), eos_ids=[eos_id],
                                 steps_per_call=2)
@@ -131,6 +136,71 @@ def test_speculation_pauses_while_the_slots_are_full(target, prompts, heads, eos
     plain_steps = [r.num_tokens - 1 - r.stats["num_drafts"] - r.stats["num_accepted_tokens"] for r in results]
     assert max(plain_steps) >= 1 and sum(r.stats["num_drafts"] for r in results) > 0, [r.stats for r in results]
     assert engine.num_compilations == SLOT_PROGRAMS
+
+
+def cache_leaves(state):
+    caches = [cache for cache in (state.cache, state.draft_cache) if cache is not None]
+    return [leaf for cache in caches for leaf in cache.keys + cache.values]
+
+
+def with_stale_caches(state, seed=0):
+    """`state` with every slot of its caches (target and head) holding large random values: what
+    slots that held other rows hold, but loud, so that a row reading a slot it did not write
+    changes its tokens."""
+    noise = np.random.default_rng(seed)
+    fill = lambda leaf: jnp.asarray(100 * noise.standard_normal(leaf.shape), leaf.dtype)
+    stale = lambda cache: None if cache is None else cache.replace(keys=tuple(map(fill, cache.keys)),
+                                                                   values=tuple(map(fill, cache.values)))
+    return state.replace(cache=stale(state.cache), draft_cache=stale(state.draft_cache))
+
+
+@pytest.fixture(scope="module")
+def slot_programs(target, heads, eos_id):
+    """`slot_programs(kind)`: the continuous scheduler's programs for "eagle" (a chain) or "tree"
+    (an EAGLE-2 tree with the same head), greedy, stopping at eos_id; compiled once per kind."""
+    def compile(kind):
+        drafting = dict(tree=tree_lib.TreeOptions(2, 3, 5)) if kind == "tree" else dict(num_speculative_tokens=K[kind])
+        engine = engine_lib.Engine(target, heads["eagle"], max_length=MAX_LENGTH, batch_size=SLOTS,
+                                   scheduler="continuous", **drafting)
+        return engine.slot_programs(sampling_lib.Sampling(), (eos_id,), steps_per_call=2)
+
+    return functools.cache(compile)
+
+
+def test_a_refill_moves_only_its_prefill_width(slot_programs):
+    """A slot prefill's caches (target and head) are as long as its width, not the slots' cache,
+    and insert writes them over the first slots of the taken slots' caches only: the other slots
+    keep what they held."""
+    programs = slot_programs("eagle")
+    state = programs.empty(jax.random.key(0))
+    assert {leaf.shape[1] for leaf in cache_leaves(state)} == {MAX_LENGTH}
+    take = np.array([True, False, True])
+    for width in programs.widths:
+        rows = programs.prefill(np.ones((SLOTS, width), np.int32), np.full((SLOTS,), width, np.int32),
+                                np.ones((SLOTS,), np.int32), jax.random.key(1))
+        assert {leaf.shape[1] for leaf in cache_leaves(rows)} == {width}
+        before = with_stale_caches(state, seed=width)
+        old = [np.asarray(leaf) for leaf in cache_leaves(before)]
+        state = programs.insert(before, rows, take)  # donates `before`
+        for got, was, new in zip(cache_leaves(state), old, cache_leaves(rows)):
+            expected = was.copy()
+            expected[take, :width] = np.asarray(new)[take]
+            np.testing.assert_array_equal(np.asarray(got), expected)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "tree"])
+def test_stale_cache_slots_are_never_read(slot_programs, prompts, reference, kind):
+    """Every slot of the idle state's caches holds large random values: a refilled row keeps them
+    past its prefill's width, and must still give its batch-1 tokens (and, for chains, statistics),
+    since a query sees only the slots up to its position, which the row wrote."""
+    programs = slot_programs(kind)
+    stale = dataclasses.replace(programs, empty=lambda rng: with_stale_caches(programs.empty(rng)))
+    results = scheduler_lib.generate(stale, [np.asarray(p, np.int32) for p in prompts], list(BUDGETS),
+                                     jax.random.key(0))
+    expected = reference("plain" if kind == "tree" else kind)  # greedy trees are lossless too
+    assert [r.token_ids for r in results] == [r.token_ids for r in expected]
+    if kind != "tree":
+        assert [r.stats for r in results] == [r.stats for r in expected]
 
 
 def test_one_slot_and_idle_slots(target, prompts, eos_id, reference):
