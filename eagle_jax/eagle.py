@@ -6,10 +6,9 @@ Both heads share one interface, so the speculative loop and the trainer do not c
     layer's `layers.Attention`; `finish(attended, residual, decode_kernels="xla")` -> next
     features; `logits(out, target)`.
   * `extra_layers`: EAGLE-3 only, plain Llama decoder layers after the first (empty for one layer).
-  * `__call__(tokens, features, positions, cache, target, mask=None, attend_length=None)`: those
-    with a KV cache (a layer each) (`mask`: `layers.SlotMask` for tree drafting; `attend_length`: as
-    `layers.Attention`); returns (next features [B, T, D],
-    logits [B, T, V_draft], cache).
+  * `__call__(tokens, features, positions, cache, target, mask=None, attend_length=None)`: every
+    layer, each with its layer of the KV cache (`mask`: `layers.SlotMask` for tree drafting;
+    `attend_length`: as `layers.Attention`); returns (next features [B, T, D], logits [B, T, V_draft], cache).
   * `to_target_ids(draft_ids)`: draft vocabulary -> target vocabulary.
 The split lets training run the same layers under its own attention pattern (training-time test):
 `forward_layers` runs them all and takes attention as an argument.
@@ -101,7 +100,8 @@ class Eagle1Head(nnx.Module):
 
 
 class Eagle3Head(nnx.Module):
-    """EAGLE-3 midlayer over concat(input_layernorm(embed), hidden_norm(g)), own norm and lm_head."""
+    """EAGLE-3 midlayer over concat(input_layernorm(embed), hidden_norm(g)), then `num_layers - 1`
+    plain Llama decoder layers, own norm and lm_head."""
 
     def __init__(self, cfg: EagleConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
         self.config = cfg
