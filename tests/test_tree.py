@@ -198,14 +198,15 @@ def test_two_stage_top_k_equals_lax_top_k(shape, k):
         np.testing.assert_array_equal(indices, expected_indices)
 
 
-def test_trees_draft_the_same_with_two_stage_top_k(target, make_head, prompts, reference, monkeypatch):  # noqa: F811
+def test_trees_draft_the_same_with_two_stage_top_k(target, make_head, prompts, reference, run_tree,  # noqa: F811
+                                                   monkeypatch):
     """The tiny test vocabularies are too short to split: chunks of 8 send them through both
-    stages. Same drafts, so the same tokens accepted at each step, as with one `lax.top_k`."""
-    def run(kind, chunk):
-        monkeypatch.setattr(tree_lib, "TOP_K_CHUNK", chunk)
-        engine = engine_lib.Engine(target, make_head(kind), tree=tree_lib.TreeOptions(3, 3, 6), max_length=64)
-        return engine.generate(prompts, max_new_tokens=MAX_NEW, ignore_eos=True, steps_per_call=4)
-    split, whole = run("eagle3-random", 8), run("eagle3-random", 10_000)  # draft ids mapped to target ids
+    stages. Same drafts, so the same tokens accepted at each step, as with one `lax.top_k` (the
+    default chunk, 1,024, holds the whole vocabulary: `run_tree`'s run of the same case)."""
+    monkeypatch.setattr(tree_lib, "TOP_K_CHUNK", 8)
+    engine = engine_lib.Engine(target, make_head("eagle3-random"), tree=tree_lib.TreeOptions(4, 2, 5), max_length=64)
+    split = engine.generate(prompts, max_new_tokens=MAX_NEW, ignore_eos=True, steps_per_call=4)
+    whole = run_tree("eagle3-random", 4, 2, 5, 1)  # draft ids mapped to target ids
     assert [r.token_ids for r in split] == [r.token_ids for r in whole] == reference
     assert [r.stats for r in split] == [r.stats for r in whole]
     assert sum(r.stats["num_accepted_tokens"] for r in split) > 0  # drafts that the target takes: ids matter
