@@ -9,9 +9,15 @@ data exists:
     vLLM's Llama-3.1-8B figures as dashed references;
   * otps_vs_k.png: output tokens/s vs k, plain decoding and HF peers as horizontal lines;
   * per_position_acceptance.png: acceptance rate at each draft position, best k per method;
-  * batch_scaling.png: tokens/s vs batch size, plain decoding and each method at its best k.
-  All from static batches with speculation never disabled (rows with a `scheduler` of
-  continuous or a `speculative_disable_by_batch_size` are left out).
+  All three from static batches with speculation never disabled (rows with a `scheduler` of
+  continuous or a `speculative_disable_by_batch_size` are left out), XLA decode kernels;
+  * batch_scaling.png: what serving gets, output tokens/s at each batch size above 1, grouped bars
+    of plain decoding and each EAGLE method on static batches and on continuous batching, with
+    the continuous / static ratio. The newest row of each (method, batch size, scheduler) at
+    the k measured most recently there, among compiled greedy rows on Pallas decode kernels, one
+    device, an exit test every step, no XLA_FLAGS, speculation never disabled, no tree and the
+    scheduler's default refill_at (`batch_rows`); an unshipped head's row only where no shipped
+    head's has its setting, and its bars say so.
 From docs/results/training/*_metrics.json (`eagle_jax.train`): training_curves.png.
 From scaling.json (heads_pipeline.sh's SCALING_TOKENS runs, with `train_tokens` and `scheduled_steps`):
   * data_scaling.png: MT-Bench acceptance length vs tokens trained on, one line per step count.
@@ -19,8 +25,8 @@ From profile.json (examples/profile_step.py and examples/scale_8b.py rows), when
   * step_breakdown.png: draft / verify / rest of a speculative step;
   * scale_8b.png: 8B-shaped step times against their HBM floors.
 Rows repeating a setting (method, k, mode, batch, temperature, max_new_tokens, num_prompts,
-scheduler, speculative_disable_by_batch_size, kernels, devices, tree) count once: the latest by date
-wins. The tree plot's chain is the one drafted by the trees' head.
+scheduler, speculative_disable_by_batch_size, kernels, devices, tree, refill_at) count once: the
+latest by date wins. The tree plot's chain is the one drafted by the trees' head.
 """
 
 from __future__ import annotations
@@ -51,11 +57,13 @@ COLORS = {"none": "black", "eagle": "tab:blue", "eagle3": "tab:orange"}
 EAGLE_METHODS = ("eagle", "eagle3")
 KEY = ("method", "k", "mode", "batch_size", "temperature", "max_new_tokens", "num_prompts", "scheduler",
        "speculative_disable_by_batch_size", "decode_kernels", "tensor_parallel_size", "steps_per_check",
-       "speculative_eagle_topk", "speculative_num_steps", "speculative_num_draft_tokens", "xla_flags")
+       "speculative_eagle_topk", "speculative_num_steps", "speculative_num_draft_tokens", "xla_flags", "refill_at")
 # Rows written before a field existed: static batches, XLA kernels, one device, a test every step,
-# no XLA flags (a row run without them has none).
+# no XLA flags (a row run without them has none), no refill_at (static rows have none).
 KEY_DEFAULTS = {"scheduler": "static", "decode_kernels": "xla", "tensor_parallel_size": 1, "steps_per_check": 1,
-                "xla_flags": None}
+                "xla_flags": None, "refill_at": None}
+SCHEDULERS = ("static", "continuous")
+BATCH_KERNELS = "pallas"  # the batch benchmarks' decode kernels since the eleventh session
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -149,10 +157,10 @@ def subtitle(rows: list[dict], setting) -> str:
             f"{', '.join(devices)}, {', '.join(dtypes)}")
 
 
-def finish(fig, ax, path: Path, title: str, sub: str, legend_below: bool = False) -> None:
-    ax.set_title(f"{title}\n", fontsize=13)
+def finish(fig, ax, path: Path, title: str, sub: str, legend_below: bool = False, grid: str = "both") -> None:
+    ax.set_title(title + "\n" * (1 + sub.count("\n")), fontsize=13)  # a line of room per line of `sub`
     ax.text(0.5, 1.01, sub, transform=ax.transAxes, ha="center", va="bottom", fontsize=8.5, color="dimgray")
-    ax.grid(True, alpha=0.3)
+    ax.grid(True, alpha=0.3, axis=grid)
     if legend_below:
         handles, labels = ax.get_legend_handles_labels()
         fig.legend(handles, labels, fontsize=9, frameon=True, loc="lower center", ncol=2)
@@ -263,29 +271,121 @@ def plot_per_position(rows, sub, out: Path) -> None:
     finish(fig, ax, out / "per_position_acceptance.png", "Per-position acceptance rate (greedy, batch 1)", sub)
 
 
-def plot_batch_scaling(all_rows, batch1, sub, out: Path) -> None:
-    series = {}
-    plain = sorted((r for r in all_rows if r["method"] == "none"), key=lambda r: r["batch_size"])
-    if plain:
-        series[LABELS["none"]] = ("none", plain)
-    for method in EAGLE_METHODS:
-        if (best := best_k(batch1, method)) is not None:
-            rows = sorted((r for r in all_rows if r["method"] == method and r["k"] == best["k"]),
-                          key=lambda r: r["batch_size"])
-            series[f"{LABELS[method]}, k={best['k']}"] = (method, rows)
-    if not any(len({r["batch_size"] for r in rows}) > 1 for _, rows in series.values()):
+def default_refill_at(row: dict) -> int | None:
+    """The refill_at a row of its scheduler runs without --refill_at: none on static batches, a
+    quarter of the slots on continuous ones (`Engine.refill_at`)."""
+    if row.get("scheduler", KEY_DEFAULTS["scheduler"]) == "static":
+        return None
+    return min(max(1, row["batch_size"] // 4), row["batch_size"])
+
+
+def serving_setting(row: dict, setting: tuple[int, int]) -> bool:
+    """A batch row at the setting the batch plot compares: batch > 1, compiled, greedy, `setting`,
+    `BATCH_KERNELS`, one device, the exit test every step, no XLA_FLAGS, speculation never disabled,
+    a chain (no tree), the scheduler's default refill_at (a continuous row older than the field
+    refilled at every finish: left out)."""
+    return (row["batch_size"] > 1 and row["method"] in ("none",) + EAGLE_METHODS and row.get("mode") == "compiled"
+            and float(row.get("temperature", 0)) == 0 and (row["num_prompts"], row["max_new_tokens"]) == setting
+            and row.get("decode_kernels", KEY_DEFAULTS["decode_kernels"]) == BATCH_KERNELS
+            and row.get("tensor_parallel_size", 1) == 1 and row.get("steps_per_check", 1) == 1
+            and not row.get("xla_flags") and not row.get("speculative_disable_by_batch_size")
+            and not row.get("speculative_eagle_topk") and row.get("scheduler", "static") in SCHEDULERS
+            and row.get("refill_at") == default_refill_at(row))
+
+
+def batch_rows(rows: list[dict], setting: tuple[int, int]) -> list[dict]:
+    """The rows batch_scaling.png draws, by batch size, method and scheduler: of each method and
+    batch size, the k measured most recently there (by a shipped head's rows where there are any),
+    then of each scheduler at that k the newest row, a shipped head's before an unshipped one's
+    (`latest_of_newest_head`)."""
+    rows = latest_of_newest_head(sorted((r for r in rows if serving_setting(r, setting)),
+                                        key=lambda r: r.get("date", "")))
+    chosen = []
+    for batch, method in sorted({(r["batch_size"], r["method"]) for r in rows}):
+        mine = [r for r in rows if (r["batch_size"], r["method"]) == (batch, method)]
+        shipped = [r for r in mine if head_rank(r) >= 0] or mine
+        k = max(shipped, key=lambda r: r.get("date", ""))["k"]
+        by_scheduler = {r.get("scheduler", "static"): r for r in mine if r["k"] == k}
+        chosen += [by_scheduler[s] for s in SCHEDULERS if s in by_scheduler]
+    return chosen
+
+
+def head_label(row: dict) -> str:
+    """k and the drafting head of an EAGLE bar ("" for plain decoding)."""
+    if row["method"] == "none":
+        return ""
+    head = row.get("head", "head of its date")
+    shipped = {False: "\nnot shipped", True: " (shipped)"}.get(row.get("shipped"), "")
+    return f"k={row['k']}, {head}{shipped}"
+
+
+def lease_range(rows: list[dict]) -> str:
+    """When the rows were measured: their first and last date (UTC), and their leases (the
+    `note`'s "lease N")."""
+    dates = sorted(r["date"] for r in rows if r.get("date"))
+    if not dates:
+        return "dates unknown"
+    first, last = dates[0][:16].replace("T", " "), dates[-1][:16].replace("T", " ")
+    span = first if first == last else (f"{first}-{last[11:]}" if first[:10] == last[:10] else f"{first} to {last}")
+    leases = sorted({r["note"].split()[1].rstrip(",:(") for r in rows if r.get("note", "").startswith("lease ")},
+                    key=lambda name: (len(name), name))
+    return f"measured {span} UTC" + (f" (lease{'s' * (len(leases) > 1)} {', '.join(leases)})" if leases else "")
+
+
+def plot_batch_scaling(rows: list[dict], setting: tuple[int, int], out: Path) -> None:
+    """batch_scaling.png: `batch_rows`' output tokens/s as bars grouped by batch size, a bar per
+    method and scheduler (continuous hatched), each EAGLE bar naming its k and head, and the
+    continuous / static ratio above each method's pair."""
+    if not rows:
         return
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    for label, (method, rows) in series.items():
-        ax.plot([r["batch_size"] for r in rows], [r["output_tokens_per_second"] for r in rows], "o-",
-                color=COLORS[method], label=label, linewidth=2)
-    ax.set_xscale("log", base=2)
-    sizes = sorted({r["batch_size"] for _, rows in series.values() for r in rows})
-    ax.set_xticks(sizes, [str(s) for s in sizes])
-    ax.set_xlabel("batch size (max_num_seqs)")
+    sizes = sorted({r["batch_size"] for r in rows})
+    methods = [m for m in ("none",) + EAGLE_METHODS if any(r["method"] == m for r in rows)]
+    slots = [(m, s) for m in methods for s in SCHEDULERS if any((r["method"], r.get("scheduler", "static")) == (m, s)
+                                                                  for r in rows)]
+    width = 0.8 / len(slots)
+    offset = {slot: (index - (len(slots) - 1) / 2) * width for index, slot in enumerate(slots)}
+    top = max(r["output_tokens_per_second"] for r in rows)
+    fig, ax = plt.subplots(figsize=(9, 5.4))
+    for method, scheduler in slots:
+        mine = [r for r in rows if (r["method"], r.get("scheduler", "static")) == (method, scheduler)]
+        x = [sizes.index(r["batch_size"]) + offset[(method, scheduler)] for r in mine]
+        heights = [r["output_tokens_per_second"] for r in mine]
+        continuous = scheduler == "continuous"
+        ax.bar(x, heights, width * 0.92, color=COLORS[method], alpha=0.45 if continuous else 1.0,
+               hatch="//" if continuous else None, edgecolor=COLORS[method], linewidth=0.8, zorder=2,
+               label=f"{LABELS[method]}, {scheduler} batching")
+        for position, row in zip(x, mine):
+            ax.text(position, row["output_tokens_per_second"] + 0.01 * top, f"{row['output_tokens_per_second']:,.0f}",
+                    ha="center", va="bottom", fontsize=7.5)
+            if row["method"] != "none":
+                ax.text(position, 0.02 * top, head_label(row), rotation=90, ha="center", va="bottom", fontsize=7,
+                        color="white" if not continuous else "black", zorder=3)
+    for index, batch in enumerate(sizes):
+        for method in methods:
+            pair = {r.get("scheduler", "static"): r for r in rows if (r["batch_size"], r["method"]) == (batch, method)}
+            if len(pair) < 2:
+                continue
+            static, cont = pair["static"], pair["continuous"]
+            same_head = static.get("head") == cont.get("head")
+            ratio = cont["output_tokens_per_second"] / static["output_tokens_per_second"]
+            left, right = (index + offset[(method, s)] for s in SCHEDULERS)
+            y = max(static["output_tokens_per_second"], cont["output_tokens_per_second"]) + 0.07 * top
+            ax.plot([left, left, right, right], [y - 0.015 * top, y, y, y - 0.015 * top], color="dimgray",
+                    linewidth=0.8)
+            ax.text((left + right) / 2, y + 0.005 * top,
+                    "continuous / static" + ("" if same_head else ",\ntwo heads") + f"\n{ratio:.2f}x",
+                    ha="center", va="bottom", fontsize=7.5, color="dimgray", linespacing=1.1)
+    ax.set_xticks(range(len(sizes)), [f"{size} rows" for size in sizes])
+    ax.set_xlim(-0.5, len(sizes) - 0.5)
+    ax.set_xlabel("batch size (max_num_seqs: rows of a static batch, decode slots of continuous batching)")
     ax.set_ylabel("output tokens / s (all rows)")
-    ax.set_ylim(bottom=0)
-    finish(fig, ax, out / "batch_scaling.png", "Throughput vs batch size (greedy)", sub)
+    ax.set_ylim(0, 1.2 * top)
+    ax.yaxis.set_major_formatter(matplotlib.ticker.StrMethodFormatter("{x:,.0f}"))
+    ax.set_axisbelow(True)
+    kernels = rows[0].get("decode_kernels", KEY_DEFAULTS["decode_kernels"])
+    sub = f"{subtitle(rows, setting)}\n{kernels} decode kernels; {lease_range(rows)}"
+    finish(fig, ax, out / "batch_scaling.png", "Throughput by batch size and scheduler (greedy, one GPU)", sub,
+           legend_below=True, grid="y")
 
 
 def plot_training(directory: Path, out: Path) -> None:
@@ -465,7 +565,7 @@ def main(argv=None) -> int:
         plot_acceptance(batch1, sub, out)
         plot_otps(batch1, peers, sub, out)
         plot_per_position(batch1, sub, out)
-        plot_batch_scaling(ours, batch1, sub, out)
+        plot_batch_scaling(batch_rows(all_rows, setting), setting, out)
         trees = [r for r in every if r.get("speculative_eagle_topk") and r["batch_size"] == 1
                  and (r["num_prompts"], r["max_new_tokens"]) == setting and float(r.get("temperature", 0)) == 0
                  and r.get("decode_kernels", KEY_DEFAULTS["decode_kernels"]) == KEY_DEFAULTS["decode_kernels"]]

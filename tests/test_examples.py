@@ -1,7 +1,8 @@
 """The example scripts: a missing optional package or data file is one `error:` line, status 2; the
 benchmark records the schedulers it is asked to compare and expands its tree option lists; the
-plots read only default-setting rows into the method comparison and draw the tree sweep; the
-8B-shaped timing runs several steps per call."""
+plots read only default-setting rows into the method comparison, draw the tree sweep and the
+newest serving-setting rows of each batch size and scheduler; the 8B-shaped timing runs several
+steps per call."""
 
 import json
 import os
@@ -174,6 +175,83 @@ def test_data_scaling_plot_keeps_one_point_per_size_and_steps(tmp_path, monkeypa
         (path.name, [(list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines()])))
     plot_results.plot_data_scaling(rows, tmp_path)
     assert drawn == [("data_scaling.png", [([10**6, 4 * 10**6], [1.60, 1.7])])]
+
+
+def batch_row(method, k, tokens_per_second, batch_size, scheduler, date, **settings):
+    """A batch benchmark row as examples/eagle.py writes them since the eleventh session: Pallas
+    kernels, one device, refill_at recorded on continuous rows (default a quarter of the slots)."""
+    row = mtbench_row(method, k, tokens_per_second, 3.0 if k else 1.0, date=date, note="lease 14 (...): batch_steps")
+    row.update(batch_size=batch_size, scheduler=scheduler, decode_kernels="pallas", tensor_parallel_size=1,
+               steps_per_check=1, refill_at=batch_size // 4 if scheduler == "continuous" else None)
+    row.update(settings)
+    return row
+
+
+def test_batch_plot_draws_the_newest_serving_rows_of_each_scheduler(tmp_path, monkeypatch):
+    """batch_scaling.png: of each batch size, method and scheduler, the newest row at the default
+    serving settings (Pallas kernels, default refill_at, speculation on, one device), at the k
+    measured last there, a shipped head's row before a newer unshipped one's."""
+    monkeypatch.syspath_prepend(str(REPO / "examples"))
+    import plot_results
+
+    day = "2026-12-01T"
+    rows = [
+        batch_row("none", 0, 11000.0, 16, "static", day + "10:00"),
+        batch_row("none", 0, 10000.0, 16, "continuous", day + "10:01"),
+        batch_row("none", 0, 22000.0, 64, "static", day + "10:02"),
+        batch_row("none", 0, 25000.0, 64, "continuous", day + "10:03"),
+        # Later rows of other settings: not the serving setting, so none of them replaces the above.
+        batch_row("none", 0, 10500.0, 16, "static", day + "11:00", decode_kernels="xla"),
+        batch_row("none", 0, 11400.0, 16, "continuous", day + "11:01", refill_at=16),  # a refill variant
+        batch_row("none", 0, 12100.0, 16, "static", day + "11:02", steps_per_check=8),
+        batch_row("none", 0, 11200.0, 16, "static", day + "11:03", xla_flags="--xla_gpu_enable_command_buffer=+WHILE"),
+        batch_row("none", 0, 9000.0, 16, "continuous", day + "11:04", refill_at=None),  # before refill_at existed
+        batch_row("none", 0, 11000.0, 16, "static", day + "11:05", temperature=0.7),
+        batch_row("none", 0, 11000.0, 16, "static", day + "11:06", num_prompts=10),
+        batch_row("none", 0, 1000.0, 1, "static", day + "11:07"),  # batch 1: another plot
+        # A batch size measured only on XLA kernels (an older session's) gets no group.
+        batch_row("none", 0, 16000.0, 32, "static", "2026-11-30T22:00", decode_kernels="xla"),
+        # EAGLE-3 at 16: the shipped run-10 head's static row beats a newer unshipped head's; the
+        # unshipped head's continuous row stands, no shipped head having that setting.
+        batch_row("eagle3", 5, 15000.0, 16, "static", day + "10:04", head="run 10", shipped=True),
+        batch_row("eagle3", 5, 13650.0, 16, "static", day + "12:00", head="run 13", shipped=False),
+        batch_row("eagle3", 5, 13120.0, 16, "continuous", day + "12:01", head="run 13", shipped=False),
+        # ... and the k an unshipped head was measured at last is not the k of the group: a shipped head's is.
+        batch_row("eagle3", 7, 14000.0, 16, "static", day + "12:05", head="run 13", shipped=False),
+        # EAGLE-3 at 64: k = 6 measured last, on continuous batching only; speculation disabled and
+        # trees are other settings.
+        batch_row("eagle3", 5, 24000.0, 64, "static", day + "10:05", head="run 10"),
+        batch_row("eagle3", 5, 30000.0, 64, "continuous", day + "10:06", head="run 10"),
+        batch_row("eagle3", 6, 31000.0, 64, "continuous", day + "12:02", head="run 10"),
+        batch_row("eagle3", 6, 22000.0, 64, "static", day + "12:03", head="run 10",
+                  speculative_disable_by_batch_size=16),
+        batch_row("eagle3", 6, 20000.0, 64, "static", day + "12:04", head="run 10", speculative_eagle_topk=4,
+                  speculative_num_steps=6, speculative_num_draft_tokens=16),
+    ]
+    chosen = plot_results.batch_rows(rows[::-1], (80, 256))  # in any order: "newest" goes by date
+    assert [(r["batch_size"], r["method"], r["scheduler"], r["k"], r["output_tokens_per_second"]) for r in chosen] == [
+        (16, "eagle3", "static", 5, 15000.0), (16, "eagle3", "continuous", 5, 13120.0),
+        (16, "none", "static", 0, 11000.0), (16, "none", "continuous", 0, 10000.0),
+        (64, "eagle3", "continuous", 6, 31000.0),
+        (64, "none", "static", 0, 22000.0), (64, "none", "continuous", 0, 25000.0)]
+
+    # main draws those rows: a bar each, its tokens/s on it, an unshipped head named on its bar,
+    # and continuous / static per method and batch size where both exist (EAGLE-3 at 64 has one).
+    results = tmp_path / "mtbench.json"
+    results.write_text(json.dumps(rows))
+    drawn = {}
+    monkeypatch.setattr(plot_results, "finish", lambda fig, ax, path, title, sub, **kw: drawn.setdefault(
+        path.name, ([bar.get_height() for bar in ax.patches], [text.get_text() for text in ax.texts], sub)))
+    assert plot_results.main(["--results", str(results), "--profile", str(tmp_path / "none.json"), "--training",
+                              str(tmp_path), "--scaling", str(tmp_path / "none.json"), "--out-dir", str(tmp_path)]) == 0
+    heights, texts, sub = drawn["batch_scaling.png"]
+    assert sorted(heights) == sorted(r["output_tokens_per_second"] for r in chosen)
+    assert {"11,000", "13,120", "31,000"} <= set(texts)
+    assert "k=5, run 13\nnot shipped" in texts and "k=5, run 10 (shipped)" in texts
+    ratios = sorted(text.rsplit("\n", 1)[-1] for text in texts if text.startswith("continuous / static"))
+    assert ratios == ["0.87x", "0.91x", "1.14x"]  # EAGLE-3 and plain at 16, plain at 64 (the heads differ at 16)
+    assert [text for text in texts if "two heads" in text] == ["continuous / static,\ntwo heads\n0.87x"]
+    assert "pallas decode kernels" in sub and "2026-12-01 10:00-12:02 UTC (lease 14)" in sub
 
 
 def test_scale_8b_times_several_steps_per_call(tmp_path):
