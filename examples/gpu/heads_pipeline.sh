@@ -23,7 +23,7 @@
 # STEP_MS overrides that step time (ms at batch 64), e.g. a wider head's from its last run's
 # steps and seconds (run 7: 3,462 steps in 421 s, 122 ms).
 # HEADS=eagle3 trains EAGLE-3 alone (on GPU 0); a second GPU then runs examples/gpu/benchmark.sh
-# with the shipped heads (the sections in BENCH_SECTIONS, default all), its rows in RESULTS/gpu1/.
+# with the shipped heads (the sections in BENCH_SECTIONS, default all; "none" runs none), its rows in RESULTS/gpu1/.
 # Two heads with SKIP_DISTILL: GPU 1 runs BENCH_SECTIONS (default none) after EAGLE-1's evaluation.
 # SCALING_TOKENS="N1 N2 ..." (with HEADS=eagle3): GPU 1 first (one GPU: last) trains EAGLE-3 from
 # scratch on nested subsets of N tokens of the carried data, SCALING_SECONDS each (equal steps),
@@ -158,7 +158,8 @@ if [ -n "$SKIP_DISTILL" ]; then
   distill() { ls "$run/distill"; }  # the carried parts
 fi
 heads=${HEADS:-eagle3 eagle}
-bench() {  # bench GPU [SECTION ...]: examples/gpu/benchmark.sh on GPU (no sections: all), rows in $r/gpuGPU/
+bench() {  # bench GPU [SECTION ...]: examples/gpu/benchmark.sh on GPU (no sections: all; "none": none), rows in $r/gpuGPU/
+  [ "$2" = none ] && return 0
   CUDA_VISIBLE_DEVICES=$1 RESULTS=$r/gpu$1 bash examples/gpu/benchmark.sh "${@:2}" > "$r/benchmark_log_gpu$1.txt" 2>&1
 }
 if [ "$gpus" -ge 2 ] && [ "$heads" != eagle3 ] && [ -n "$SKIP_DISTILL" ]; then
