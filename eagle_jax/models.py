@@ -105,7 +105,7 @@ EAGLE1_RULES = [
     *[dataclasses.replace(rule, target=rule.target.lstrip("/"))
       for rule in checkpoint.decoder_layer_rules(r"layers\.0", "") if "input_layernorm" not in rule.target],
 ]
-EAGLE3_MIDLAYER_RULES = [
+EAGLE3_ONE_LAYER_RULES = [  # fc, norm, lm_head, d2t and the midlayer: a one-layer head whole
     checkpoint.Rule(r"fc\.weight", "fc/kernel", transpose=True),
     checkpoint.Rule(r"norm\.weight", "norm/weight"),
     checkpoint.Rule(r"lm_head\.weight", "lm_head/kernel", transpose=True),
@@ -118,8 +118,8 @@ EAGLE3_MIDLAYER_RULES = [
 def eagle3_rules(num_layers: int) -> list[checkpoint.Rule]:
     """An EAGLE-3 head's rules: the midlayer, then plain decoder layers `layers.1..` (vLLM's
     names: it reads `midlayer.*` as `layers.0.*`), held as `layers/0..` in the head."""
-    return EAGLE3_MIDLAYER_RULES + [rule for index in range(1, num_layers)
-                                    for rule in checkpoint.decoder_layer_rules(rf"layers\.{index}", f"layers/{index - 1}")]
+    return EAGLE3_ONE_LAYER_RULES + [rule for index in range(1, num_layers)
+                                     for rule in checkpoint.decoder_layer_rules(rf"layers\.{index}", f"layers/{index - 1}")]
 
 
 def head_rules(cfg: eagle.EagleConfig) -> list[checkpoint.Rule]:
