@@ -300,6 +300,19 @@ def aligned_target(random_target):
 
 
 @pytest.fixture(scope="session")
+def speculation_target(aligned_target):
+    """The aligned target of the speculative decoding tests (seed 14, three layers, head_dim 16)."""
+    return aligned_target(seed=14, num_layers=3, head_dim=16)
+
+
+@pytest.fixture(scope="session")
+def random_prompts():
+    """Factory: `random_prompts(lengths, seed=0)` -> one prompt of random ids (of the tiny configs'
+    101) per length, each drawn from `seed + length`, so a length always gives the same prompt."""
+    return lambda lengths, seed=0: [np.random.default_rng(seed + n).integers(0, 101, n).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="session")
 def agreeing_head(random_head):
     """Factory: `agreeing_head(target_cfg, noise, residual=0.0, fc_bias=False, seed=0)` -> EAGLE-1 head.
 

@@ -34,13 +34,13 @@ K = {"plain": 0, "eagle": 3, "eagle3": 4}
 
 
 @pytest.fixture(scope="module")
-def target(aligned_target):
-    return aligned_target(seed=14, num_layers=3, head_dim=16)
+def target(speculation_target):
+    return speculation_target
 
 
 @pytest.fixture(scope="module")
-def prompts():
-    return [np.random.default_rng(100 + length).integers(0, 101, length).tolist() for length in PROMPT_LENGTHS]
+def prompts(random_prompts):
+    return random_prompts(PROMPT_LENGTHS, seed=100)
 
 
 def static_results(target, head, k, prompts, budgets, eos_ids):

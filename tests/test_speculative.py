@@ -27,13 +27,13 @@ DRAFT_VOCAB = 64
 
 
 @pytest.fixture(scope="module")
-def target(aligned_target):
-    return aligned_target(seed=14, num_layers=3, head_dim=16)
+def target(speculation_target):
+    return speculation_target
 
 
 @pytest.fixture(scope="module")
-def prompts():
-    return [np.random.default_rng(length).integers(0, 101, length).tolist() for length in PROMPT_LENGTHS]
+def prompts(random_prompts):
+    return random_prompts(PROMPT_LENGTHS)
 
 
 @pytest.fixture(scope="module")

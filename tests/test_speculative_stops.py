@@ -31,13 +31,13 @@ EOS_STEP = 5  # the EOS id is a token that plain greedy first emits at about thi
 
 
 @pytest.fixture(scope="module")
-def target(aligned_target):
-    return aligned_target(seed=14, num_layers=3, head_dim=16)
+def target(speculation_target):
+    return speculation_target
 
 
 @pytest.fixture(scope="module")
-def prompts():
-    return [np.random.default_rng(length).integers(0, 101, length).tolist() for length in PROMPT_LENGTHS]
+def prompts(random_prompts):
+    return random_prompts(PROMPT_LENGTHS)
 
 
 @pytest.fixture(scope="module")

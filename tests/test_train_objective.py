@@ -43,8 +43,8 @@ class RecordingHead:
 
 
 @pytest.fixture(scope="module")
-def target(aligned_target):
-    return aligned_target(seed=14, num_layers=3, head_dim=16)
+def target(speculation_target):
+    return speculation_target
 
 
 @pytest.fixture(scope="module")
