@@ -170,12 +170,12 @@ def tokens_by_setting(aligned_target, agreeing_head, random_head, tmp_path_facto
     cache_dir = tmp_path_factory.mktemp("compile-cache")
     out = {}
     tree = tree_lib.TreeOptions(2, 3, 6)  # its verify: 7 nodes a row, 14 rows, XLA's attention under a tree mask
-    runs = (("none", None, 0), ("eagle", heads["eagle"], 3), ("eagle3", heads["eagle3"], 2),
-            ("eagle-tree", heads["eagle"], 0))
+    # EAGLE-1's head runs in the tree (its chain adds nothing the tree and EAGLE-3's chain do not: CI time).
+    runs = (("none", None, 0), ("eagle3", heads["eagle3"], 2), ("eagle-tree", heads["eagle"], 0))
     for setting in ("xla", "pallas", "pallas_linear"):
         # "pallas_linear" differs from "pallas" in the target's attention only (the heads' MLP kernels
         # and a tree's XLA attention are the same in both): plain and one head cover it.
-        for method, head, k in runs if setting != "pallas_linear" else runs[::2]:
+        for method, head, k in runs if setting != "pallas_linear" else runs[:2]:
             engine = engine_lib.Engine(target, head, num_speculative_tokens=k, max_length=64, batch_size=2,
                                        cache_dir=cache_dir, decode_kernels=setting,
                                        tree=tree if method.endswith("tree") else None)
@@ -185,9 +185,8 @@ def tokens_by_setting(aligned_target, agreeing_head, random_head, tmp_path_facto
     return out
 
 
-@pytest.mark.parametrize("setting, method", [("pallas", "none"), ("pallas", "eagle"), ("pallas", "eagle3"),
-                                             ("pallas", "eagle-tree"), ("pallas_linear", "none"),
-                                             ("pallas_linear", "eagle3")])
+@pytest.mark.parametrize("setting, method", [("pallas", "none"), ("pallas", "eagle3"), ("pallas", "eagle-tree"),
+                                             ("pallas_linear", "none"), ("pallas_linear", "eagle3")])
 def test_pallas_decode_gives_the_same_tokens(tokens_by_setting, method, setting):
     xla_tokens, xla_accepted, _ = tokens_by_setting["xla", method]
     pallas_tokens, pallas_accepted, pallas_hits = tokens_by_setting[setting, method]

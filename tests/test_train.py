@@ -26,7 +26,7 @@ def target_and_data(tiny_config):
     return target, dataset, prompts[:6]
 
 
-@pytest.mark.parametrize("method,unroll", [("eagle", 1), ("eagle", 2), ("eagle3", 3)])
+@pytest.mark.parametrize("method,unroll", [("eagle", 2), ("eagle3", 3)])  # unroll 1 trains in the resume tests
 def test_training_reduces_loss_and_raises_acceptance(target_and_data, tmp_path, method, unroll):
     target, dataset, eval_prompts = target_and_data
     cfg = train.TrainConfig(method=method, steps=100, batch_size=8, learning_rate=3e-3, warmup_steps=10,
