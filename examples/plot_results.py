@@ -129,19 +129,21 @@ def default_settings(rows: list[dict]) -> list[dict]:
                                                                            "steps_per_check", "xla_flags"))]
 
 
+def compiled_greedy(row: dict) -> bool:
+    """A compiled, greedy row of plain decoding or an EAGLE method (not an HF peer)."""
+    return row.get("mode") == "compiled" and float(row.get("temperature", 0)) == 0 and row["method"] in ("none",) + EAGLE_METHODS
+
+
 def static_greedy(rows: list[dict], setting: tuple[int, int]) -> list[dict]:
     """Compiled greedy rows of `setting` (num_prompts, max_new_tokens) on static batches, speculation
     never disabled: the plots compare methods there; continuous rows are read from the JSON."""
-    return [r for r in rows if (r["num_prompts"], r["max_new_tokens"]) == setting and float(r.get("temperature", 0)) == 0
-            and r.get("mode") == "compiled" and r["method"] in ("none",) + EAGLE_METHODS
+    return [r for r in rows if compiled_greedy(r) and (r["num_prompts"], r["max_new_tokens"]) == setting
             and r.get("scheduler", "static") == "static" and not r.get("speculative_disable_by_batch_size")]
 
 
 def reference_setting(rows: list[dict], args) -> tuple[int, int] | None:
     """(num_prompts, max_new_tokens) to plot: the most common among compiled greedy rows, larger on ties."""
-    counts = collections.Counter((r["num_prompts"], r["max_new_tokens"]) for r in rows
-                                 if r.get("mode") == "compiled" and float(r.get("temperature", 0)) == 0
-                                 and r["method"] in ("none",) + EAGLE_METHODS)
+    counts = collections.Counter((r["num_prompts"], r["max_new_tokens"]) for r in rows if compiled_greedy(r))
     if args.num_prompts is not None or args.max_new_tokens is not None:
         counts = collections.Counter({key: n for key, n in counts.items()
                                       if args.num_prompts in (None, key[0]) and args.max_new_tokens in (None, key[1])})
@@ -284,8 +286,7 @@ def serving_setting(row: dict, setting: tuple[int, int]) -> bool:
     `BATCH_KERNELS`, one device, the exit test every step, no XLA_FLAGS, speculation never disabled,
     a chain (no tree), the scheduler's default refill_at (a continuous row older than the field
     refilled at every finish: left out)."""
-    return (row["batch_size"] > 1 and row["method"] in ("none",) + EAGLE_METHODS and row.get("mode") == "compiled"
-            and float(row.get("temperature", 0)) == 0 and (row["num_prompts"], row["max_new_tokens"]) == setting
+    return (row["batch_size"] > 1 and compiled_greedy(row) and (row["num_prompts"], row["max_new_tokens"]) == setting
             and row.get("decode_kernels", KEY_DEFAULTS["decode_kernels"]) == BATCH_KERNELS
             and row.get("tensor_parallel_size", 1) == 1 and row.get("steps_per_check", 1) == 1
             and not row.get("xla_flags") and not row.get("speculative_disable_by_batch_size")
