@@ -5,7 +5,9 @@ SRC is one of:
     params.safetensors keyed by Flax paths, tokenizer files), which loads without a name table;
   * an EAGLE-1 or EAGLE-3 head directory (safetensors or pytorch_model.bin): it is checked against
     `--target` and written back in its public HF layout (config.json + model.safetensors), so a
-    pytorch_model.bin head becomes safetensors and stays loadable by vLLM and SGLang.
+    pytorch_model.bin head becomes safetensors and stays loadable by vLLM and SGLang. `--int8
+    lm_head.weight` stores those weights as int8 with a scale per row (`eagle_jax.int8_weights`:
+    eagle_jax reads it, vLLM does not); a head stored so is written back widened to its dtype.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import numpy as np
 
 from eagle_jax import gguf_file
 from eagle_jax import hf_files
+from eagle_jax import int8_weights
 from eagle_jax import models
 
 
@@ -30,6 +33,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=sorted(models.DTYPES),
                         help="weight dtype (default: float32 for targets; a head keeps its own)")
     parser.add_argument("--target", help="the target a head is for (any target source); required for heads")
+    parser.add_argument("--int8", default="", metavar="NAME[,NAME]",
+                        help="heads: store these 2-D weights (e.g. lm_head.weight) as int8, one float32 scale a row")
     return parser.parse_args(argv)
 
 
@@ -52,21 +57,23 @@ def convert_target(src: Path, dst: Path, dtype: str) -> None:
         models.save_converted(model, source_dir, dst, dtype)
 
 
-def convert_head(src: Path, dst: Path, target_path: str | None, dtype: str | None) -> None:
+def convert_head(src: Path, dst: Path, target_path: str | None, dtype: str | None, int8: list[str] = ()) -> None:
     if target_path is None:
         raise hf_files.CheckpointError(f"{src} is an EAGLE head: pass --target (the model it drafts for) to check it")
     target, _ = models.load_target(target_path)
     tensors = hf_files.load_tensors(src)
     models.load_head(src, target)  # raises if the head does not fit the target
-    if dtype is not None:
+    config = hf_files.load_config(src)
+    stored = int8_weights.dequantize(tensors)
+    if dtype is not None or stored is not tensors:  # an int8-stored head is widened back to its own dtype
+        dtype = dtype or config.get("torch_dtype", "bfloat16")
         cast = np.dtype(models.DTYPES[dtype])
         # Floating tensors only (bfloat16 has numpy kind "V"); d2t and t2d stay integer and bool.
-        tensors = {name: array if array.dtype.kind in "biu" else array.astype(cast) for name, array in tensors.items()}
+        tensors = {name: array if array.dtype.kind in "biu" else array.astype(cast) for name, array in stored.items()}
+        config["torch_dtype"] = dtype
+    tensors = int8_weights.quantize(tensors, list(int8))
     dst.mkdir(parents=True, exist_ok=True)
     hf_files.save_tensors(tensors, dst / "model.safetensors", metadata={"format": "pt"})
-    config = hf_files.load_config(src)
-    if dtype is not None:
-        config["torch_dtype"] = dtype
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
@@ -79,8 +86,10 @@ def main(argv=None) -> int:
         if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
             raise FileExistsError(f"{dst} already exists and is not an empty directory")
         if is_head(src):
-            convert_head(src, dst, args.target, args.dtype)
+            convert_head(src, dst, args.target, args.dtype, [name for name in args.int8.split(",") if name])
             kind = "EAGLE head"
+        elif args.int8:
+            raise ValueError("--int8 applies to EAGLE heads only")
         else:
             convert_target(src, dst, args.dtype or "float32")
             kind = "target"

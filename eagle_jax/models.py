@@ -25,6 +25,7 @@ from eagle_jax import config as config_lib
 from eagle_jax import default_model
 from eagle_jax import eagle
 from eagle_jax import hf_files
+from eagle_jax import int8_weights
 from eagle_jax import layers
 from eagle_jax import llama
 
@@ -190,7 +191,7 @@ def load_head(path: str | Path, target: llama.Llama, dtype: str = "float32", par
     Training from a head keeps float32 parameters under bf16 compute, as `train.new_head` does.
     """
     path = Path(path).expanduser()
-    tensors = hf_files.load_tensors(path)
+    tensors = int8_weights.dequantize(hf_files.load_tensors(path))
     cfg = head_config(hf_files.load_config(path if path.is_dir() else path.parent), set(tensors), target.config)
     if "embed_tokens.weight" in tensors:
         _check_embeddings(np.asarray(tensors["embed_tokens.weight"], np.float32), target)

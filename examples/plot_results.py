@@ -26,14 +26,16 @@ From profile.json (examples/profile_step.py and examples/scale_8b.py rows), when
   * scale_8b.png: 8B-shaped step times against their HBM floors.
 Rows repeating a setting (method, k, mode, batch, temperature, max_new_tokens, num_prompts,
 scheduler, speculative_disable_by_batch_size, kernels, devices, tree, refill_at) count once: the
-latest by date wins. The tree plot's chain is the one drafted by the trees' head.
+latest by date wins. The tree plot's chain is the one drafted by the trees' head, measured nearest them.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import datetime
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -99,6 +101,15 @@ def setting_key(row: dict) -> tuple:
 def latest(rows: list[dict]) -> list[dict]:
     """One row per setting, the last in `rows`."""
     return list({setting_key(row): row for row in rows}.values())
+
+
+def seconds_apart(a: str | None, b: str | None) -> float:
+    """Seconds between two rows' ISO dates (naive ones read as UTC); infinite where one is missing."""
+    if not a or not b:
+        return math.inf
+    a, b = (datetime.datetime.fromisoformat(d) for d in (a, b))
+    a, b = (d if d.tzinfo else d.replace(tzinfo=datetime.timezone.utc) for d in (a, b))
+    return abs((a - b).total_seconds())
 
 
 def head_rank(row: dict) -> int:
@@ -579,6 +590,10 @@ def main(argv=None) -> int:
         drafted_by = lambda row: row.get("head") or row.get("draft")
         heads = {drafted_by(r) for r in trees}
         same_head = [r for r in all_rows if r["method"] == "none" or drafted_by(r) in heads]
+        # Of that head's chains, the one measured nearest the trees (their lease): figures move by a
+        # few percent from lease to lease, so a later lease's chain would skew the comparison.
+        trees_date = max((r.get("date", "") for r in trees), default="")
+        same_head.sort(key=lambda r: -seconds_apart(r.get("date"), trees_date))
         chains = [r for r in static_greedy(default_settings(latest(same_head)), setting)
                   if r["batch_size"] == 1 and r["method"] != "none"]
         plain = [r for r in static_greedy(every, setting) if r["batch_size"] == 1 and r["method"] == "none"

@@ -329,6 +329,7 @@ def main(argv=None) -> int:
     meta = dict(kind="scale_8b", model_shape=label, device=device.device_kind, platform=device.platform,
                 jax_version=jax.__version__, dtype="bfloat16", cache_length=args.cache_length, filled=args.filled,
                 batch_size=1, iterations=args.iterations, steps_per_call=args.steps_per_call,
+                xla_flags=os.environ.get("XLA_FLAGS") or None,
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 command="python examples/scale_8b.py " + shlex.join(sys.argv[1:]))
     rows = []

@@ -126,8 +126,11 @@ def test_plots_compare_default_settings_and_draw_the_tree_sweep(tmp_path, monkey
             # A newer head that was not shipped never replaces a shipped head's row.
             mtbench_row("eagle3", 5, 1990.0, 2.95, head="run 8", shipped=False, date="2026-12-01T15:00:00")]
     rows += [mtbench_row("eagle3", 5, 1300.0 + n, 2.5 + n / 100, speculative_eagle_topk=topk, speculative_num_steps=5,
-                         speculative_num_draft_tokens=n, head="run 6", draft="/root/stage/run/eagle3/head")
+                         speculative_num_draft_tokens=n, head="run 6", draft="/root/stage/run/eagle3/head",
+                         date="2026-11-30T22:10:00")
              for topk in (4, 8) for n in (16, 32)]
+    # The trees' head measured again in a later lease: the chain beside the trees stays their lease's.
+    rows.append(mtbench_row("eagle3", 5, 1800.0, 2.7, head="run 6", date="2026-12-02T00:33:00+00:00"))
     # An older head's tree, measured later at a setting the newest head lacks, stays out of the sweep.
     rows.append(mtbench_row("eagle3", 5, 1000.0, 2.0, speculative_eagle_topk=4, speculative_num_steps=5,
                             speculative_num_draft_tokens=64, head="run 5", date="2026-11-30T23:00:00"))
@@ -147,7 +150,7 @@ def test_plots_compare_default_settings_and_draw_the_tree_sweep(tmp_path, monkey
     [(trees, chains, plain)] = sweeps
     assert sorted(r["speculative_num_draft_tokens"] for r in trees) == [16, 16, 32, 32]
     # Beside the trees: the chain, and plain decoding with any kernels on one device (the fastest is drawn).
-    assert [(r["method"], r["head"]) for r in chains] == [("eagle3", "run 6")]  # the trees' own head's chain
+    assert [(r["method"], r["head"], r["output_tokens_per_second"]) for r in chains] == [("eagle3", "run 6", 1900.0)]
     assert sorted(r["output_tokens_per_second"] for r in plain) == [700.0, 800.0]
     assert (tmp_path / "tree_sweep.png").stat().st_size > 0
     assert not (tmp_path / "data_scaling.png").exists()  # no scaling rows given

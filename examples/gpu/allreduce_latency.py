@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import os
 import shlex
 import sys
 import time
@@ -89,7 +90,7 @@ def main(argv=None) -> None:
         seconds = measure(mesh, width, args.count, args.iterations, dtype, chain)
         row = dict(kind="all_reduce", tensor_parallel_size=args.tensor_parallel_size, width=width, dtype=args.dtype,
                    chained=args.count, chain=chain, us_per_all_reduce=round(seconds * 1e6, 2), device=jax.devices()[0].device_kind,
-                   platform=jax.default_backend(), jax_version=jax.__version__,
+                   platform=jax.default_backend(), jax_version=jax.__version__, xla_flags=os.environ.get("XLA_FLAGS") or None,
                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                    command="python " + shlex.join(["examples/gpu/allreduce_latency.py"] + sys.argv[1:]))
         print(f"[allreduce_latency] TP {args.tensor_parallel_size}, [1, {width}] {args.dtype}: "

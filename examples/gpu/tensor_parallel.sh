@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Issue 13 on two GPUs (nvidia-h200-x2), from the repo root after `source examples/gpu/setup.sh`:
-#   bash examples/gpu/tensor_parallel.sh [SECTION ...]   (links identity steps mtbench; default all)
+#   bash examples/gpu/tensor_parallel.sh [SECTION ...]   (links oneshot identity steps mtbench; default all)
 # 1. SmolLM2-135M greedy outputs at tensor parallel size 2 equal size 1 (float32; plain and EAGLE-3
 #    k = 5; 3 kv heads: attention replicated, MLP and vocabulary split). Prints IDENTICAL or DIFFER.
 # 2. Llama-3.1-8B-shaped plain and draft steps (random bf16 weights) at sizes 1 and 2.
 # 3. SmolLM2 MT-Bench throughput at sizes 1 and 2 (a 135M model is too small to gain from a split).
+# oneshot: XLA's one-shot all-reduce kernel (each GPU reads its peers' buffers over NVLink in one
+# kernel, no NCCL launch) for the small all-reduces of a batch-1 step, which NCCL ran at ~26 µs
+# each in lease 7: the latency probe and the 8B-shaped TP 2 steps with it (rows carry xla_flags).
 set -ex
 export EAGLE_JAX_MTBENCH=.stage/mtbench_question.jsonl
 r=${RESULTS:-docs/results}; mkdir -p $r
@@ -14,6 +17,11 @@ links() {  # how the GPUs are linked and what one small all-reduce costs (unroll
   NCCL_DEBUG=INFO python3 examples/gpu/allreduce_latency.py --out $r/profile.json 2>&1 \
     | grep -i "allreduce_latency\|via\|transport\|NCCL version" | head -40 > $r/allreduce_latency.txt || true
   cat $r/topology.txt $r/allreduce_latency.txt
+}
+oneshot() {
+  local flags=--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=true
+  XLA_FLAGS=$flags python3 examples/gpu/allreduce_latency.py --out $r/profile.json 2>&1 | grep allreduce_latency || true
+  XLA_FLAGS=$flags python3 examples/scale_8b.py --ks 5 --iterations 20 --tensor_parallel_size 2 --steps_per_call 16 --out $r/profile.json
 }
 identity() {  # SmolLM2 greedy outputs at TP 2 equal TP 1
   for drafting in "--draft none" "--method eagle3 --num-speculative-tokens 5"; do
@@ -39,6 +47,6 @@ mtbench() {  # SmolLM2 throughput at both sizes
   python3 examples/eagle.py --method none,eagle3 --num_spec_tokens 5 --max_num_seqs 1 --tensor_parallel_size 1,2 \
     --num_prompts 20 --max_new_tokens 256 --out $r/mtbench.json
 }
-for section in ${@:-links identity steps mtbench}; do
+for section in ${@:-links oneshot identity steps mtbench}; do
   $section
 done
