@@ -52,8 +52,9 @@ batch_trace() {  # issue 11: why continuous batching loses to static at 16 rows 
   python3 examples/eagle.py --method none --max_num_seqs 16 --scheduler static,continuous --decode_kernels pallas \
     --trace $m
 }
-trees() {  # issue 12: EAGLE-2 trees with the shipped EAGLE-3 head beside its chain and plain decoding
-  python3 examples/eagle.py --method none,eagle3 --num_spec_tokens 5 --max_num_seqs 1 $m
+trees() {  # issue 12: EAGLE-2 trees with the shipped EAGLE-3 head beside its chain (k = 5 and the default 6)
+  # and plain decoding
+  python3 examples/eagle.py --method none,eagle3 --num_spec_tokens 5,6 --max_num_seqs 1 $m
   python3 examples/eagle.py --method eagle3 --num_spec_tokens 5 --speculative_eagle_topk 4,8 --speculative_num_steps 5 \
     --speculative_num_draft_tokens 16,32,64 --max_num_seqs 1 $m
   tree_steps
