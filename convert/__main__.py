@@ -57,7 +57,7 @@ def convert_target(src: Path, dst: Path, dtype: str) -> None:
         models.save_converted(model, source_dir, dst, dtype)
 
 
-def convert_head(src: Path, dst: Path, target_path: str | None, dtype: str | None, int8: list[str] = ()) -> None:
+def convert_head(src: Path, dst: Path, target_path: str | None, dtype: str | None, int8: tuple[str, ...] = ()) -> None:
     if target_path is None:
         raise hf_files.CheckpointError(f"{src} is an EAGLE head: pass --target (the model it drafts for) to check it")
     target, _ = models.load_target(target_path)
@@ -71,7 +71,7 @@ def convert_head(src: Path, dst: Path, target_path: str | None, dtype: str | Non
         # Floating tensors only (bfloat16 has numpy kind "V"); d2t and t2d stay integer and bool.
         tensors = {name: array if array.dtype.kind in "biu" else array.astype(cast) for name, array in stored.items()}
         config["torch_dtype"] = dtype
-    tensors = int8_weights.quantize(tensors, list(int8))
+    tensors = int8_weights.quantize(tensors, list(int8))  # after the widening: a stored head can be re-stored
     dst.mkdir(parents=True, exist_ok=True)
     hf_files.save_tensors(tensors, dst / "model.safetensors", metadata={"format": "pt"})
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -86,7 +86,7 @@ def main(argv=None) -> int:
         if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
             raise FileExistsError(f"{dst} already exists and is not an empty directory")
         if is_head(src):
-            convert_head(src, dst, args.target, args.dtype, [name for name in args.int8.split(",") if name])
+            convert_head(src, dst, args.target, args.dtype, tuple(name for name in args.int8.split(",") if name))
             kind = "EAGLE head"
         elif args.int8:
             raise ValueError("--int8 applies to EAGLE heads only")

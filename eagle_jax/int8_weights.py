@@ -1,14 +1,14 @@
 """Int8 storage of a checkpoint's 2-D weights, one float32 scale per output row, undone at load.
 
 Why: the shipped EAGLE-3 head's lm_head (32,768 x 576) is 38 MB in bfloat16, more than the rest
-of the head together, and the package carries its heads. Stored as int8 it is half that; the
-head computes exactly as before (the weights are widened back to the load dtype), only each
+of the head together, and the package carries its heads. Stored as int8 it is half that. The
+head runs the same program (the weights are widened back to the load dtype at load); only each
 value moves, by at most half its row's step (absmax / 127). On MT-Bench that moved the replayed
-acceptance length by less than the H200's lease-to-lease spread (docs/TRAINING.md, run 14).
+acceptance length by +0.005, far less than the H200's lease-to-lease spread (docs/TRAINING.md, run 14).
 
 Layout, as compressed-tensors names it: `NAME` int8 [out, in] beside `NAME_scale` float32
-[out, 1]. eagle_jax reads it; vLLM and SGLang do not (`eagle-jax-convert SRC DST --dtype
-bfloat16` writes the plain layout back).
+[out, 1]. eagle_jax reads it; vLLM and SGLang do not (`eagle-jax-convert SRC DST --target T`
+writes the head back in its own dtype, the plain layout).
 """
 
 from __future__ import annotations
