@@ -46,7 +46,8 @@ def dequantize(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """`tensors` with every int8 `NAME` that has a `NAME_scale` widened back to float32.
 
     Other tensors pass through untouched (a `_scale` without an int8 partner too: the conversion
-    table then names it as a tensor it has no rule for).
+    table then names it as a tensor it has no rule for). With nothing stored as int8, `tensors`
+    itself comes back, so a caller can tell (`eagle-jax-convert` then keeps the head's dtypes).
     """
     quantized = [name for name in tensors
                  if name + SCALE_SUFFIX in tensors and np.asarray(tensors[name]).dtype == np.int8]

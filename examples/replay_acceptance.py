@@ -16,7 +16,7 @@ the j-th draft step of a speculative decode sees while its chain is being accept
 decoding is then replayed: from the first answer token, a step accepts the leading drafts that
 equal the answer's next tokens and moves on by those plus one (the correction or bonus token).
 The counts are the engine's (tests/test_replay_acceptance.py checks them against `engine.Engine`):
-on MT-Bench the shipped head replays to 3.121 at k = 5 where the H200 measured 3.12.
+on MT-Bench the run-10 head replayed to 3.121 at k = 5 where the H200 measured 3.12.
 
 Replaying is one forward per prompt instead of a decode, and the accept rule can be changed after
 the fact. For an EAGLE-3 head it reports how much of the answers its draft vocabulary covers, the
