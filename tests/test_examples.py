@@ -117,6 +117,7 @@ def test_plots_compare_default_settings_and_draw_the_tree_sweep(tmp_path, monkey
             mtbench_row("none", 0, 700.0, 1.0, decode_kernels="pallas"),
             mtbench_row("none", 0, 150.0, 1.0, tensor_parallel_size=2),
             mtbench_row("none", 0, 990.0, 1.0, xla_flags="--xla_gpu_enable_command_buffer=+WHILE"),
+            mtbench_row("none", 0, 995.0, 1.0, decode_kernels="pallas", steps_per_check=8),
             # The newest head's row stands, though an older head was measured after it.
             mtbench_row("eagle3", 5, 1900.0, 2.9, head="run 6", date="2026-11-30T22:06:00"),
             mtbench_row("eagle3", 5, 1850.0, 2.8, head="run 5", date="2026-11-30T22:14:00"),
@@ -140,20 +141,44 @@ def test_plots_compare_default_settings_and_draw_the_tree_sweep(tmp_path, monkey
     results = tmp_path / "mtbench.json"
     results.write_text(json.dumps(rows))
     drawn, sweeps = [], []
-    monkeypatch.setattr(plot_results, "plot_otps", lambda batch1, peers, sub, out: drawn.append(batch1))
+    monkeypatch.setattr(plot_results, "plot_otps", lambda batch1, plain, peers, sub, out: drawn.append((batch1, plain)))
     draw_trees = plot_results.plot_trees
     monkeypatch.setattr(plot_results, "plot_trees", lambda *args: (sweeps.append(args[:3]), draw_trees(*args)))
     assert plot_results.main(["--results", str(results), "--profile", str(tmp_path / "none.json"),
                               "--scaling", str(tmp_path / "none.json"), "--out-dir", str(tmp_path)]) == 0
-    [batch1] = drawn
+    [(batch1, plain_beside_k)] = drawn
     assert sorted((r["method"], r["output_tokens_per_second"]) for r in batch1) == [("eagle3", 1950.0), ("none", 800.0)]
     [(trees, chains, plain)] = sweeps
     assert sorted(r["speculative_num_draft_tokens"] for r in trees) == [16, 16, 32, 32]
     # Beside the trees: the chain, and plain decoding with any kernels on one device (the fastest is drawn).
     assert [(r["method"], r["head"], r["output_tokens_per_second"]) for r in chains] == [("eagle3", "run 6", 1900.0)]
     assert sorted(r["output_tokens_per_second"] for r in plain) == [700.0, 800.0]
+    assert plain_beside_k == plain
     assert (tmp_path / "tree_sweep.png").stat().st_size > 0
     assert not (tmp_path / "data_scaling.png").exists()  # no scaling rows given
+
+
+def test_a_k_sweep_comes_from_one_lease():
+    """Acceptance moves from lease to lease: a method's curve is the lease with the most k values of
+    its newest head, not each k's latest row."""
+    sys.path.insert(0, str(REPO / "examples"))
+    import plot_results
+    first = [mtbench_row("eagle3", k, 1500.0 + k, 2.0 + k / 10, head="run 14", date=f"2026-12-02T00:2{k}:00")
+             for k in range(1, 8)]
+    second = [mtbench_row("eagle3", k, 1400.0 + k, 1.9 + k / 10, head="run 14", date=f"2026-12-02T02:5{k}:00")
+              for k in (5, 6)]
+    older_head = [mtbench_row("eagle3", k, 1000.0, 1.5, head="run 10", date="2026-12-01T12:00:00") for k in range(1, 9)]
+    plain = mtbench_row("none", 0, 900.0, 1.0, date="2026-12-02T02:50:00")
+    rows = first + second + older_head + [plain]
+    shown = plot_results.latest_of_newest_head(rows)
+    chosen = plot_results.one_lease_sweeps(shown, rows)
+    assert sorted((r["k"], r["acceptance_length"]) for r in chosen if r["method"] == "eagle3") == [
+        (r["k"], r["acceptance_length"]) for r in first]
+    assert [r for r in chosen if r["method"] == "none"] == [plain]
+    # A later lease that measured every k as well is the newer sweep.
+    again = [dict(r, date=r["date"].replace("T00:2", "T05:1"), acceptance_length=3.0) for r in first]
+    chosen = plot_results.one_lease_sweeps(plot_results.latest_of_newest_head(rows + again), rows + again)
+    assert {r["acceptance_length"] for r in chosen if r["method"] == "eagle3"} == {3.0}
 
 
 def test_eager_vs_compiled_names_where_a_run_leaves_its_reference():
