@@ -62,9 +62,9 @@ def convert_head(src: Path, dst: Path, target_path: str | None, dtype: str | Non
         raise hf_files.CheckpointError(f"{src} is an EAGLE head: pass --target (the model it drafts for) to check it")
     target, _ = models.load_target(target_path)
     tensors = hf_files.load_tensors(src)
-    models.load_head(src, target)  # raises if the head does not fit the target
     config = hf_files.load_config(src)
     stored = int8_weights.dequantize(tensors)
+    models.head_from_tensors(stored, config, target)  # raises if the head does not fit the target
     if dtype is not None or stored is not tensors:  # an int8-stored head is widened back to its own dtype
         dtype = dtype or config.get("torch_dtype", "bfloat16")
         cast = np.dtype(models.DTYPES[dtype])

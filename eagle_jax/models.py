@@ -192,7 +192,18 @@ def load_head(path: str | Path, target: llama.Llama, dtype: str = "float32", par
     """
     path = Path(path).expanduser()
     tensors = int8_weights.dequantize(hf_files.load_tensors(path))
-    cfg = head_config(hf_files.load_config(path if path.is_dir() else path.parent), set(tensors), target.config)
+    return head_from_tensors(tensors, hf_files.load_config(path if path.is_dir() else path.parent), target, dtype,
+                             param_dtype)
+
+
+def head_from_tensors(tensors: dict, config: dict, target: llama.Llama, dtype: str = "float32",
+                      param_dtype: str | None = None):
+    """`load_head` on tensors already read (int8-stored weights widened) and the head's config.json.
+
+    Raises:
+        hf_files.CheckpointError: the head does not fit `target`.
+    """
+    cfg = head_config(config, set(tensors), target.config)
     if "embed_tokens.weight" in tensors:
         _check_embeddings(np.asarray(tensors["embed_tokens.weight"], np.float32), target)
     if cfg.method == "eagle3":
