@@ -13,6 +13,8 @@ data exists:
   * per_position_acceptance.png: acceptance rate at each draft position, best k per method;
   All three from static batches with speculation never disabled (rows with a `scheduler` of
   continuous or a `speculative_disable_by_batch_size` are left out), XLA decode kernels;
+  * k_at_batch.png: EAGLE-3 tokens/s vs k at each batch size, relative to that size's best k, with
+    the k the CLI picks there (heads/defaults.json) starred (`k_sweeps_by_batch`);
   * batch_scaling.png: what serving gets, output tokens/s at each batch size above 1, grouped bars
     of plain decoding and each EAGLE method on static batches and on continuous batching, with
     the continuous / static ratio. The newest row of each (method, batch size, scheduler) at
@@ -44,6 +46,7 @@ from pathlib import Path
 import numpy as np
 
 import script_errors  # examples/ is on sys.path when run as a script
+from eagle_jax import heads
 
 matplotlib = script_errors.require("matplotlib", 'pip install matplotlib (or -e ".[dev]")')
 matplotlib.use("Agg")
@@ -362,7 +365,9 @@ def batch_rows(rows: list[dict], setting: tuple[int, int]) -> list[dict]:
         k = max(shipped, key=lambda r: r.get("date", ""))["k"]
         by_scheduler = {r.get("scheduler", "static"): r for r in mine if r["k"] == k}
         chosen += [by_scheduler[s] for s in SCHEDULERS if s in by_scheduler]
-    return chosen
+    # A batch size without plain decoding has nothing to compare with (k_at_batch.png draws its k sweep).
+    compared = {r["batch_size"] for r in chosen if r["method"] == "none"}
+    return [r for r in chosen if r["batch_size"] in compared]
 
 
 def head_label(row: dict) -> str:
@@ -374,6 +379,12 @@ def head_label(row: dict) -> str:
     return f"k={row['k']}, {head}{shipped}"
 
 
+def lease_names(rows: list[dict]) -> list[str]:
+    """The leases the rows were measured in (their `note`'s "lease N"), in order."""
+    return sorted({r["note"].split()[1].rstrip(",:(") for r in rows if r.get("note", "").startswith("lease ")},
+                  key=lambda name: (len(name), name))
+
+
 def lease_range(rows: list[dict]) -> str:
     """When the rows were measured: their first and last date (UTC), and their leases (the
     `note`'s "lease N")."""
@@ -382,8 +393,7 @@ def lease_range(rows: list[dict]) -> str:
         return "dates unknown"
     first, last = dates[0][:16].replace("T", " "), dates[-1][:16].replace("T", " ")
     span = first if first == last else (f"{first}-{last[11:]}" if first[:10] == last[:10] else f"{first} to {last}")
-    leases = sorted({r["note"].split()[1].rstrip(",:(") for r in rows if r.get("note", "").startswith("lease ")},
-                    key=lambda name: (len(name), name))
+    leases = lease_names(rows)
     return f"measured {span} UTC" + (f" (lease{'s' * (len(leases) > 1)} {', '.join(leases)})" if leases else "")
 
 
@@ -589,6 +599,60 @@ def plot_trees(trees, chains, plain, sub, out: Path) -> None:
     print(f"wrote {path}")
 
 
+def k_sweeps_by_batch(rows: list[dict], setting: tuple[int, int], method: str = "eagle3") -> dict[int, dict]:
+    """The k sweep of `method` at each batch size, as the CLI runs it there: batch 1 on static batches
+    at the default settings (`default_settings`), larger batches continuous at the serving setting
+    (`serving_setting`). Each size's sweep is one lease's (the one that measured the most k values
+    with the newest head there; the newest on ties), a k's repeats in it averaged:
+    {batch: {"tokens_per_s": {k: mean}, "runs": {k: count}, "rows": [...]}}."""
+    batch1 = [r for r in static_greedy(default_settings(rows), setting) if r["batch_size"] == 1]
+    served = [r for r in rows if serving_setting(r, setting) and r.get("scheduler") == "continuous"]
+    mine = [r for r in batch1 + served if r["method"] == method]
+    sweeps = {}
+    for batch in sorted({r["batch_size"] for r in mine}):
+        at_batch = [r for r in mine if r["batch_size"] == batch]
+        newest = max(head_rank(r) for r in at_batch)
+        runs = leases([r for r in at_batch if head_rank(r) == newest])
+        run = max(reversed(runs), key=lambda run: len({r["k"] for r in run}))  # reversed: ties go to the newest
+        by_k = collections.defaultdict(list)
+        for row in run:
+            by_k[row["k"]].append(row["output_tokens_per_second"])
+        sweeps[batch] = dict(tokens_per_s={k: float(np.mean(v)) for k, v in sorted(by_k.items())},
+                             runs={k: len(v) for k, v in sorted(by_k.items())}, rows=run)
+    return sweeps
+
+
+def plot_k_at_batch(sweeps: dict[int, dict], setting: tuple[int, int], default_k, out: Path) -> None:
+    """k_at_batch.png: tokens/s at each k relative to the best k of its batch size, a line per batch
+    size, a star at the k the CLI picks there (`default_k(batch)`, from heads/defaults.json)."""
+    if not any(len(sweep["tokens_per_s"]) > 1 for sweep in sweeps.values()):
+        return
+    fig, ax = plt.subplots(figsize=(7.5, 5.2))
+    colors = plt.get_cmap("viridis")(np.linspace(0, 0.85, len(sweeps)))
+    for color, (batch, sweep) in zip(colors, sweeps.items()):
+        speed = sweep["tokens_per_s"]
+        best = max(speed, key=speed.get)
+        ks = list(speed)
+        leases = ", ".join(lease_names(sweep["rows"]))
+        ax.plot(ks, [speed[k] / speed[best] for k in ks], "o-", color=color, linewidth=2,
+                label=f"{batch} row{'s' * (batch > 1)}: {'best' if len(ks) > 1 else 'only'} k = {best}, "
+                      f"{speed[best]:,.0f} tok/s"
+                      + (f" (lease {leases})" if leases else ""))
+        chosen = default_k(batch)
+        if chosen in speed:
+            ax.plot([chosen], [speed[chosen] / speed[best]], "*", color=color, markersize=16, markeredgecolor="black",
+                    zorder=3)
+    ax.plot([], [], "*", color="lightgray", markeredgecolor="black", markersize=12,
+            label="the k the CLI picks there (heads/defaults.json)")
+    ax.set_xlabel("k, speculative tokens per step")
+    ax.set_ylabel("output tokens / s, relative to the best k of its batch size")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    rows = [r for sweep in sweeps.values() for r in sweep["rows"]]
+    sub = (f"{subtitle(rows, setting)}\nbatch 1 static ({KEY_DEFAULTS['decode_kernels']} kernels), larger batches "
+           f"continuous ({BATCH_KERNELS} kernels); repeats of a k averaged")
+    finish(fig, ax, out / "k_at_batch.png", "Best k by batch size (EAGLE-3, greedy, one GPU)", sub, legend_below=True)
+
+
 def latest_by(rows: list[dict], kind: str, key: tuple[str, ...]) -> list[dict]:
     found = {}
     for row in rows:
@@ -624,6 +688,8 @@ def main(argv=None) -> int:
         plot_otps(batch1, plain, peers, sub, out)
         plot_per_position(batch1, sub, out)
         plot_batch_scaling(batch_rows(all_rows, setting), setting, out)
+        plot_k_at_batch(k_sweeps_by_batch(all_rows, setting), setting,
+                        lambda batch: heads.best_k("eagle3", "gpu", batch), out)
         trees = [r for r in every if r.get("speculative_eagle_topk") and r["batch_size"] == 1
                  and (r["num_prompts"], r["max_new_tokens"]) == setting and float(r.get("temperature", 0)) == 0
                  and r.get("decode_kernels", KEY_DEFAULTS["decode_kernels"]) == KEY_DEFAULTS["decode_kernels"]]
@@ -634,8 +700,8 @@ def main(argv=None) -> int:
         # been measured since), and the latest plain decoding. A head is named by its `head` field
         # ("run N"), else by its path: every lease exports its head to the same path.
         drafted_by = lambda row: row.get("head") or row.get("draft")
-        heads = {drafted_by(r) for r in trees}
-        same_head = [r for r in all_rows if r["method"] == "none" or drafted_by(r) in heads]
+        tree_heads = {drafted_by(r) for r in trees}
+        same_head = [r for r in all_rows if r["method"] == "none" or drafted_by(r) in tree_heads]
         # Of that head's chains, the one measured nearest the trees (their lease): figures move by a
         # few percent from lease to lease, so a later lease's chain would skew the comparison.
         trees_date = max((r.get("date", "") for r in trees), default="")

@@ -255,6 +255,8 @@ def test_batch_plot_draws_the_newest_serving_rows_of_each_scheduler(tmp_path, mo
                   speculative_disable_by_batch_size=16),
         batch_row("eagle3", 6, 20000.0, 64, "static", day + "12:04", head="run 10", speculative_eagle_topk=4,
                   speculative_num_steps=6, speculative_num_draft_tokens=16),
+        # EAGLE-3 at 4 rows has no plain decoding to compare with: no group (k_at_batch.png has its sweep).
+        batch_row("eagle3", 4, 5500.0, 4, "continuous", day + "12:06", head="run 10"),
     ]
     chosen = plot_results.batch_rows(rows[::-1], (80, 256))  # in any order: "newest" goes by date
     assert [(r["batch_size"], r["method"], r["scheduler"], r["k"], r["output_tokens_per_second"]) for r in chosen] == [
@@ -280,6 +282,41 @@ def test_batch_plot_draws_the_newest_serving_rows_of_each_scheduler(tmp_path, mo
     assert ratios == ["0.87x", "0.91x", "1.14x"]  # EAGLE-3 and plain at 16, plain at 64 (the heads differ at 16)
     assert [text for text in texts if "two heads" in text] == ["continuous / static,\ntwo heads\n0.87x"]
     assert "pallas decode kernels" in sub and "2026-12-01 10:00-12:02 UTC (lease 14)" in sub
+
+
+def test_k_at_batch_draws_one_lease_per_batch_size_and_the_clis_k(tmp_path, monkeypatch):
+    """k_at_batch.png: at each batch size the k sweep of one lease (the newest head's, the lease
+    with the most k values), a k's repeats averaged, relative to that size's best k; batch 1 from
+    static rows, larger batches from continuous ones; a star where the CLI's k lies."""
+    monkeypatch.syspath_prepend(str(REPO / "examples"))
+    import plot_results
+
+    day = "2026-12-02T"
+    batch1 = [mtbench_row("eagle3", k, 1800.0 + 40 * k, 3.0, head="run 14", date=f"{day}00:3{k}") for k in (4, 5, 6)]
+    rows = batch1 + [
+        mtbench_row("eagle3", 7, 2500.0, 3.0, head="run 14", date=f"{day}03:00"),  # another lease, one k: not its sweep
+        batch_row("eagle3", 3, 36000.0, 64, "continuous", day + "05:31", head="run 14"),
+        batch_row("eagle3", 4, 34000.0, 64, "continuous", day + "05:32", head="run 14"),
+        batch_row("eagle3", 3, 35000.0, 64, "continuous", day + "05:46", head="run 14"),  # a repeat: averaged
+        batch_row("eagle3", 3, 50000.0, 64, "static", day + "05:47", head="run 14"),  # static: not the CLI's at 64
+        batch_row("eagle3", 4, 40000.0, 64, "continuous", day + "05:48", head="run 13", shipped=False),
+        batch_row("none", 0, 24000.0, 64, "continuous", day + "05:30"),
+    ]
+    sweeps = plot_results.k_sweeps_by_batch(rows[::-1], (80, 256))
+    assert {batch: sweep["tokens_per_s"] for batch, sweep in sweeps.items()} == {
+        1: {4: 1960.0, 5: 2000.0, 6: 2040.0}, 64: {3: 35500.0, 4: 34000.0}}
+    assert sweeps[64]["runs"] == {3: 2, 4: 1}
+
+    drawn = {}
+    monkeypatch.setattr(plot_results, "finish", lambda fig, ax, path, title, sub, **kw: drawn.setdefault(
+        path.name, [(list(line.get_xdata()), list(line.get_ydata()), line.get_label()) for line in ax.lines]))
+    plot_results.plot_k_at_batch(sweeps, (80, 256), {1: 6, 64: 4}.get, tmp_path)
+    lines = drawn["k_at_batch.png"]
+    curves = {label: (x, y) for x, y, label in lines if len(x) > 1}
+    assert curves["64 rows: best k = 3, 35,500 tok/s (lease 14)"] == ([3, 4], [1.0, 34000.0 / 35500.0])
+    assert curves["1 row: best k = 6, 2,040 tok/s"][1] == [1960.0 / 2040.0, 2000.0 / 2040.0, 1.0]
+    stars = sorted((x[0], y[0]) for x, y, label in lines if len(x) == 1)
+    assert stars == [(4, 34000.0 / 35500.0), (6, 1.0)]
 
 
 def test_scale_8b_times_several_steps_per_call(tmp_path):

