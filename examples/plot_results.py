@@ -27,7 +27,8 @@ From scaling.json (heads_pipeline.sh's SCALING_TOKENS runs, with `train_tokens` 
   * data_scaling.png: MT-Bench acceptance length vs tokens trained on, one line per step count.
 From profile.json (examples/profile_step.py and examples/scale_8b.py rows), when present:
   * step_breakdown.png: draft / verify / rest of a speculative step;
-  * scale_8b.png: 8B-shaped step times against their HBM floors.
+  * scale_8b.png: 8B-shaped step times against their HBM floors, from one run: the latest of those
+    that compared the most tensor parallel sizes.
 Rows repeating a setting (method, k, mode, batch, temperature, max_new_tokens, num_prompts,
 scheduler, speculative_disable_by_batch_size, kernels, devices, tree, refill_at) count once: the
 latest by date wins. The tree plot's chain is the one drafted by the trees' head, measured nearest them.
@@ -530,8 +531,13 @@ def plot_scale(profile, out: Path) -> None:
     rows = [r for r in profile if r.get("kind") == "scale_8b" and "floor_ms" in r]
     if not rows:
         return
-    date = rows[-1]["date"]
-    rows = [r for r in rows if r["date"] == date]  # the latest run only
+    # One run (a date): the latest of those that compared the most tensor parallel sizes, so that a
+    # later one-GPU baseline does not hide the last comparison of one GPU with two.
+    runs = collections.defaultdict(list)
+    for row in rows:
+        runs[row["date"]].append(row)
+    date = max(runs, key=lambda d: (len({r.get("tensor_parallel_size", 1) for r in runs[d]}), d))
+    rows = runs[date]
     fig, ax = plt.subplots(figsize=(8, 4.8))
     tp = lambda r: f" tp={r['tensor_parallel_size']}" if r.get("tensor_parallel_size", 1) > 1 else ""
     names = [r["what"] + (f" {LABELS.get(r['method'], r['method'])}" if "method" in r else "")
@@ -545,7 +551,7 @@ def plot_scale(profile, out: Path) -> None:
     ax.set_xticks(list(positions), names, rotation=35, ha="right", fontsize=8.5)
     ax.set_ylabel("milliseconds (median)")
     sub = (f"{rows[0]['model_shape']} shapes, random bf16 weights, batch 1, cache {rows[0]['cache_length']} "
-           f"({rows[0]['filled']} filled), {rows[0]['device']}")
+           f"({rows[0]['filled']} filled), {rows[0]['device']}\n{lease_range(rows)}")
     finish(fig, ax, out / "scale_8b.png", "Llama-3.1-8B-shaped step times vs their HBM floor", sub)
 
 

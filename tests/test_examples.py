@@ -319,6 +319,27 @@ def test_k_at_batch_draws_one_lease_per_batch_size_and_the_clis_k(tmp_path, monk
     assert stars == [(4, 34000.0 / 35500.0), (6, 1.0)]
 
 
+def test_scale_plot_keeps_the_last_comparison_of_one_gpu_with_two(tmp_path, monkeypatch):
+    """scale_8b.png draws one run: a later run on one GPU only (a baseline) does not replace the
+    latest run that measured both tensor parallel sizes."""
+    monkeypatch.syspath_prepend(str(REPO / "examples"))
+    import plot_results
+
+    def step(what, ms, size, date):
+        return dict(kind="scale_8b", what=what, ms=ms, floor_ms=5.0 / size, ratio_to_floor=ms * size / 5.0,
+                    tensor_parallel_size=size, date=date, model_shape="llama-3.1-8b", cache_length=1024,
+                    filled=512, device="NVIDIA H200", note=f"lease {7 if date < '2026-12' else 17} (...)")
+    compared = [step("decode", 4.8, 1, "2026-11-30T22:17"), step("decode", 6.6, 2, "2026-11-30T22:17")]
+    older = [step("decode", 6.0, 1, "2026-11-30T16:52"), step("decode", 8.5, 2, "2026-11-30T16:52")]
+    baseline = [step("decode", 4.5, 1, "2026-12-02T05:44")]
+    drawn = {}
+    monkeypatch.setattr(plot_results, "finish", lambda fig, ax, path, title, sub, **kw: drawn.setdefault(
+        path.name, ([bar.get_height() for bar in ax.patches], sub)))
+    plot_results.plot_scale(older + compared + baseline, tmp_path)
+    heights, sub = drawn["scale_8b.png"]
+    assert heights == [4.8, 6.6, 5.0, 2.5] and "(lease 7)" in sub
+
+
 def test_scale_8b_times_several_steps_per_call(tmp_path):
     out = tmp_path / "profile.json"
     result = subprocess.run([sys.executable, str(REPO / "examples" / "scale_8b.py"), "--tiny", "--ks", "2",
