@@ -110,6 +110,31 @@ def load_tensors(directory, progress=True):
     return tensors
 
 
+def tensor_names(directory):
+    """The tensor names of a Hugging Face checkpoint, reading as little as it can.
+
+    An index's weight map names them without opening a shard, and a
+    safetensors file's header does without its data; a `pytorch_model.bin`
+    has no header, so it is loaded whole.
+
+    Args:
+        directory: Checkpoint directory, or one `.safetensors`/`.bin` file.
+
+    Returns:
+        The names, in file order.
+
+    Raises:
+        CheckpointError: As `load_tensors`, for what it reads.
+    """
+    files, index_keys = _weight_files(pathlib.Path(directory))
+    if index_keys:
+        return index_keys
+    names = []
+    for path in files:
+        names += list(_safetensors_header(path)[0] if path.suffix == ".safetensors" else _read_torch(path))
+    return names
+
+
 def save_tensors(tensors, path, metadata=None):
     """Writes tensors to one safetensors file (bfloat16 via ml_dtypes too).
 
@@ -184,8 +209,8 @@ def _indexed_files(index_path):
     return shards, list(weight_map)
 
 
-def _read_safetensors(path):
-    """Parses one safetensors file into read-only memory-mapped arrays."""
+def _safetensors_header(path):
+    """(tensor name to header entry, where the data starts) of one safetensors file."""
     size = path.stat().st_size
     with open(path, "rb") as file:
         header_length = int.from_bytes(file.read(8), "little")
@@ -198,7 +223,13 @@ def _read_safetensors(path):
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: safetensors header is not a JSON object")
     header.pop("__metadata__", None)
-    data_start = 8 + header_length
+    return header, 8 + header_length
+
+
+def _read_safetensors(path):
+    """Parses one safetensors file into read-only memory-mapped arrays."""
+    size = path.stat().st_size
+    header, data_start = _safetensors_header(path)
     with open(path, "rb") as file:
         # Arrays keep the mapping alive; pages load only when a tensor is used.
         mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)

@@ -65,6 +65,23 @@ def test_sharded_safetensors_round_trip(tmp_path):
     assert_same(hf_files.load_tensors(tmp_path, progress=False), tensors)
 
 
+def test_tensor_names_read_an_index_or_headers_only(tmp_path):
+    """`tensor_names` lists a checkpoint's tensors from its index or its headers: a shard whose data
+    is cut short (which `load_tensors` refuses) still lists."""
+    tensors = sample_tensors()
+    names = sorted(tensors)
+    write_sharded(tmp_path, {"model-00001-of-00002.safetensors": {name: tensors[name] for name in names[:3]},
+                             "model-00002-of-00002.safetensors": {name: tensors[name] for name in names[3:]}})
+    shard = tmp_path / "model-00002-of-00002.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-8])
+    with pytest.raises(hf_files.CheckpointError):
+        hf_files.load_tensors(tmp_path, progress=False)
+    assert sorted(hf_files.tensor_names(tmp_path)) == names
+    (tmp_path / "model.safetensors.index.json").unlink()  # no index: each file's header
+    assert sorted(hf_files.tensor_names(tmp_path)) == names
+    assert hf_files.tensor_names(shard) == names[3:]
+
+
 def test_missing_shard_is_named(tmp_path):
     write_sharded(tmp_path, {"model-00001-of-00002.safetensors": {"a": np.zeros(2, np.float32)},
                              "model-00002-of-00002.safetensors": {"b": np.zeros(2, np.float32)}})
