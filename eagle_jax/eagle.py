@@ -165,6 +165,18 @@ class Eagle3Midlayer(nnx.Module):
         self.mlp = layers.MLP(cfg.layer, rngs=rngs, **kw)
 
 
+def capture_layers(head) -> tuple[int, ...]:
+    """The target layers whose outputs `head` reads: EAGLE-3's fused low, middle and high layers;
+    none for EAGLE-1, which reads the target's final hidden state."""
+    return head.config.feature_layers if isinstance(head, Eagle3Head) else ()
+
+
+def target_features(head, hidden: jax.Array, captured: jax.Array | None) -> jax.Array:
+    """The feature stream `head` reads from the target, in its own space [B, T, D]: EAGLE-3 projects
+    the captured layers (`capture_layers`), EAGLE-1 the final hidden state (its `project` is the identity)."""
+    return head.project(captured if isinstance(head, Eagle3Head) else hidden)
+
+
 def forward_layers(head, embedded, features, attend, decode_kernels: str = "xla"):
     """The head's layers over (embedded token, feature) pairs; returns the last layer's output.
 

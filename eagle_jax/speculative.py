@@ -97,18 +97,6 @@ class Options:
         return self.tree.cache_headroom if self.tree is not None else self.k + 1
 
 
-def _target_features(head, hidden, captured):
-    """The feature stream the head consumes, in its own space [B, T, D]."""
-    if head is None:
-        return None
-    source = captured if isinstance(head, eagle.Eagle3Head) else hidden
-    return head.project(source)
-
-
-def _capture_layers(head) -> tuple[int, ...]:
-    return head.config.feature_layers if isinstance(head, eagle.Eagle3Head) else ()
-
-
 def append_tokens(state: DecodeState, tokens: jax.Array, counts: jax.Array, opts: Options) -> DecodeState:
     """Appends the first `counts[b]` of `tokens[b]` to each row's output, stopping at EOS or the budget."""
     width = tokens.shape[1]
@@ -142,7 +130,7 @@ def start(target: llama.Llama, head, tokens: jax.Array, lengths: jax.Array, rng:
     batch, width = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
     cache = target.init_cache(batch, opts.cache_length)
-    hidden, cache, captured = target(tokens, positions, cache, _capture_layers(head))
+    hidden, cache, captured = target(tokens, positions, cache, eagle.capture_layers(head))
     rows = jnp.arange(batch)
     rng, select_rng = jax.random.split(rng)
     first = sampling_lib.select(target.logits(hidden[rows, lengths - 1]), opts.sampling, select_rng)
@@ -164,7 +152,7 @@ def start(target: llama.Llama, head, tokens: jax.Array, lengths: jax.Array, rng:
         return state
     # Draft prefill: slot i gets (t_{i+1}, f_i); the slot of the last prompt token pairs with
     # the token just sampled. That pair also stays pending, so every step starts the same way.
-    features = _target_features(head, hidden, captured)
+    features = eagle.target_features(head, hidden, captured)
     shifted = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
     shifted = shifted.at[rows, lengths - 1].set(first)
     draft_cache = eagle.init_cache(head.config, batch, opts.cache_length, features.dtype)
@@ -271,7 +259,7 @@ def _step(target: llama.Llama, head, state: DecodeState, opts: Options, k: int) 
     committed = state.cache.lengths
     verify_tokens = jnp.concatenate([state.next_token[:, None], draft_ids], axis=1)  # [B, k+1]
     positions = committed[:, None] + jnp.arange(k + 1, dtype=jnp.int32)
-    hidden, cache, captured = target(verify_tokens, positions, state.cache, _capture_layers(head) if uses_head else (),
+    hidden, cache, captured = target(verify_tokens, positions, state.cache, eagle.capture_layers(head) if uses_head else (),
                                      attend_length=opts.attend_length)
     logits = target.logits(hidden)  # [B, k+1, V]
     if opts.sampling.greedy:
@@ -282,7 +270,7 @@ def _step(target: llama.Llama, head, state: DecodeState, opts: Options, k: int) 
     else:
         num_accepted = jnp.zeros((batch,), jnp.int32)
         next_token = sampling_lib.select(logits[:, 0], opts.sampling, accept_rng)
-    features = _target_features(head, hidden, captured) if uses_head else None
+    features = eagle.target_features(head, hidden, captured) if uses_head else None
     return _commit(state, opts, rng, cache, draft_ids, num_accepted, next_token, draft_cache, features)
 
 
@@ -305,7 +293,7 @@ def _tree_step(target: llama.Llama, head, state: DecodeState, opts: Options) -> 
     # Node i is written to slot L + i at position L + depth; it sees the context and its ancestors.
     mask = layers.SlotMask(committed, tree_lib.visible_slots(committed, nodes.ancestors, state.cache.max_length))
     hidden, cache, captured = target(nodes.tokens, committed[:, None] + nodes.depths, state.cache,
-                                     _capture_layers(head), mask=mask)
+                                     eagle.capture_layers(head), mask=mask)
     choices = sampling_lib.select(target.logits(hidden), opts.sampling, accept_rng)  # [B, N+1]: one draw per node
     num_accepted, next_token, path = tree_lib.accept(nodes, choices, opts.k)
     # The path's entries to slots L..L+k, in one kernel for every layer under the Pallas settings.
@@ -313,7 +301,7 @@ def _tree_step(target: llama.Llama, head, state: DecodeState, opts: Options) -> 
     on_path = lambda x: None if x is None else jnp.take_along_axis(x, path[..., None], axis=1)
     drafts = jnp.take_along_axis(nodes.tokens, path[:, 1:], axis=1)
     return _commit(state, opts, rng, cache, drafts, num_accepted, next_token, draft_cache,
-                   _target_features(head, on_path(hidden), on_path(captured)))
+                   eagle.target_features(head, on_path(hidden), on_path(captured)))
 
 
 def _commit(state: DecodeState, opts: Options, rng: jax.Array, cache: kv_cache_lib.KVCache, drafts: jax.Array,

@@ -107,16 +107,14 @@ def loss(head, target: llama.Llama, tokens: jax.Array, loss_mask: jax.Array, rng
         (loss, {"loss": .., "accuracy_<j>": ..}).
     """
     is_eagle3 = isinstance(head, eagle.Eagle3Head)
-    capture = head.config.feature_layers if is_eagle3 else ()
     # EAGLE-3's teacher is the target's distribution restricted to the draft vocabulary.
-    hidden, captured, target_logits = target_outputs(target, tokens, capture, draft_ids if is_eagle3 else None,
-                                                     objective.attention)
+    hidden, captured, target_logits = target_outputs(target, tokens, eagle.capture_layers(head),
+                                                     draft_ids if is_eagle3 else None, objective.attention)
     n = tokens.shape[1] - 1
-    if is_eagle3:
-        features = head.project(captured[:, :n])
-    else:
-        noise = jax.random.uniform(rng, hidden[:, :n].shape, minval=-0.5, maxval=0.5) * objective.feature_noise
-        features = hidden[:, :n] + noise.astype(hidden.dtype)
+    features = eagle.target_features(head, hidden, captured)[:, :n]
+    if not is_eagle3:  # EAGLE-1 trains on noised features, as the paper does
+        noise = jax.random.uniform(rng, features.shape, minval=-0.5, maxval=0.5) * objective.feature_noise
+        features = features + noise.astype(features.dtype)
     total, weights, metrics = 0.0, 0.0, {}
     steps = unrolled_head(head, target, tokens, features, objective.num_steps, objective.attention)
     for step, (out, logits) in enumerate(steps):

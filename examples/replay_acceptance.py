@@ -125,11 +125,9 @@ def generate_outputs(target, tokenizer_dir: Path, path: Path, num_prompts: int, 
 def _unrolled_drafts(target_def, target_state, head_def, head_state, tokens, k):
     """[B, T] tokens -> (target greedy ids [B, T], drafts [B, T - 1, k] in target ids from every base position)."""
     target, head = nnx.merge(target_def, target_state), nnx.merge(head_def, head_state)
-    hidden, captured, logits = train_objective.target_outputs(target, tokens, head.config.feature_layers)
+    hidden, captured, logits = train_objective.target_outputs(target, tokens, eagle.capture_layers(head))
     n = tokens.shape[1] - 1
-    # The feature stream the head reads at inference (speculative._target_features): EAGLE-3 projects the
-    # captured layers, EAGLE-1 reads the final hidden state (its `project` is the identity).
-    features = head.project((captured if isinstance(head, eagle.Eagle3Head) else hidden)[:, :n])
+    features = eagle.target_features(head, hidden, captured)[:, :n]  # the stream the head reads at inference
     steps = train_objective.unrolled_head(head, target, tokens, features, k)
     drafts = [head.to_target_ids(jnp.argmax(step_logits, -1).astype(jnp.int32)) for _, step_logits in steps]
     return jnp.argmax(logits, -1).astype(jnp.int32), jnp.stack(drafts, -1)
