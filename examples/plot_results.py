@@ -46,8 +46,13 @@ from pathlib import Path
 
 import numpy as np
 
+try:
+    import eagle_jax  # noqa: F401
+except ModuleNotFoundError:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import script_errors  # examples/ is on sys.path when run as a script
-from eagle_jax import heads
+from eagle_jax import heads  # noqa: E402
 
 matplotlib = script_errors.require("matplotlib", 'pip install matplotlib (or -e ".[dev]")')
 matplotlib.use("Agg")
