@@ -157,6 +157,11 @@ def leases(rows: list[dict]) -> list[list[dict]]:
     return runs
 
 
+def widest_lease(rows: list[dict]) -> list[dict]:
+    """The rows of the lease (`leases`) that measured the most k values; the newest on ties."""
+    return max(reversed(leases(rows)), key=lambda run: len({r["k"] for r in run}))
+
+
 def one_lease_sweeps(shown: list[dict], pool: list[dict]) -> list[dict]:
     """`shown` (one row per setting) with each EAGLE method's k sweep replaced by one lease's: the
     lease that measured the most k values with the newest head shown (the latest on ties), from
@@ -168,8 +173,7 @@ def one_lease_sweeps(shown: list[dict], pool: list[dict]) -> list[dict]:
         if not mine:
             continue
         head = max(mine, key=head_rank).get("head")
-        runs = leases([r for r in pool if r["method"] == method and r.get("head") == head])
-        chosen = max(reversed(runs), key=lambda run: len({r["k"] for r in run}))  # reversed: ties go to the newest
+        chosen = widest_lease([r for r in pool if r["method"] == method and r.get("head") == head])
         result += latest(chosen)
     return result
 
@@ -623,8 +627,7 @@ def k_sweeps_by_batch(rows: list[dict], setting: tuple[int, int], method: str = 
     for batch in sorted({r["batch_size"] for r in mine}):
         at_batch = [r for r in mine if r["batch_size"] == batch]
         newest = max(head_rank(r) for r in at_batch)
-        runs = leases([r for r in at_batch if head_rank(r) == newest])
-        run = max(reversed(runs), key=lambda run: len({r["k"] for r in run}))  # reversed: ties go to the newest
+        run = widest_lease([r for r in at_batch if head_rank(r) == newest])
         by_k = collections.defaultdict(list)
         for row in run:
             by_k[row["k"]].append(row["output_tokens_per_second"])
