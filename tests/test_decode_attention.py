@@ -99,8 +99,8 @@ def test_a_split_wider_than_the_chunks_leaves_neutral_partials():
         partials = decode_attention._attention_call(heads, positions, keys, values, NARROW["num_heads"], INV_FREQ[8],
                                                     128, tiling, True)
         outputs, _, _, maxima, sums = partials
-        attended = decode_attention._combine_call(outputs, maxima, sums, (2, length), NARROW["num_heads"], 8,
-                                                  jnp.float32, True)
+        attended = decode_attention._combine_call(outputs, maxima, sums, (2, length), NARROW["num_heads"],
+                                                  NARROW["num_kv_heads"], 8, jnp.float32, True)
         return attended, partials
 
     attended, (outputs, _, _, maxima, sums) = split(heads, positions, keys, values)
@@ -113,6 +113,30 @@ def test_a_split_wider_than_the_chunks_leaves_neutral_partials():
         assert np.all(np.asarray(maxima)[row, :, empty] == decode_attention.attention_ops.MASK_VALUE)
         assert not np.any(np.asarray(sums)[row, :, empty]) and not np.any(np.asarray(outputs)[row, :, empty])
     assert np.isfinite(np.asarray(outputs)).all() and np.isfinite(np.asarray(sums)).all()
+
+
+@pytest.mark.parametrize("length,group,query_rows,want", [
+    (1, 3, 16, (1, 1)), (5, 3, 16, (5, 1)), (6, 3, 16, (3, 2)), (7, 3, 16, (4, 2)), (16, 3, 16, (4, 4)),
+    (11, 3, 16, (4, 3)), (16, 4, 4, (1, 16)), (3, 32, 16, (1, 3)), (16, 3, None, (16, 1)),
+])
+def test_token_blocks_hold_at_most_query_rows_and_none_is_empty(length, group, query_rows, want):
+    """k = 5's verify (6 tokens of G = 3 heads: 18 rows) takes two blocks of 9; a group wider
+    than query_rows gets one token a block."""
+    per_block, blocks = decode_attention.Tiling(query_rows=query_rows).token_blocks(length, group)
+    assert (per_block, blocks) == want
+    assert (blocks - 1) * per_block < length <= blocks * per_block
+
+
+# Token blocks of the query rows: the default (16 rows) splits k = 5's 18 rows in two; None is the
+# one-program kernel; 4 rows of NARROW's G = 4 give one token a program, with the cache split too.
+@pytest.mark.parametrize("heads,length,starts,attend_length,tiling", [
+    (REAL, 7, [90, 0], 128, decode_attention.Tiling(block_s=16)),
+    (REAL, 6, [100, 37], None, decode_attention.Tiling(block_s=16, query_rows=None)),
+    (NARROW, 5, [60, 3], 112, decode_attention.Tiling(block_s=16, query_rows=4, splits=3)),
+    (REAL, 11, [45], None, decode_attention.Tiling(block_s=16, query_rows=7, splits=2)),
+], ids=["real-7-default", "real-6-unsplit", "narrow-5-one-token-split-cache", "real-11-three-blocks-split-cache"])
+def test_token_blocks_match_xla(heads, length, starts, attend_length, tiling):
+    assert_pallas_matches_xla(heads, length, 128, starts, attend_length, jnp.float32, tiling)
 
 
 def test_xla_reference_is_what_the_attention_layer_computes():
@@ -145,6 +169,8 @@ def test_rejects_what_it_does_not_take():
         decode_attention.Tiling(block_s=48)
     with pytest.raises(ValueError, match="splits"):
         decode_attention.Tiling(splits=0)
+    with pytest.raises(ValueError, match="query_rows"):
+        decode_attention.Tiling(query_rows=0)
 
 
 @pytest.mark.parametrize("setting,splits,triton_calls", [("pallas", 1, 5), ("pallas", 4, 6), ("pallas_linear", 1, 4)])
@@ -179,6 +205,23 @@ def test_decoder_layer_lowers_to_five_triton_calls_writing_the_cache_in_place(mo
     [attention] = [line for line in calls if "output_operand_aliases" in line]
     assert "output_tuple_indices = [1], operand_index = 3" in attention
     assert "output_tuple_indices = [2], operand_index = 4" in attention
+
+
+@pytest.mark.parametrize("query_rows,programs", [(16, 6), (None, 3)])
+def test_a_verify_of_six_tokens_lowers_to_a_program_per_token_block(monkeypatch, query_rows, programs):
+    """Lowered for CUDA (Triton, not interpret mode), k = 5's verify at SmolLM2's 3 kv heads takes
+    two token blocks a kv head by default: a grid of 16 rows x 6 programs, 3 without the bound."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    tiling = decode_attention.Tiling(query_rows=query_rows)
+    attend = functools.partial(decode_attention.attend, **REAL, inv_freq=INV_FREQ[64], implementation="pallas",
+                               tiling=tiling)
+    shape = lambda *dims, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(dims, dtype)
+    lowered = export.export(jax.jit(attend), platforms=["cuda"],
+                            disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])
+    text = lowered(shape(16, 6, 15 * 64), shape(16, 6, dtype=jnp.int32), shape(16, 256, 3, 64),
+                   shape(16, 256, 3, 64)).mlir_module()
+    [call] = [line for line in text.splitlines() if "stablehlo.custom_call @__gpu$xla.gpu.triton" in line]
+    assert f"grid_x = 16 : i32, grid_y = {programs} : i32" in call
 
 
 @pytest.mark.parametrize("nodes", [4, 17])

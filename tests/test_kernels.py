@@ -246,3 +246,19 @@ def test_kernel_bench_times_the_tree_ops(tmp_path):
         ("draft_top_k", "xla", 4), ("draft_top_k", "two_stage", 4), ("compact_cache", "xla", 4),
         ("compact_cache", "pallas", 4)]
     assert all(r["kernels"] > 0 and r["busy_us"] > 0 for r in rows)
+
+
+def test_kernel_bench_sweeps_query_rows(tmp_path, tiny_hf_config):
+    """--query-rows 16,none: a decode_attention row per bound (None: one program per kv head), on CPU;
+    a bound below 1 is refused."""
+    bench = load_kernel_bench()
+    (tmp_path / "config.json").write_text(json.dumps(tiny_hf_config()))
+    out = tmp_path / "rows.json"
+    assert bench.main(["--config", str(tmp_path / "config.json"), "--dtype", "float32", "--ops", "decode_attention",
+                       "--tokens", "6", "--query-rows", "4,none", "--cache-length", "64", "--iterations", "1",
+                       "--trace-calls", "1", "--out", str(out)]) == 0
+    rows = [r for r in json.loads(out.read_text()) if r["implementation"] == "pallas"]
+    assert [(r["tokens"], r["tiling"]["query_rows"], r["attend_length"]) for r in rows] == [
+        (6, 4, None), (6, None, None), (6, 4, 32), (6, None, 32)]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--query-rows", "0"])

@@ -12,15 +12,20 @@ compute without a `SlotMask`. `"pallas"` is one Triton kernel (GPU; two with a s
 that writes the caches in place (`input_output_aliases`); `interpret=None` runs it in Pallas interpret mode unless the
 default backend is a GPU, so CPU tests run the kernel code.
 
-Kernel layout: a grid of (rows B, kv heads K). A program owns one row's T tokens for the
-G = N / K query heads sharing its kv head: a block of M = T G query rows, padded to a power of
-two >= 16 (Triton's dot), as are the head dim and the T new keys (masked edges). It
+Kernel layout: a grid of (rows B, kv heads K x token blocks Q). A program owns T' of a row's T
+tokens for the G = N / K query heads sharing its kv head: a block of M = T' G query rows, padded
+to a power of two >= 16 (Triton's dot), as are the head dim and the T new keys (masked edges).
+`Tiling.query_rows` bounds M before padding: Q = ceil(T G / ...) programs share the row's tokens
+(T' = ceil(T / Q)), each reading the (row, kv head)'s older slots itself. Without the bound a
+chain verify of k = 5 (T = 6, G = 3: M = 18) pads to 32 rows, and the kernel took 26.5 us a layer
+at 16 rows against 14.7 for k = 4's 15 rows padded to 16 (H200 step traces, docs/BENCHMARKS.md).
+It
   1. rotates its queries in float32; Triton cannot slice registers, so the rotate-half partner
      of each element is loaded from memory with a permuted column index;
   2. streams the older slots [0, min(start, attend_length)) in `block_s` chunks through an
      online softmax (flash decoding: running max and sum in float32), start = positions[b, 0];
-  3. rotates the new keys, stores them and the new values into its (row, kv head) of the
-     caches, and folds them in from registers, causally.
+  3. rotates all T new keys, folds them in from registers, causally, and (token block 0 alone)
+     stores them and the new values into its (row, kv head) of the caches.
 Positions are contiguous from start and a position is its slot, so every query sees every
 older slot and new key t' is visible to query t iff t' <= t. Taking the new keys from
 registers and the older ones from below start means no load touches a slot any program
@@ -29,17 +34,17 @@ loop also ends at the row's own length, so a row never reads the slots past it.
 
 Split over the cache (`Tiling.splits` = P > 1, flash decoding's split-K): at batch 1 the grid
 above is K = 3 programs on a GPU of 132 SMs, each walking the whole filled cache alone. The
-split kernel's grid is (B, K, P): program p folds chunks [p C / P, (p + 1) C / P) of the row's
+split kernel's grid is (B, K Q, P): program p folds chunks [p C / P, (p + 1) C / P) of the row's
 C = cdiv(min(start, attend_length), block_s) older chunks (contiguous, chunk-aligned, sized by
 the row's own length at run time), and only p == 0, whose range floor division makes the
 shortest, also does step 3. Each writes its float32 online-softmax state as a partial,
 unnormalised (a range with no chunks leaves the neutral state: max MASK_VALUE, sum 0):
 
-  outputs [B, K, P, M', H'], maxima and sums [B, K, P, M'] (M', H': M and H padded)
+  outputs [B, K Q, P, M', H'], maxima and sums [B, K Q, P, M'] (M', H': M and H padded)
 
-and a second kernel, grid (B, K), merges the P partials of its (row, kv head) by log-sum-exp
-into attended. The no-overlap rule above holds across parts too: all of them read below start,
-and only p == 0 writes, at start and past it.
+and a second kernel, grid (B, K Q), merges the P partials of its (row, kv head, token block) by
+log-sum-exp into attended. The no-overlap rule above holds across parts and token blocks too:
+all of them read below start, and only p == 0 of token block 0 writes, at start and past it.
 """
 
 from __future__ import annotations
@@ -75,18 +80,33 @@ class Tiling:
         num_stages: Triton software-pipelining depth of the chunk loop (cache loads in flight).
         splits: programs sharing one (row, kv head)'s older slots, merged by a second kernel;
             1 is the single kernel. A lever still to be measured, so not a default.
+        query_rows: the most query rows (tokens x G heads, before padding) one program holds;
+            a row's tokens beyond it are shared out over several programs (token blocks).
+            None: one program holds all of a (row, kv head)'s T G rows. 16, Triton's smallest
+            dot block, keeps a k <= 9 chain's verify at SmolLM2's G = 3 in blocks of 16.
     """
 
     block_s: int = 128
     num_warps: int = 4
     num_stages: int = 3
     splits: int = 1
+    query_rows: int | None = 16
 
     def __post_init__(self):
         if self.block_s < 16 or self.block_s & (self.block_s - 1):
             raise ValueError(f"block_s must be a power of two >= 16 (Triton's dot), got {self.block_s}")
         if self.splits < 1:
             raise ValueError(f"splits must be >= 1, got {self.splits}")
+        if self.query_rows is not None and self.query_rows < 1:
+            raise ValueError(f"query_rows must be >= 1 or None, got {self.query_rows}")
+
+    def token_blocks(self, length: int, group: int) -> tuple[int, int]:
+        """(tokens a program holds T', programs Q sharing a row's `length` tokens) for `group`
+        query heads a kv head: the fewest blocks within query_rows, evened out (none is empty)."""
+        if self.query_rows is None:
+            return length, 1
+        blocks = -(-length // max(1, self.query_rows // group))
+        return -(-length // blocks), blocks
 
 
 def attend(qkv: jax.Array, positions: jax.Array, keys: jax.Array, values: jax.Array, *, num_heads: int,
@@ -133,7 +153,8 @@ def attend(qkv: jax.Array, positions: jax.Array, keys: jax.Array, values: jax.Ar
     if tiling.splits == 1:
         return results
     outputs, keys, values, maxima, sums = results
-    attended = _combine_call(outputs, maxima, sums, (batch, length), num_heads, head_dim, qkv.dtype, interpret)
+    attended = _combine_call(outputs, maxima, sums, (batch, length), num_heads, num_kv_heads, head_dim, qkv.dtype,
+                             interpret)
     return attended, keys, values
 
 
@@ -198,12 +219,13 @@ def _fold(state: tuple, scores: jax.Array, values: jax.Array) -> tuple:
     return new_maximum, total * correction + jnp.sum(probs, axis=1), out
 
 
-def _query_rows(length: int, group: int, kv_head) -> tuple:
-    """Block rows of a (row, kv head): block row r is token r // G of query head kv_head G + r % G.
-    Returns (rows, tokens, query heads, real: not padding), each [M']."""
-    rows = jnp.arange(_block(length * group))
-    tokens = rows // group
-    return rows, tokens, kv_head * group + rows % group, tokens < length
+def _query_rows(length: int, group: int, kv_head, per_block: int, token_block) -> tuple:
+    """Block rows of a (row, kv head, token block): block row r is token token_block T' + r // G
+    (T' = per_block) of query head kv_head G + r % G. Returns (rows, tokens, query heads, real:
+    not padding), each [M']."""
+    rows = jnp.arange(_block(per_block * group))
+    tokens = token_block * per_block + rows // group
+    return rows, tokens, kv_head * group + rows % group, (rows // group < per_block) & (tokens < length)
 
 
 def _store_attended(out_ref, row, tokens, query_heads, real, state: tuple) -> None:
@@ -232,18 +254,20 @@ def _attention_call(heads, positions, keys, values, num_heads: int, inv_freq: np
     maxima, sums) with the float32 partials laid out as the module docstring says."""
     batch, length, _, head_dim = heads.shape
     num_kv_heads = keys.shape[2]
+    per_block, blocks = tiling.token_blocks(length, num_heads // num_kv_heads)
     frequencies = jnp.asarray(np.concatenate([inv_freq, inv_freq]), jnp.float32)  # [H]: h turns at inv_freq[h % H/2]
     caches = (jax.ShapeDtypeStruct(keys.shape, keys.dtype), jax.ShapeDtypeStruct(values.shape, values.dtype))
     if tiling.splits == 1:
-        grid = (batch, num_kv_heads)
+        grid = (batch, num_kv_heads * blocks)
         out_shape = (jax.ShapeDtypeStruct((batch, length, num_heads, head_dim), heads.dtype), *caches)
     else:
-        grid = (batch, num_kv_heads, tiling.splits)
-        statistics = (*grid, _block(length * num_heads // num_kv_heads))  # [B, K, P, M']
+        grid = (batch, num_kv_heads * blocks, tiling.splits)
+        statistics = (*grid, _block(per_block * num_heads // num_kv_heads))  # [B, K Q, P, M']
         out_shape = (jax.ShapeDtypeStruct((*statistics, _block(head_dim)), jnp.float32), *caches,
                      jax.ShapeDtypeStruct(statistics, jnp.float32), jax.ShapeDtypeStruct(statistics, jnp.float32))
     return pl.pallas_call(
-        functools.partial(_kernel, num_heads=num_heads, read=read, tiling=tiling),
+        functools.partial(_kernel, num_heads=num_heads, read=read, tiling=tiling, per_block=per_block,
+                          blocks=blocks),
         out_shape=out_shape,
         grid=grid,
         input_output_aliases={3: 1, 4: 2},  # the caches, updated in place
@@ -253,10 +277,12 @@ def _attention_call(heads, positions, keys, values, num_heads: int, inv_freq: np
     )(positions.astype(jnp.int32), frequencies, heads, keys, values)
 
 
-def _combine_call(outputs, maxima, sums, batch_length: tuple, num_heads: int, head_dim: int, dtype, interpret: bool):
-    """attended [B, T, N, H] (batch_length: (B, T)) from the split kernel's partials: one program per (row, kv head)."""
+def _combine_call(outputs, maxima, sums, batch_length: tuple, num_heads: int, num_kv_heads: int, head_dim: int, dtype,
+                  interpret: bool):
+    """attended [B, T, N, H] (batch_length: (B, T)) from the split kernel's partials: one program
+    per (row, kv head, token block)."""
     return pl.pallas_call(
-        _combine_kernel,
+        functools.partial(_combine_kernel, num_kv_heads=num_kv_heads),
         out_shape=jax.ShapeDtypeStruct((*batch_length, num_heads, head_dim), dtype),
         grid=outputs.shape[:2],
         compiler_params=plgpu.CompilerParams(),  # Triton's defaults: without them a GPU gets Mosaic GPU
@@ -266,17 +292,17 @@ def _combine_call(outputs, maxima, sums, batch_length: tuple, num_heads: int, he
 
 
 def _kernel(positions_ref, frequencies_ref, heads_ref, keys_ref, values_ref, out_ref, keys_out_ref, values_out_ref,
-            *statistics_refs, num_heads: int, read: int, tiling: Tiling):
-    """One (row, kv head[, part]): heads_ref [B, T, N + 2K, H]; caches [B, S, K, H]; out_ref
-    [B, T, N, H], or with splits > 1 the partial outputs and statistics_refs (maxima, sums)."""
-    row, kv_head = pl.program_id(0), pl.program_id(1)
+            *statistics_refs, num_heads: int, read: int, tiling: Tiling, per_block: int, blocks: int):
+    """One (row, kv head, token block[, part]): heads_ref [B, T, N + 2K, H]; caches [B, S, K, H];
+    out_ref [B, T, N, H], or with splits > 1 the partial outputs and statistics_refs (maxima, sums)."""
+    row, kv_head, token_block = pl.program_id(0), pl.program_id(1) // blocks, pl.program_id(1) % blocks
     length = heads_ref.shape[1]
     cache_length, num_kv_heads, head_dim = keys_ref.shape[1:]
     group, dtype = num_heads // num_kv_heads, heads_ref.dtype
     columns = jnp.arange(_block(head_dim))
     in_head = (columns < head_dim)[None, :]
 
-    rows, tokens, query_heads, real = _query_rows(length, group, kv_head)
+    rows, tokens, query_heads, real = _query_rows(length, group, kv_head, per_block, token_block)
     query_positions = _load(positions_ref, (row, tokens), real)
     q = _rotated(heads_ref, frequencies_ref, row, tokens, query_heads, query_positions, real).astype(dtype)
     start = positions_ref[row, jnp.int32(0)]
@@ -293,7 +319,8 @@ def _kernel(positions_ref, frequencies_ref, heads_ref, keys_ref, values_ref, out
         return _fold(state, _scores(q, chunk_keys, keep[None, :], head_dim), chunk_values)
 
     def new_tokens(state):
-        """The new keys and values into the cache, then folded in, rounded as the reference reads them back."""
+        """The new keys and values folded in, rounded as the reference reads them back; token block 0
+        also writes them into the cache (every block needs them all, as its queries' causal past)."""
         new = jnp.arange(_block(length))
         is_new = new < length
         key_head = jnp.broadcast_to(num_heads + kv_head, new.shape)
@@ -303,7 +330,7 @@ def _kernel(positions_ref, frequencies_ref, heads_ref, keys_ref, values_ref, out
                        is_new[:, None] & in_head)
         slots = start + new
         cache_index = (row, slots[:, None], kv_head, columns[None, :])
-        written = (is_new & (slots < cache_length))[:, None] & in_head
+        written = (is_new & (slots < cache_length) & (token_block == 0))[:, None] & in_head
         plgpu.store(keys_out_ref.at[cache_index], keys.astype(dtype).astype(keys_out_ref.dtype), mask=written)
         plgpu.store(values_out_ref.at[cache_index], values.astype(values_out_ref.dtype), mask=written)
         keys = keys.astype(dtype).astype(keys_out_ref.dtype).astype(dtype)
@@ -327,25 +354,28 @@ def _kernel(positions_ref, frequencies_ref, heads_ref, keys_ref, values_ref, out
     state = lax.fori_loop(first, last, chunk, state)
     maximum, total, out = lax.cond(part == 0, new_tokens, lambda state: state, state)
     maxima_ref, sums_ref = statistics_refs
-    plgpu.store(maxima_ref.at[row, kv_head, part, rows], maximum)
-    plgpu.store(sums_ref.at[row, kv_head, part, rows], total)
-    plgpu.store(out_ref.at[row, kv_head, part, rows[:, None], columns[None, :]], out)
+    program = pl.program_id(1)  # kv head x token blocks
+    plgpu.store(maxima_ref.at[row, program, part, rows], maximum)
+    plgpu.store(sums_ref.at[row, program, part, rows], total)
+    plgpu.store(out_ref.at[row, program, part, rows[:, None], columns[None, :]], out)
 
 
-def _combine_kernel(outputs_ref, maxima_ref, sums_ref, out_ref):
-    """One (row, kv head): its P partials (outputs [B, K, P, M', H'], maxima and sums [B, K, P, M'])
-    merged into out_ref [B, T, N, H]."""
-    row, kv_head = pl.program_id(0), pl.program_id(1)
-    _, num_kv_heads, splits, block_rows, block_columns = outputs_ref.shape
+def _combine_kernel(outputs_ref, maxima_ref, sums_ref, out_ref, *, num_kv_heads: int):
+    """One (row, kv head, token block): its P partials (outputs [B, K Q, P, M', H'], maxima and
+    sums [B, K Q, P, M']) merged into out_ref [B, T, N, H]."""
+    row, program = pl.program_id(0), pl.program_id(1)
+    _, programs, splits, block_rows, block_columns = outputs_ref.shape
     rows, columns = jnp.arange(block_rows), jnp.arange(block_columns)
 
     def partial(part: int) -> tuple:
         part = jnp.int32(part)
-        return (plgpu.load(maxima_ref.at[row, kv_head, part, rows]), plgpu.load(sums_ref.at[row, kv_head, part, rows]),
-                plgpu.load(outputs_ref.at[row, kv_head, part, rows[:, None], columns[None, :]]))
+        return (plgpu.load(maxima_ref.at[row, program, part, rows]), plgpu.load(sums_ref.at[row, program, part, rows]),
+                plgpu.load(outputs_ref.at[row, program, part, rows[:, None], columns[None, :]]))
 
     state = partial(0)
     for part in range(1, splits):  # P is small and static: unrolled
         state = _merge(state, partial(part))
-    _, tokens, query_heads, real = _query_rows(out_ref.shape[1], out_ref.shape[2] // num_kv_heads, kv_head)
+    length, blocks = out_ref.shape[1], programs // num_kv_heads
+    _, tokens, query_heads, real = _query_rows(length, out_ref.shape[2] // num_kv_heads, program // blocks,
+                                               -(-length // blocks), program % blocks)
     _store_attended(out_ref, row, tokens, query_heads, real, state)

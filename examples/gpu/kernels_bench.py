@@ -4,6 +4,7 @@
     python examples/gpu/kernels_bench.py --rows 1,4 --block-n 16,32,64 --block-k 64,128 --num-warps 2,4
     python examples/gpu/kernels_bench.py --ops decode_attention --block-s 32,64,128 --num-stages 2,3
     python examples/gpu/kernels_bench.py --ops decode_attention --tokens 1,6 --splits 1,2,4,8
+    python examples/gpu/kernels_bench.py --ops decode_attention --rows 1,16,32 --tokens 5,6,7 --query-rows 16,none
     python examples/gpu/kernels_bench.py --ops decode_attention,norm_gate_up --evict-mb 0,256
 
 Random bf16 weights, no model files. Ops (`kernels.fused_linear`, implementation "xla" vs "pallas"):
@@ -32,7 +33,7 @@ weights pass through the L2 cache between two calls of a layer's kernel in a rea
 traced figures leave it out (by name), wall_us includes it. 0 (default) calls nothing between.
 Pallas rows run
 once per tiling in the product of --block-n, --block-k, --num-warps and --num-stages (decode_attention:
---block-s, --splits, --num-warps and --num-stages). Every row is appended to --out (kind
+--block-s, --splits, --query-rows, --num-warps and --num-stages). Every row is appended to --out (kind
 "kernel_bench") and a table is printed.
 """
 
@@ -85,6 +86,10 @@ def int_list(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part.strip()]
 
 
+def optional_int_list(text: str) -> list[int | None]:
+    return [None if part.strip().lower() == "none" else int(part) for part in text.split(",") if part.strip()]
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -98,6 +103,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="cache slots per chunk of decode_attention")
     parser.add_argument("--splits", type=int_list, default=[decode_attention.Tiling.splits],
                         help="programs sharing a row's cache in decode_attention (1: the single kernel)")
+    parser.add_argument("--query-rows", type=optional_int_list, default=[decode_attention.Tiling.query_rows],
+                        help="most query rows a decode_attention program holds, or a comma list; none: one "
+                             "program holds a (row, kv head)'s tokens x heads, however many")
     parser.add_argument("--tokens", type=int_list, default=[1],
                         help=f"decode_attention's tokens per row, or a comma list (<= {decode_attention.MAX_TOKENS})")
     parser.add_argument("--num-warps", type=int_list, help="default: each kernel's Tiling default")
@@ -121,6 +129,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--tokens must be in 1..{decode_attention.MAX_TOKENS}")
     if not args.splits or min(args.splits) < 1:
         parser.error("--splits must be >= 1")
+    if not args.query_rows or any(rows is not None and rows < 1 for rows in args.query_rows):
+        parser.error("--query-rows must be >= 1 or none")
     if min(args.iterations, args.trace_calls) < 1:
         parser.error("--iterations and --trace-calls must be >= 1")
     if not args.evict_mb or min(args.evict_mb) < 0:
@@ -296,7 +306,8 @@ def run_cases(args, cfg: config_lib.LlamaConfig, dtype, common: dict, evict) -> 
                                      cache_length=args.cache_length, **measure(call, inputs, args, evict), **common))
                 continue
             if op == "decode_attention":
-                pallas = tilings(args, decode_attention.Tiling, block_s=args.block_s, splits=args.splits)
+                pallas = tilings(args, decode_attention.Tiling, block_s=args.block_s, splits=args.splits,
+                                 query_rows=args.query_rows)
                 settings = [("xla", None)] + [("pallas", tiling) for tiling in pallas]
                 for tokens, attend_length, (implementation, tiling) in itertools.product(
                         args.tokens, (None, args.cache_length // 2), settings):
