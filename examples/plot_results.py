@@ -361,10 +361,11 @@ def serving_setting(row: dict, setting: tuple[int, int]) -> bool:
             and row.get("refill_at") == default_refill_at(row))
 
 
-def batch_rows(rows: list[dict], setting: tuple[int, int]) -> list[dict]:
+def batch_rows(rows: list[dict], setting: tuple[int, int], default_k=None) -> list[dict]:
     """The rows batch_scaling.png draws, by batch size, method and scheduler: of each method and
-    batch size, the k measured most recently there (by a shipped head's rows where there are any),
-    then of each scheduler at that k the newest row, a shipped head's before an unshipped one's
+    batch size, the k the CLI picks there (`default_k(batch)`, where given and measured), else the
+    k measured most recently there (by a shipped head's rows where there are any), then of each
+    scheduler at that k the newest row, a shipped head's before an unshipped one's
     (`latest_of_newest_head`)."""
     rows = latest_of_newest_head(sorted((r for r in rows if serving_setting(r, setting)),
                                         key=lambda r: r.get("date", "")))
@@ -373,6 +374,8 @@ def batch_rows(rows: list[dict], setting: tuple[int, int]) -> list[dict]:
         mine = [r for r in rows if (r["batch_size"], r["method"]) == (batch, method)]
         shipped = [r for r in mine if head_rank(r) >= 0] or mine
         k = max(shipped, key=lambda r: r.get("date", ""))["k"]
+        if method != "none" and default_k and any(r["k"] == default_k(batch) for r in shipped):
+            k = default_k(batch)
         by_scheduler = {r.get("scheduler", "static"): r for r in mine if r["k"] == k}
         chosen += [by_scheduler[s] for s in SCHEDULERS if s in by_scheduler]
     # A batch size without plain decoding has nothing to compare with (k_at_batch.png draws its k sweep).
@@ -618,7 +621,9 @@ def k_sweeps_by_batch(rows: list[dict], setting: tuple[int, int], method: str = 
     """The k sweep of `method` at each batch size, as the CLI runs it there: batch 1 on static batches
     at the default settings (`default_settings`), larger batches continuous at the serving setting
     (`serving_setting`). Each size's sweep is one lease's (the one that measured the most k values
-    with the newest head there; the newest on ties), a k's repeats in it averaged:
+    with the newest head there; the newest on ties), a k's repeats in it averaged; a k that lease
+    did not measure comes from the newest lease that did (lease-to-lease spread is a few percent,
+    less than the k = 4 -> 5 steps the sweeps are read for):
     {batch: {"tokens_per_s": {k: mean}, "runs": {k: count}, "rows": [...]}}."""
     batch1 = [r for r in static_greedy(default_settings(rows), setting) if r["batch_size"] == 1]
     served = [r for r in rows if serving_setting(r, setting) and r.get("scheduler") == "continuous"]
@@ -627,7 +632,11 @@ def k_sweeps_by_batch(rows: list[dict], setting: tuple[int, int], method: str = 
     for batch in sorted({r["batch_size"] for r in mine}):
         at_batch = [r for r in mine if r["batch_size"] == batch]
         newest = max(head_rank(r) for r in at_batch)
-        run = widest_lease([r for r in at_batch if head_rank(r) == newest])
+        newest_head = [r for r in at_batch if head_rank(r) == newest]
+        run = list(widest_lease(newest_head))
+        for lease in reversed(leases(newest_head)):
+            measured = {r["k"] for r in run}
+            run += [r for r in lease if r["k"] not in measured]
         by_k = collections.defaultdict(list)
         for row in run:
             by_k[row["k"]].append(row["output_tokens_per_second"])
@@ -647,11 +656,12 @@ def plot_k_at_batch(sweeps: dict[int, dict], setting: tuple[int, int], default_k
         speed = sweep["tokens_per_s"]
         best = max(speed, key=speed.get)
         ks = list(speed)
-        leases = ", ".join(lease_names(sweep["rows"]))
+        names = lease_names(sweep["rows"])
+        leases = f"lease{'s' * (len(names) > 1)} {', '.join(names)}" if names else ""
         ax.plot(ks, [speed[k] / speed[best] for k in ks], "o-", color=color, linewidth=2,
                 label=f"{batch} row{'s' * (batch > 1)}: {'best' if len(ks) > 1 else 'only'} k = {best}, "
                       f"{speed[best]:,.0f} tok/s"
-                      + (f" (lease {leases})" if leases else ""))
+                      + (f" ({leases})" if leases else ""))
         chosen = default_k(batch)
         if chosen in speed:
             ax.plot([chosen], [speed[chosen] / speed[best]], "*", color=color, markersize=16, markeredgecolor="black",
@@ -701,9 +711,9 @@ def main(argv=None) -> int:
         plot_acceptance(batch1, sub, out)
         plot_otps(batch1, plain, peers, sub, out)
         plot_per_position(batch1, sub, out)
-        plot_batch_scaling(batch_rows(all_rows, setting), setting, out)
-        plot_k_at_batch(k_sweeps_by_batch(all_rows, setting), setting,
-                        lambda batch: heads.best_k("eagle3", "gpu", batch), out)
+        cli_k = lambda batch: heads.best_k("eagle3", "gpu", batch)
+        plot_batch_scaling(batch_rows(all_rows, setting, cli_k), setting, out)
+        plot_k_at_batch(k_sweeps_by_batch(all_rows, setting), setting, cli_k, out)
         trees = [r for r in every if r.get("speculative_eagle_topk") and r["batch_size"] == 1
                  and (r["num_prompts"], r["max_new_tokens"]) == setting and float(r.get("temperature", 0)) == 0
                  and r.get("decode_kernels", KEY_DEFAULTS["decode_kernels"]) == KEY_DEFAULTS["decode_kernels"]]

@@ -210,7 +210,7 @@ def batch_row(method, k, tokens_per_second, batch_size, scheduler, date, **setti
     kernels, one device, refill_at recorded on continuous rows (default a quarter of the slots)."""
     row = mtbench_row(method, k, tokens_per_second, 3.0 if k else 1.0, date=date, note="lease 14 (...): batch_steps")
     row.update(batch_size=batch_size, scheduler=scheduler, decode_kernels="pallas", tensor_parallel_size=1,
-               steps_per_check=1, refill_at=batch_size // 4 if scheduler == "continuous" else None)
+               steps_per_check=1, refill_at=max(1, batch_size // 4) if scheduler == "continuous" else None)
     row.update(settings)
     return row
 
@@ -286,15 +286,22 @@ def test_batch_plot_draws_the_newest_serving_rows_of_each_scheduler(tmp_path, mo
 
 def test_k_at_batch_draws_one_lease_per_batch_size_and_the_clis_k(tmp_path, monkeypatch):
     """k_at_batch.png: at each batch size the k sweep of one lease (the newest head's, the lease
-    with the most k values), a k's repeats averaged, relative to that size's best k; batch 1 from
-    static rows, larger batches from continuous ones; a star where the CLI's k lies."""
+    with the most k values), a k's repeats averaged, relative to that size's best k, and a k it
+    lacks from the newest lease that has it; batch 1 from static rows, larger batches from
+    continuous ones; a star where the CLI's k lies."""
     monkeypatch.syspath_prepend(str(REPO / "examples"))
     import plot_results
 
     day = "2026-12-02T"
     batch1 = [mtbench_row("eagle3", k, 1800.0 + 40 * k, 3.0, head="run 14", date=f"{day}00:3{k}") for k in (4, 5, 6)]
     rows = batch1 + [
-        mtbench_row("eagle3", 7, 2500.0, 3.0, head="run 14", date=f"{day}03:00"),  # another lease, one k: not its sweep
+        mtbench_row("eagle3", 6, 2500.0, 3.0, head="run 14", date=f"{day}03:00"),  # another lease, a k of the sweep's: not used
+        batch_row("eagle3", 4, 3600.0, 2, "continuous", day + "05:50", head="run 14"),  # 2 rows: k = 4 in one lease,
+        batch_row("eagle3", 5, 3000.0, 2, "continuous", day + "08:30", head="run 14",
+                  note="lease 18 (...)"),  # k = 5 and 6 in a later one
+        batch_row("eagle3", 6, 2900.0, 2, "continuous", day + "08:31", head="run 14",
+                  note="lease 18 (...)"),
+        batch_row("eagle3", 4, 3900.0, 2, "continuous", day + "01:00", head="run 14"),  # an older lease's k = 4: not used
         batch_row("eagle3", 3, 36000.0, 64, "continuous", day + "05:31", head="run 14"),
         batch_row("eagle3", 4, 34000.0, 64, "continuous", day + "05:32", head="run 14"),
         batch_row("eagle3", 3, 35000.0, 64, "continuous", day + "05:46", head="run 14"),  # a repeat: averaged
@@ -304,19 +311,20 @@ def test_k_at_batch_draws_one_lease_per_batch_size_and_the_clis_k(tmp_path, monk
     ]
     sweeps = plot_results.k_sweeps_by_batch(rows[::-1], (80, 256))
     assert {batch: sweep["tokens_per_s"] for batch, sweep in sweeps.items()} == {
-        1: {4: 1960.0, 5: 2000.0, 6: 2040.0}, 64: {3: 35500.0, 4: 34000.0}}
+        1: {4: 1960.0, 5: 2000.0, 6: 2040.0}, 2: {4: 3600.0, 5: 3000.0, 6: 2900.0}, 64: {3: 35500.0, 4: 34000.0}}
     assert sweeps[64]["runs"] == {3: 2, 4: 1}
 
     drawn = {}
     monkeypatch.setattr(plot_results, "finish", lambda fig, ax, path, title, sub, **kw: drawn.setdefault(
         path.name, [(list(line.get_xdata()), list(line.get_ydata()), line.get_label()) for line in ax.lines]))
-    plot_results.plot_k_at_batch(sweeps, (80, 256), {1: 6, 64: 4}.get, tmp_path)
+    plot_results.plot_k_at_batch(sweeps, (80, 256), {1: 6, 2: 4, 64: 4}.get, tmp_path)
     lines = drawn["k_at_batch.png"]
     curves = {label: (x, y) for x, y, label in lines if len(x) > 1}
     assert curves["64 rows: best k = 3, 35,500 tok/s (lease 14)"] == ([3, 4], [1.0, 34000.0 / 35500.0])
     assert curves["1 row: best k = 6, 2,040 tok/s"][1] == [1960.0 / 2040.0, 2000.0 / 2040.0, 1.0]
     stars = sorted((x[0], y[0]) for x, y, label in lines if len(x) == 1)
-    assert stars == [(4, 34000.0 / 35500.0), (6, 1.0)]
+    assert curves["2 rows: best k = 4, 3,600 tok/s (leases 14, 18)"][1] == [1.0, 3000.0 / 3600.0, 2900.0 / 3600.0]
+    assert stars == [(4, 34000.0 / 35500.0), (4, 1.0), (6, 1.0)]
 
 
 def test_scale_plot_keeps_the_last_comparison_of_one_gpu_with_two(tmp_path, monkeypatch):
