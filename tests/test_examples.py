@@ -264,6 +264,11 @@ def test_batch_plot_draws_the_newest_serving_rows_of_each_scheduler(tmp_path, mo
         (16, "none", "static", 0, 11000.0), (16, "none", "continuous", 0, 10000.0),
         (64, "eagle3", "continuous", 6, 31000.0),
         (64, "none", "static", 0, 22000.0), (64, "none", "continuous", 0, 25000.0)]
+    # Given the CLI's k per batch size, a measured one is drawn instead of the newest (both schedulers
+    # at 64 rows with k = 5); one never measured (16 rows: k = 4) leaves the newest.
+    with_cli_k = plot_results.batch_rows(rows[::-1], (80, 256), {16: 4, 64: 5}.get)
+    assert [(r["batch_size"], r["scheduler"], r["k"]) for r in with_cli_k if r["method"] == "eagle3"] == [
+        (16, "static", 5), (16, "continuous", 5), (64, "static", 5), (64, "continuous", 5)]
 
     # main draws those rows: a bar each, its tokens/s on it, an unshipped head named on its bar,
     # and continuous / static per method and batch size where both exist (EAGLE-3 at 64 has one).
@@ -434,3 +439,16 @@ def test_train_cli_keeps_an_init_heads_draft_vocabulary(model_dir, random_head, 
         train.main([*argv, "--output", str(tmp_path / "smaller"), "--draft-vocab-size", "30"])
     with pytest.raises(ValueError, match="fewer than one batch"):  # 6 rows: it used to loop forever
         train.main([*argv, "--output", str(tmp_path / "big"), "--batch-size", "8"])
+
+
+def test_gpu_poll_stops_at_a_done_line_and_fails_fast_without_a_log(tmp_path):
+    """examples/gpu/poll.sh: returns at the log's DONE line (its tail shown), and exits 1 with a
+    clear message when the log does not exist after the grace period (nothing was launched)."""
+    poll = REPO / "examples" / "gpu" / "poll.sh"
+    log = tmp_path / "bench.log"
+    log.write_text("step 1\r step 2\nBENCH DONE\n")
+    done = subprocess.run(["bash", str(poll), "600", str(log)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.splitlines()[-1] == "BENCH DONE"
+    missing = subprocess.run(["bash", str(poll), "600", str(tmp_path / "never.log")], capture_output=True, text=True,
+                             timeout=60, env=dict(os.environ, POLL_GRACE_S="0"))
+    assert missing.returncode == 1 and "was the job launched?" in missing.stderr

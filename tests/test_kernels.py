@@ -262,3 +262,7 @@ def test_kernel_bench_sweeps_query_rows(tmp_path, tiny_hf_config):
         (6, 4, None), (6, None, None), (6, 4, 32), (6, None, 32)]
     with pytest.raises(SystemExit):
         bench.parse_args(["--query-rows", "0"])
+    # 64 rows: the attention kernel takes them (lease 18's sweep was refused); the fused linears do not.
+    assert bench.parse_args(["--ops", "decode_attention", "--rows", "16,64"]).rows == [16, 64]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--ops", "decode_attention,norm_linear", "--rows", "64"])

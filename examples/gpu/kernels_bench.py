@@ -78,8 +78,8 @@ from results_file import append_rows
 DEFAULT_CONFIG = config_lib.LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=1,
                                         num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0)
 SMOLLM2_LAYERS = 30  # compact_cache moves a path in every layer's keys and values
-OPS = ("norm_linear", "norm_gate_up", "o_proj_residual", "down_proj_residual", "decode_attention", "decoder_layer",
-       "draft_top_k", "compact_cache")
+LINEAR_OPS = ("norm_linear", "norm_gate_up", "o_proj_residual", "down_proj_residual")  # fused_linear: <= MAX_ROWS rows
+OPS = LINEAR_OPS + ("decode_attention", "decoder_layer", "draft_top_k", "compact_cache")
 
 
 def int_list(text: str) -> list[int]:
@@ -95,7 +95,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--config", help="HF config.json whose layer shapes to use (default: SmolLM2-135M's)")
     parser.add_argument("--dtype", choices=sorted(models.DTYPES), default="bfloat16")
-    parser.add_argument("--rows", type=int_list, default=[1], help=f"M = batch x tokens, or a comma list (<= {fused_linear.MAX_ROWS})")
+    parser.add_argument("--rows", type=int_list, default=[1], help=f"M = batch x tokens, or a comma list (<= {fused_linear.MAX_ROWS} for the fused linears)")
     parser.add_argument("--ops", default=",".join(OPS), help=f"comma list of {OPS}")
     parser.add_argument("--block-n", type=int_list, default=[fused_linear.Tiling.block_n])
     parser.add_argument("--block-k", type=int_list, default=[fused_linear.Tiling.block_k])
@@ -123,8 +123,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.ops = [op.strip() for op in args.ops.split(",") if op.strip()]
     if bad := [op for op in args.ops if op not in OPS]:
         parser.error(f"unknown --ops {bad}; choose from {OPS}")
-    if not args.rows or min(args.rows) < 1 or max(args.rows) > fused_linear.MAX_ROWS:
-        parser.error(f"--rows must be in 1..{fused_linear.MAX_ROWS}")
+    if not args.rows or min(args.rows) < 1:
+        parser.error("--rows must be >= 1")
+    if max(args.rows) > fused_linear.MAX_ROWS and (fused := [op for op in args.ops if op in LINEAR_OPS]):
+        parser.error(f"--rows must be <= {fused_linear.MAX_ROWS} for the fused linears {fused} (the other ops take more)")
     if not args.tokens or min(args.tokens) < 1 or max(args.tokens) > decode_attention.MAX_TOKENS:
         parser.error(f"--tokens must be in 1..{decode_attention.MAX_TOKENS}")
     if not args.splits or min(args.splits) < 1:
