@@ -100,7 +100,7 @@ def test_a_split_wider_than_the_chunks_leaves_neutral_partials():
                                                     128, tiling, True)
         outputs, _, _, maxima, sums = partials
         attended = decode_attention._combine_call(outputs, maxima, sums, (2, length), NARROW["num_heads"],
-                                                  NARROW["num_kv_heads"], 8, jnp.float32, True)
+                                                  NARROW["num_kv_heads"], 8, jnp.float32, True, tiling)
         return attended, partials
 
     attended, (outputs, _, _, maxima, sums) = split(heads, positions, keys, values)

@@ -15,8 +15,8 @@ default backend is a GPU, so CPU tests run the kernel code.
 Kernel layout: a grid of (rows B, kv heads K x token blocks Q). A program owns T' of a row's T
 tokens for the G = N / K query heads sharing its kv head: a block of M = T' G query rows, padded
 to a power of two >= 16 (Triton's dot), as are the head dim and the T new keys (masked edges).
-`Tiling.query_rows` bounds M before padding: Q = ceil(T G / ...) programs share the row's tokens
-(T' = ceil(T / Q)), each reading the (row, kv head)'s older slots itself. Without the bound a
+`Tiling.query_rows` = R bounds M before padding: Q = ceil(T / floor(R / G)) programs share the
+row's tokens (T' = ceil(T / Q) each), each reading the (row, kv head)'s older slots itself. Without the bound a
 chain verify of k = 5 (T = 6, G = 3: M = 18) pads to 32 rows, and the kernel took 26.5 us a layer
 at 16 rows against 14.7 for k = 4's 15 rows padded to 16 (H200 step traces, docs/BENCHMARKS.md).
 It
@@ -83,7 +83,8 @@ class Tiling:
         query_rows: the most query rows (tokens x G heads, before padding) one program holds;
             a row's tokens beyond it are shared out over several programs (token blocks).
             None: one program holds all of a (row, kv head)'s T G rows. 16, Triton's smallest
-            dot block, keeps a k <= 9 chain's verify at SmolLM2's G = 3 in blocks of 16.
+            dot block: at SmolLM2's G = 3 a chain's verify of k >= 5 runs as ceil((k + 1) / 5)
+            blocks of 16 rows, not one of 32 or 64.
     """
 
     block_s: int = 128
@@ -154,7 +155,7 @@ def attend(qkv: jax.Array, positions: jax.Array, keys: jax.Array, values: jax.Ar
         return results
     outputs, keys, values, maxima, sums = results
     attended = _combine_call(outputs, maxima, sums, (batch, length), num_heads, num_kv_heads, head_dim, qkv.dtype,
-                             interpret)
+                             interpret, tiling)
     return attended, keys, values
 
 
@@ -278,11 +279,13 @@ def _attention_call(heads, positions, keys, values, num_heads: int, inv_freq: np
 
 
 def _combine_call(outputs, maxima, sums, batch_length: tuple, num_heads: int, num_kv_heads: int, head_dim: int, dtype,
-                  interpret: bool):
+                  interpret: bool, tiling: Tiling):
     """attended [B, T, N, H] (batch_length: (B, T)) from the split kernel's partials: one program
     per (row, kv head, token block)."""
+    group = num_heads // num_kv_heads
+    per_block, blocks = tiling.token_blocks(batch_length[1], group)
     return pl.pallas_call(
-        functools.partial(_combine_kernel, num_kv_heads=num_kv_heads),
+        functools.partial(_combine_kernel, group=group, per_block=per_block, blocks=blocks),
         out_shape=jax.ShapeDtypeStruct((*batch_length, num_heads, head_dim), dtype),
         grid=outputs.shape[:2],
         compiler_params=plgpu.CompilerParams(),  # Triton's defaults: without them a GPU gets Mosaic GPU
@@ -360,11 +363,11 @@ def _kernel(positions_ref, frequencies_ref, heads_ref, keys_ref, values_ref, out
     plgpu.store(out_ref.at[row, program, part, rows[:, None], columns[None, :]], out)
 
 
-def _combine_kernel(outputs_ref, maxima_ref, sums_ref, out_ref, *, num_kv_heads: int):
+def _combine_kernel(outputs_ref, maxima_ref, sums_ref, out_ref, *, group: int, per_block: int, blocks: int):
     """One (row, kv head, token block): its P partials (outputs [B, K Q, P, M', H'], maxima and
     sums [B, K Q, P, M']) merged into out_ref [B, T, N, H]."""
     row, program = pl.program_id(0), pl.program_id(1)
-    _, programs, splits, block_rows, block_columns = outputs_ref.shape
+    splits, block_rows, block_columns = outputs_ref.shape[2:]
     rows, columns = jnp.arange(block_rows), jnp.arange(block_columns)
 
     def partial(part: int) -> tuple:
@@ -375,7 +378,5 @@ def _combine_kernel(outputs_ref, maxima_ref, sums_ref, out_ref, *, num_kv_heads:
     state = partial(0)
     for part in range(1, splits):  # P is small and static: unrolled
         state = _merge(state, partial(part))
-    length, blocks = out_ref.shape[1], programs // num_kv_heads
-    _, tokens, query_heads, real = _query_rows(length, out_ref.shape[2] // num_kv_heads, program // blocks,
-                                               -(-length // blocks), program % blocks)
+    _, tokens, query_heads, real = _query_rows(out_ref.shape[1], group, program // blocks, per_block, program % blocks)
     _store_attended(out_ref, row, tokens, query_heads, real, state)
