@@ -10,7 +10,7 @@
 EAGLE-2 trees run for every valid (topk, num_steps, num_draft_tokens) combination of the lists.
 For each (method, k or tree, batch size, scheduler, tensor parallel size) it builds one Engine,
 compiles it on `--warmup` untimed prompts, then generates the first turns of `--num_prompts`
-MT-Bench questions (chat template). Static batching runs the prompts batch after batch; continuous batching takes
+MT-Bench questions (chat template; past the 80 questions they come round again, in order). Static batching runs the prompts batch after batch; continuous batching takes
 them all in one call and refills each of the batch size's decode slots as its row finishes.
 Output tokens per second = generated tokens / device-loop seconds (compilation excluded): the sum
 of the batches' seconds (static), or the call's time to its last token (continuous). As a serving
@@ -98,7 +98,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="EAGLE-2 tree nodes verified per step N (root excluded), or a comma list")
     parser.add_argument("--max_num_seqs", "--max-num-seqs", type=int_list, default=[1],
                         help="batch size, or a comma list")
-    parser.add_argument("--num_prompts", "--num-prompts", type=int, default=80)
+    parser.add_argument("--num_prompts", "--num-prompts", type=int, default=80,
+                        help="first turns to generate; past the dataset's questions they come round again")
     parser.add_argument("--method", type=name_list(METHODS, "methods"), default=[heads.DEFAULT_METHOD],
                         help="none | eagle | eagle3, or a comma list (none = plain decoding, k=0)")
     parser.add_argument("--scheduler", type=name_list(SCHEDULERS, "schedulers"), default=["static"],
@@ -293,6 +294,14 @@ def print_table(rows: list[dict]) -> None:
                                                       for name, value in row["acceptance_length_by_category"].items()))
 
 
+def first_turns(questions: list[dict], count: int) -> tuple[list[str], list[str]]:
+    """The first turns and categories of `count` questions, in order, from the first again once
+    all are taken: at 64 rows, 80 prompts leave 16 waiting and the run ends on its longest
+    answers, so a steady-state throughput wants several passes (`--num_prompts 320`)."""
+    chosen = [questions[index % len(questions)] for index in range(count)]
+    return [question["turns"][0] for question in chosen], [question["category"] for question in chosen]
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     sharding.initialize_distributed()
@@ -300,9 +309,9 @@ def main(argv=None) -> int:
     meshes = {size: sharding.make_mesh(size) if size > 1 else None for size in args.tensor_parallel_size}
     questions = data.load_mtbench(args.dataset)
     if args.num_prompts > len(questions):
-        print(f"[eagle.py] only {len(questions)} questions; using all", file=sys.stderr)
-    texts = [question["turns"][0] for question in questions[:args.num_prompts]]
-    categories = [question["category"] for question in questions[:args.num_prompts]]
+        print(f"[eagle.py] {args.num_prompts} prompts from {len(questions)} questions: the questions again, "
+              "in order, until there are enough", file=sys.stderr)
+    texts, categories = first_turns(questions, args.num_prompts)
 
     target, tokenizer_dir = models.load_target(args.model, args.dtype)
     tokenizer = tokenization.load(tokenizer_dir)

@@ -88,6 +88,17 @@ def test_eagle_records_both_schedulers(model_dir, tmp_path, capsys, monkeypatch)
     assert rows[0]["total_tokens"] == rows[1]["total_tokens"]
 
 
+def test_prompts_past_the_dataset_come_round_again(monkeypatch):
+    """--num_prompts above the questions' count takes them again in order (several passes, so a
+    large batch measures its steady state rather than its tail); below it, the first ones."""
+    monkeypatch.syspath_prepend(str(REPO / "examples"))
+    import eagle as eagle_script
+    questions = [{"turns": [f"q{i}", "second"], "category": f"c{i}"} for i in range(3)]
+    assert eagle_script.first_turns(questions, 7) == (["q0", "q1", "q2", "q0", "q1", "q2", "q0"],
+                                                      ["c0", "c1", "c2", "c0", "c1", "c2", "c0"])
+    assert eagle_script.first_turns(questions, 2) == (["q0", "q1"], ["c0", "c1"])
+
+
 def test_acceptance_is_pooled_per_category(monkeypatch):
     monkeypatch.syspath_prepend(str(REPO / "examples"))
     import types
