@@ -168,13 +168,16 @@ class Engine:
         mesh: a `jax.sharding.Mesh` with a "tensor" axis (`sharding.make_mesh`): the target is
             split over it Megatron-style and the head replicated (`sharding`); XLA SPMD places
             the collectives inside the same compiled programs. None runs on one device.
+        draft_tensor_parallel_size: vLLM's name: 1 (or None) keeps the head whole on every
+            device; the mesh's size splits its MLPs and draft vocabulary too (`sharding.shard_head`).
     """
 
     def __init__(self, target: llama.Llama, head=None, *, num_speculative_tokens: int = 0,
                  tree: tree_lib.TreeOptions | None = None, max_length: int = 2048, batch_size: int = 1,
                  eager: bool = False, cache_dir=None, fixed_shapes: bool = False, steps_per_check: int = 1,
                  scheduler: str = "static", speculative_disable_by_batch_size: int | None = None,
-                 decode_kernels: str = "auto", mesh: jax.sharding.Mesh | None = None, refill_at: int | None = None):
+                 decode_kernels: str = "auto", mesh: jax.sharding.Mesh | None = None, refill_at: int | None = None,
+                 draft_tensor_parallel_size: int | None = None):
         if num_speculative_tokens < 0:
             raise InputError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
         if (num_speculative_tokens or tree is not None) and head is None:
@@ -211,9 +214,16 @@ class Engine:
             head = layers.with_decode_kernels(head, decode_kernels) if head is not None else None
         self.decode_kernels = decode_kernels
         self.mesh = mesh
+        size = sharding_lib.tensor_parallel_size(mesh)
+        if draft_tensor_parallel_size not in (None, 1, size):
+            raise InputError(f"draft_tensor_parallel_size must be 1 (the head whole on every device) or the tensor "
+                             f"parallel size {size} (split like the target), got {draft_tensor_parallel_size}")
+        self.draft_tensor_parallel_size = draft_tensor_parallel_size or 1
         if mesh is not None:
             target = sharding_lib.shard_target(target, mesh)
-            head = sharding_lib.replicate(head, mesh) if head is not None else None
+            if head is not None:
+                head = (sharding_lib.shard_head(head, mesh) if self.draft_tensor_parallel_size > 1
+                        else sharding_lib.replicate(head, mesh))
         self._target_def, self.target_params = nnx.split(target)
         self._head_def, self.head_params = nnx.split(head) if head is not None else (None, None)
         self.head_config = head.config if head is not None else None

@@ -76,6 +76,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="largest KV cache (the continuous scheduler fits its slots' cache to the prompts, up to this)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                         help="split the target over N devices (Megatron-style, XLA SPMD); the head is replicated")
+    parser.add_argument("--draft-tensor-parallel-size", type=int, default=1, metavar="N",
+                        help="1: the draft head whole on every device; the tensor parallel size: its MLP and draft "
+                             "vocabulary split too")
     parser.add_argument("--cache-dir", help=f"compilation cache root (default: ${compile_cache.ENV_VAR}/xla or "
                                             "~/.cache/eagle_jax/xla)")
     parser.add_argument("--no-compile-cache", action="store_true")
@@ -95,6 +98,9 @@ def check_flags(args) -> None:
               ("--max-length", args.max_length, args.max_length >= 1, ">= 1"),
               ("--batch-size/--max-num-seqs", args.batch_size, args.batch_size >= 1, ">= 1"),
               ("--tensor-parallel-size", args.tensor_parallel_size, args.tensor_parallel_size >= 1, ">= 1"),
+              ("--draft-tensor-parallel-size", args.draft_tensor_parallel_size,
+               args.draft_tensor_parallel_size in (1, args.tensor_parallel_size),
+               f"1 or the --tensor-parallel-size ({args.tensor_parallel_size})"),
               ("--temperature", args.temperature, 0 <= args.temperature < math.inf, ">= 0 and finite"),
               ("--top-p", args.top_p, 0 < args.top_p <= 1, "in (0, 1]"),
               ("--speculative-disable-by-batch-size", disable, disable is None or disable >= 1, ">= 1"),
@@ -168,7 +174,7 @@ def load(args, prompts: list[str]):
     engine = engine_lib.Engine(target, head, max_length=max_length, batch_size=args.batch_size, eager=args.eager,
                                cache_dir=cache_dir, scheduler=scheduler, decode_kernels=args.decode_kernels,
                                speculative_disable_by_batch_size=args.speculative_disable_by_batch_size, mesh=mesh,
-                               **drafting)
+                               draft_tensor_parallel_size=args.draft_tensor_parallel_size, **drafting)
     return engine, tokenizer, method, token_ids
 
 
@@ -220,7 +226,8 @@ def report(args, prompt, tokenizer, result, method, engine, streamed) -> None:
                       speculative_eagle_topk=tree and tree.topk, speculative_num_steps=tree and tree.num_steps,
                       speculative_num_draft_tokens=tree and tree.num_draft_tokens,
                       scheduler=engine.scheduler, batch_size=engine.batch_size, decode_kernels=engine.decode_kernels,
-                      tensor_parallel_size=engine.tensor_parallel_size, **result.stats)
+                      tensor_parallel_size=engine.tensor_parallel_size,
+                      draft_tensor_parallel_size=engine.draft_tensor_parallel_size, **result.stats)
         print(json.dumps(record), flush=True)
         return
     if not streamed:

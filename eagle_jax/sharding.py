@@ -10,7 +10,10 @@ collectives (an all-reduce after each row-parallel matmul) except for the embedd
     in every Llama-3.1-8B decode and draft step (decode 6.57 ms at TP 2 against 4.81 ms on one;
     on CPUs it chose this lookup itself);
   * replicated: norms, row-parallel biases, the EAGLE head, and the decode state apart from the
-    target's KV cache, which is split over its kv heads.
+    target's KV cache, which is split over its kv heads. `shard_head` splits the head's MLPs and
+    EAGLE-3 draft vocabulary instead (vLLM's `draft_tensor_parallel_size` equal to the target's):
+    a smaller share of its weights for each device to read, against one more all-reduce and the
+    argmax's gathers a draft step.
 Where the kv heads do not divide P (SmolLM2 has 3), attention is replicated and only the MLP
 and the vocabulary are split; the intermediate size and the vocabulary must divide P.
 
@@ -142,13 +145,45 @@ def shard_target(target: llama.Llama, mesh: Mesh) -> llama.Llama:
     orders = {"mlp/gate_up_proj": block_order(layers.gate_up_sizes(cfg), size)}
     if attention_split:
         orders["self_attn/qkv_proj"] = block_order(layers.qkv_sizes(cfg), size)
-    graphdef, state = nnx.split(copy)
+    return _placed(copy, mesh, rules, orders)
+
+
+def shard_head(head: nnx.Module, mesh: Mesh) -> nnx.Module:
+    """A copy of an EAGLE head with its MLPs split as the target's (gate_up column-parallel in
+    [gate_p | up_p] blocks, down_proj row-parallel) and an EAGLE-3 head's draft vocabulary
+    (`lm_head`) split over `mesh`; attention, fc and norms stay replicated, so its KV cache (one
+    or two layers) stays whole on every device and needs no layout of its own.
+
+    Raises:
+        ShardingError: the head's intermediate size or draft vocabulary does not divide the mesh.
+    """
+    size = tensor_parallel_size(mesh)
+    cfg = head.config
+    sizes = {"intermediate_size": cfg.layer.intermediate_size}
+    if cfg.method == "eagle3":
+        sizes["draft_vocab_size"] = cfg.draft_vocab_size
+    for name, value in sizes.items():
+        if value % size:
+            raise ShardingError(f"draft_tensor_parallel_size={size} does not divide the head's {name}={value}; "
+                                f"keep the head whole (draft tensor parallel size 1)")
+    copy = nnx.merge(*nnx.split(head))
+    for _, module in nnx.iter_modules(copy):
+        if isinstance(module, layers.MLP):
+            module.num_shards = size
+    orders = {"mlp/gate_up_proj": block_order(layers.gate_up_sizes(cfg.layer), size)}
+    return _placed(copy, mesh, {"mlp": TENSOR, "vocab": TENSOR}, orders)
+
+
+def _placed(module: nnx.Module, mesh: Mesh, rules: dict[str, str], orders: dict[str, np.ndarray]) -> nnx.Module:
+    """`module` with each parameter placed on `mesh` by its logical axes under `rules`, the output
+    columns of every module whose path ends in a key of `orders` permuted by its value first."""
+    graphdef, state = nnx.split(module)
 
     def place(key_path, leaf):
         path = "/".join(str(key.key) for key in key_path if isinstance(key, jax.tree_util.DictKey))
-        module = path.rsplit("/", 1)[0]
+        owner = path.rsplit("/", 1)[0]
         for suffix, order in orders.items():
-            if module.endswith(suffix):
+            if owner.endswith(suffix):
                 leaf = leaf[..., order]  # kernel [in, out] or bias [out]: reorder the output axis
         axes = param_axes(path)
         return jax.device_put(leaf, NamedSharding(mesh, spec(axes, rules) if axes else PartitionSpec()))

@@ -111,6 +111,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="decode without drafts in steps where more rows than this are active")
     parser.add_argument("--tensor_parallel_size", "--tensor-parallel-size", type=int_list, default=[1],
                         help="devices the target is split over (Megatron-style), or a comma list")
+    parser.add_argument("--split_draft_head", "--split-draft-head", action="store_true",
+                        help="split the head's MLP and draft vocabulary over the same devices (draft tensor "
+                             "parallel size = the tensor parallel size; default: the head whole on each)")
     parser.add_argument("--model", help="target (HF dir, converted dir or .gguf; default SmolLM2-135M-Instruct)")
     parser.add_argument("--draft", help="EAGLE head directory, or a comma list (the method of each is read from "
                                         "its config); default: the shipped head for each method")
@@ -350,14 +353,16 @@ def main(argv=None) -> int:
                                    cache_dir=cache_dir, fixed_shapes=True, steps_per_check=args.steps_per_check,
                                    scheduler=scheduler, decode_kernels=args.decode_kernels,
                                    speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
-                                   mesh=meshes[tensor_parallel_size], refill_at=args.refill_at, **drafting)
+                                   mesh=meshes[tensor_parallel_size], refill_at=args.refill_at,
+                                   draft_tensor_parallel_size=tensor_parallel_size if args.split_draft_head else 1,
+                                   **drafting)
         name = f"tree {tree.topk}/{tree.num_steps}/{tree.num_draft_tokens}" if tree else f"k={k}"
         desc = f"{method} {name} bs={batch_size} {scheduler} tp={tensor_parallel_size}"
         measured = run_setting(engine, prompts, warmup_prompts, args, sampling, desc=f"{desc} {mode}")
         stats = engine_lib.pooled_stats(measured["results"], k)
         row = dict(
             method=method, k=k, mode=mode, batch_size=batch_size, scheduler=scheduler,
-            tensor_parallel_size=tensor_parallel_size,
+            tensor_parallel_size=tensor_parallel_size, draft_tensor_parallel_size=engine.draft_tensor_parallel_size,
             speculative_eagle_topk=tree and tree.topk, speculative_num_steps=tree and tree.num_steps,
             speculative_num_draft_tokens=tree and tree.num_draft_tokens,
             acceptance_length=round(stats["acceptance_length"], 4),

@@ -19,8 +19,10 @@ Then, using acceptance lengths measured with SmolLM2-135M on MT-Bench (docs/resu
 projected tokens/s = acceptance_length(k) / (k * draft_step + verify(k)). That is a projection
 for a hypothetical 8B pair with SmolLM2's acceptance, not a measurement of a trained 8B head.
 With `--tensor_parallel_size 1,2` every measurement runs once per size, the target split
-Megatron-style over that many devices (`eagle_jax.sharding`) and the heads replicated; rows carry
-`tensor_parallel_size`, and floors count the bytes one device reads (its shards).
+Megatron-style over that many devices (`eagle_jax.sharding`) and the heads replicated (with
+`--split_heads`, their MLPs and EAGLE-3's draft vocabulary split too: `sharding.shard_head`); rows
+carry `tensor_parallel_size` (draft steps also `draft_tensor_parallel_size`), and floors count
+the bytes one device reads (its shards).
 """
 
 from __future__ import annotations
@@ -84,6 +86,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--results", default="docs/results/mtbench.json", help="acceptance lengths for the projection")
     parser.add_argument("--tensor_parallel_size", "--tensor-parallel-size", default="1",
                         help="comma list of devices to split the target over (Megatron-style); each is measured")
+    parser.add_argument("--split_heads", "--split-heads", action="store_true",
+                        help="split the heads' MLPs and EAGLE-3's draft vocabulary too (sharding.shard_head); "
+                             "default: each head whole on every device")
     parser.add_argument("--tiny", action="store_true", help="hidden 256, 2 layers, vocab 1000: a CPU smoke test")
     parser.add_argument("--out", default="docs/results/profile.json", help="JSON list the rows are appended to")
     args = parser.parse_args(argv)
@@ -200,7 +205,8 @@ def measure(target: llama.Llama, heads: dict, mesh, args, bandwidth: float, reco
             tensor_parallel_size: int) -> dict:
     """Times decode, verify(k) and each head's draft step with the target split over `mesh` (None: one device).
 
-    Floors count the bytes one device reads: its shard of the target, the whole (replicated) head.
+    Floors count the bytes one device reads: its shard of the target and of the head (the whole
+    head unless --split_heads).
 
     Returns:
         {"verify": {width: ms}, "draft": {method: ms}}.
@@ -208,7 +214,8 @@ def measure(target: llama.Llama, heads: dict, mesh, args, bandwidth: float, reco
     cfg = target.config
     if mesh is not None:
         target = sharding.shard_target(target, mesh)
-        heads = {method: sharding.replicate(head, mesh) for method, head in heads.items()}
+        place_head = sharding.shard_head if args.split_heads else sharding.replicate
+        heads = {method: place_head(head, mesh) for method, head in heads.items()}
     target_def, target_params = nnx.split(target)
     row_bytes = cfg.hidden_size * 2
     target_read = shard_bytes(target_params) - shard_bytes(target.embed_tokens.embedding[...])  # gathers T rows
@@ -293,7 +300,8 @@ def measure(target: llama.Llama, heads: dict, mesh, args, bandwidth: float, reco
         record(dict(what="draft_step", method=method, ms=round(ms, 4), floor_ms=round(floor_ms, 4),
                     ratio_to_floor=round(ms / floor_ms, 3), weight_bytes=head_read,
                     head_bytes=shard_bytes(head_params), compile_seconds=round(compile_seconds, 2),
-                    tensor_parallel_size=tensor_parallel_size, collectives=placed))
+                    tensor_parallel_size=tensor_parallel_size, collectives=placed,
+                    draft_tensor_parallel_size=tensor_parallel_size if args.split_heads and mesh is not None else 1))
     return dict(verify=verify_ms, draft=draft_ms)
 
 

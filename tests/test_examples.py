@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -463,3 +464,22 @@ def test_gpu_poll_stops_at_a_done_line_and_fails_fast_without_a_log(tmp_path):
     missing = subprocess.run(["bash", str(poll), "600", str(tmp_path / "never.log")], capture_output=True, text=True,
                              timeout=60, env=dict(os.environ, POLL_GRACE_S="0"))
     assert missing.returncode == 1 and "was the job launched?" in missing.stderr
+
+
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 devices (conftest forces 4 on a CPU)")
+def test_scale_8b_splits_the_heads_when_asked(tmp_path, monkeypatch):
+    """--split_heads at tensor parallel size 2: each device holds less of the head, and the draft
+    step all-reduces once more (after the head's MLP) than with the head whole on each device."""
+    monkeypatch.syspath_prepend(str(REPO / "examples"))
+    import scale_8b
+    drafts = {}
+    for split in (False, True):
+        out = tmp_path / f"split{split}.json"
+        argv = ["--tiny", "--ks", "1", "--methods", "eagle3", "--iterations", "1", "--tensor_parallel_size", "2",
+                "--results", str(tmp_path / "none.json"), "--out", str(out)] + ["--split_heads"] * split
+        assert scale_8b.main(argv) == 0
+        [drafts[split]] = [row for row in json.loads(out.read_text()) if row["what"] == "draft_step"]
+    assert [drafts[split]["draft_tensor_parallel_size"] for split in (False, True)] == [1, 2]
+    assert drafts[True]["head_bytes"] < drafts[False]["head_bytes"]
+    all_reduces = lambda row: sum(n for name, n in row["collectives"].items() if name.startswith("all-reduce"))
+    assert all_reduces(drafts[True]) == all_reduces(drafts[False]) + 1

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec
 from eagle_jax import eagle
 from eagle_jax import engine as engine_lib
 from eagle_jax import generate
+from eagle_jax import layers
 from eagle_jax import models
 from eagle_jax import sharding
 from eagle_jax import tree as tree_lib
@@ -145,11 +146,14 @@ def generate_tokens(target, head, prompts, mesh, **settings):
 
 
 @pytest.mark.parametrize("case, size", [("plain", 2), ("plain-continuous", 4), ("plain-replicated", 2),
-                                        ("eagle3", 2), ("eagle", 4), ("eagle-tree", 2)])
+                                        ("eagle3", 2), ("eagle", 4), ("eagle-tree", 2), ("eagle3-split-head", 2),
+                                        ("eagle-split-head", 4)])
 def test_greedy_outputs_match_one_device(split_target, random_target, agreeing_head, biased_eagle3_head, prompts,
                                          case, size):
-    """float32 greedy decoding, plain and speculative (chains and a tree), static batches (with an
-    idle row) and decode slots: the same tokens and acceptance."""
+    """float32 greedy decoding, plain and speculative (chains and a tree, the head whole or split
+    too), static batches (with an idle row) and decode slots: the same tokens and acceptance."""
+    split_head = {"draft_tensor_parallel_size": size} if case.endswith("-split-head") else {}
+    case = case.removesuffix("-split-head")
     target = random_target(seed=5, **REPLICATED) if case == "plain-replicated" else split_target
     settings = dict(scheduler="continuous" if case == "plain-continuous" else "static", batch_size=2)
     head = None
@@ -164,14 +168,60 @@ def test_greedy_outputs_match_one_device(split_target, random_target, agreeing_h
     elif head is not None:
         settings["num_speculative_tokens"] = 3
     expected, expected_stats = generate_tokens(target, head, prompts, None, **settings)
-    got, stats = generate_tokens(target, head, prompts, sharding.make_mesh(size), **settings)
+    got, stats = generate_tokens(target, head, prompts, sharding.make_mesh(size), **settings, **split_head)
     assert got == expected
     assert stats == expected_stats
     if head is not None:
         assert max(s["acceptance_length"] for s in stats) > 1.2
 
 
-def test_bad_meshes_are_refused_by_name(random_target):
+def test_a_split_head_splits_its_mlp_and_draft_vocabulary_only(random_target, random_head):
+    """shard_head: gate_up (in [gate_p | up_p] blocks) and the draft lm_head split by columns,
+    down_proj by rows; attention, fc and norms whole on every device (its cache needs no layout);
+    the draft step then all-reduces the MLP's output; sizes that do not divide are refused."""
+    mesh = sharding.make_mesh(2)
+    target = random_target(seed=3, **SPLIT)
+    head = random_head(target.config, "eagle3", draft_vocab_size=64)
+    split = sharding.shard_head(head, mesh)
+    spec = lambda array: array.sharding.spec
+    mlp = split.midlayer.mlp
+    assert mlp.num_shards == 2 and split.midlayer.self_attn.num_shards == 1
+    assert spec(mlp.gate_up_proj.kernel[...]) == PartitionSpec(None, "tensor")
+    assert spec(mlp.down_proj.kernel[...]) == PartitionSpec("tensor", None)
+    assert spec(split.lm_head.kernel[...]) == PartitionSpec(None, "tensor")
+    for whole in (split.fc.kernel, split.midlayer.self_attn.qkv_proj.kernel, split.norm.weight):
+        assert set(spec(whole[...])) <= {None}  # P() or P(None, None): whole on every device
+    order = sharding.block_order(layers.gate_up_sizes(head.config.layer), 2)
+    np.testing.assert_array_equal(np.asarray(mlp.gate_up_proj.kernel[...]),
+                                  np.asarray(head.midlayer.mlp.gate_up_proj.kernel[...])[:, order])
+
+    graphdef, state = nnx.split(sharding.shard_target(target, mesh))
+
+    def draft_step_text(head) -> str:
+        head_def, head_params = nnx.split(head)
+
+        def draft_step(state, head_params, token, feature, cache):
+            model, head = nnx.merge(graphdef, state), nnx.merge(head_def, head_params)
+            out, logits, cache = head(token[:, None], feature[:, None], cache.lengths[:, None], cache, model)
+            return jnp.argmax(logits[:, 0], axis=-1), out, cache
+
+        args = (state, head_params, jnp.ones((1,), jnp.int32), jnp.ones((1, target.config.hidden_size)),
+                eagle.init_cache(head.config, 1, 16, jnp.float32))
+        return jax.jit(draft_step).lower(*args).compile().as_text()
+
+    all_reduces = lambda text: sum(n for name, n in sharding.collectives(text).items() if name.startswith("all-reduce"))
+    split_text = draft_step_text(split)
+    assert all_reduces(split_text) > all_reduces(draft_step_text(sharding.replicate(head, mesh)))  # + the MLP's
+    assert table_gathers(split_text, target.config) == []
+
+    with pytest.raises(sharding.ShardingError, match=r"does not divide the head's draft_vocab_size=65"):
+        sharding.shard_head(random_head(target.config, "eagle3", draft_vocab_size=65), mesh)
+    with pytest.raises(engine_lib.InputError, match=r"draft_tensor_parallel_size must be 1 .* or the tensor parallel "
+                                                    r"size 2"):
+        engine_lib.Engine(target, head, num_speculative_tokens=2, mesh=mesh, draft_tensor_parallel_size=4)
+
+
+def test_bad_meshes_are_refused_by_name(random_target, capsys):
     with pytest.raises(sharding.ShardingError, match=r"tensor_parallel_size=8 needs that many devices; 4 "):
         sharding.make_mesh(8)
     with pytest.raises(sharding.ShardingError, match=r"does not divide the target's vocab_size=101"):
@@ -181,6 +231,10 @@ def test_bad_meshes_are_refused_by_name(random_target):
         engine_lib.Engine(random_target(vocab_size=128, intermediate_size=66), mesh=sharding.make_mesh(4))
     code = generate.main(["--model", "/nonexistent", "--tensor-parallel-size", "0"])
     assert code == 2
+    # Refused before anything loads: the head is whole (1) or split like the target (N).
+    assert generate.main(["--model", "/nonexistent", "--tensor-parallel-size", "2", "--draft-tensor-parallel-size",
+                          "4"]) == 2
+    assert "--draft-tensor-parallel-size must be 1 or the --tensor-parallel-size (2), got 4" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
