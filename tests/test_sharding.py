@@ -117,6 +117,12 @@ def test_decode_step_uses_megatron_collectives_only(random_target, random_head):
     assert table_gathers(text, base.config) == []
 
     head = sharding.replicate(random_head(base.config, "eagle3", draft_vocab_size=64), mesh)
+    assert table_gathers(draft_step_text(target, head), base.config) == []
+
+
+def draft_step_text(target, head) -> str:
+    """The compiled text of one cached draft step of `head` over `target` (both placed on a mesh)."""
+    graphdef, state = nnx.split(target)
     head_def, head_params = nnx.split(head)
 
     def draft_step(state, head_params, token, feature, cache):
@@ -124,9 +130,9 @@ def test_decode_step_uses_megatron_collectives_only(random_target, random_head):
         out, logits, cache = head(token[:, None], feature[:, None], cache.lengths[:, None], cache, model)
         return jnp.argmax(logits[:, 0], axis=-1), out, cache
 
-    args = (state, head_params, jnp.ones((1,), jnp.int32), jnp.ones((1, base.config.hidden_size)),
+    args = (state, head_params, jnp.ones((1,), jnp.int32), jnp.ones((1, target.config.hidden_size)),
             eagle.init_cache(head.config, 1, 16, jnp.float32))
-    assert table_gathers(jax.jit(draft_step).lower(*args).compile().as_text(), base.config) == []
+    return jax.jit(draft_step).lower(*args).compile().as_text()
 
 
 @pytest.fixture(scope="module")
@@ -195,23 +201,11 @@ def test_a_split_head_splits_its_mlp_and_draft_vocabulary_only(random_target, ra
     np.testing.assert_array_equal(np.asarray(mlp.gate_up_proj.kernel[...]),
                                   np.asarray(head.midlayer.mlp.gate_up_proj.kernel[...])[:, order])
 
-    graphdef, state = nnx.split(sharding.shard_target(target, mesh))
-
-    def draft_step_text(head) -> str:
-        head_def, head_params = nnx.split(head)
-
-        def draft_step(state, head_params, token, feature, cache):
-            model, head = nnx.merge(graphdef, state), nnx.merge(head_def, head_params)
-            out, logits, cache = head(token[:, None], feature[:, None], cache.lengths[:, None], cache, model)
-            return jnp.argmax(logits[:, 0], axis=-1), out, cache
-
-        args = (state, head_params, jnp.ones((1,), jnp.int32), jnp.ones((1, target.config.hidden_size)),
-                eagle.init_cache(head.config, 1, 16, jnp.float32))
-        return jax.jit(draft_step).lower(*args).compile().as_text()
-
+    sharded_target = sharding.shard_target(target, mesh)
     all_reduces = lambda text: sum(n for name, n in sharding.collectives(text).items() if name.startswith("all-reduce"))
-    split_text = draft_step_text(split)
-    assert all_reduces(split_text) > all_reduces(draft_step_text(sharding.replicate(head, mesh)))  # + the MLP's
+    split_text = draft_step_text(sharded_target, split)
+    whole_text = draft_step_text(sharded_target, sharding.replicate(head, mesh))
+    assert all_reduces(split_text) > all_reduces(whole_text)  # + the MLP's
     assert table_gathers(split_text, target.config) == []
 
     with pytest.raises(sharding.ShardingError, match=r"does not divide the head's draft_vocab_size=65"):
