@@ -166,8 +166,8 @@ class Engine:
             given are unchanged. "auto" picks them where they measured faster
             (`choose_decode_kernels`), XLA elsewhere; `self.decode_kernels` holds the choice.
         mesh: a `jax.sharding.Mesh` with a "tensor" axis (`sharding.make_mesh`): the target is
-            split over it Megatron-style and the head replicated (`sharding`); XLA SPMD places
-            the collectives inside the same compiled programs. None runs on one device.
+            split over it Megatron-style and the head replicated, or split too (below; `sharding`);
+            XLA SPMD places the collectives inside the same compiled programs. None runs on one device.
         draft_tensor_parallel_size: vLLM's name: 1 (or None) keeps the head whole on every
             device; the mesh's size splits its MLPs and draft vocabulary too (`sharding.shard_head`).
     """

@@ -75,7 +75,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-length", type=int, default=2048,
                         help="largest KV cache (the continuous scheduler fits its slots' cache to the prompts, up to this)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
-                        help="split the target over N devices (Megatron-style, XLA SPMD); the head is replicated")
+                        help="split the target over N devices (Megatron-style, XLA SPMD); the head is whole "
+                             "on each unless --draft-tensor-parallel-size N")
     parser.add_argument("--draft-tensor-parallel-size", type=int, default=1, metavar="N",
                         help="1: the draft head whole on every device; the tensor parallel size: its MLP and draft "
                              "vocabulary split too")

@@ -10,8 +10,9 @@
 EAGLE-2 trees run for every valid (topk, num_steps, num_draft_tokens) combination of the lists.
 For each (method, k or tree, batch size, scheduler, tensor parallel size) it builds one Engine,
 compiles it on `--warmup` untimed prompts, then generates the first turns of `--num_prompts`
-MT-Bench questions (chat template; past the 80 questions they come round again, in order). Static batching runs the prompts batch after batch; continuous batching takes
-them all in one call and refills each of the batch size's decode slots as its row finishes.
+MT-Bench questions (chat template; past the 80 questions they come round again, in order).
+Static batching runs the prompts batch after batch; continuous batching takes them all in one
+call and refills each of the batch size's decode slots as its row finishes.
 Output tokens per second = generated tokens / device-loop seconds (compilation excluded): the sum
 of the batches' seconds (static), or the call's time to its last token (continuous). As a serving
 benchmark with every request arriving when the timed run starts, each row also records the median
