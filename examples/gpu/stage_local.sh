@@ -2,6 +2,8 @@
 # The development machine's half of staging a lease (docs/GPU_RUNS.md), from the repo root:
 #   bash examples/gpu/stage_local.sh prepare     once a machine: the model, its GGUF in 15 MB parts,
 #                                                ShareGPT turns, held-out prompts, the extra prompt sources
+#   bash examples/gpu/stage_local.sh prepare bench   the model and its GGUF parts only: enough for a
+#                                                lease that benchmarks and trains nothing
 #   bash examples/gpu/stage_local.sh carry       pack the distilled parts kept in $stage/distill (what
 #                                                collect.sh brought back: run/distill/*.npz) as 15 MB tar
 #                                                parts, to carry into the next lease (after the GGUF parts)
@@ -23,6 +25,7 @@ case ${1:?prepare or call N} in
     split -b 15000000 -d "$gguf" "$stage/gguf/gguf.part" && sha256sum "$gguf" > "$stage/gguf.sha256"
     python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       --platform manylinux2014_x86_64 -d .whl gguf==0.19.0
+    [ "${2:-}" = bench ] && exit 0
     python examples/prepare_data.py --model-dir "$hf" --distill-turns-out "$stage/turns.npz" \
       --held-out-out "$stage/heldout.jsonl" --max-turns 3 --max-prompt-tokens 384
     python -m pip download -q --no-deps --only-binary=:all: -d "$stage/prompt_wheels" evals==3.0.1.post1 \
@@ -42,7 +45,9 @@ case ${1:?prepare or call N} in
     [ -f "$stage/carry/distill.sha256" ] && cp "$stage/carry/distill.sha256" .stage/
     if (( n == 1 )); then  # setup.sh converts the model when the last part lands: the tokenizer comes first
       mkdir -p .stage/tokenizer && cp "$hf"/{config.json,generation_config.json,tokenizer.json,tokenizer_config.json} .stage/tokenizer/
-      cp "$stage"/{turns.npz,heldout.jsonl,extra_turns.npz} .stage/
+      for f in turns.npz heldout.jsonl extra_turns.npz; do  # training data: absent after `prepare bench`
+        [ -f "$stage/$f" ] && cp "$stage/$f" .stage/
+      done
       cp "$(python -c 'from eagle_jax import data; print(data.package_data_file(*data.MTBENCH_FILE))')" .stage/mtbench_question.jsonl
     else
       cp "${parts[n - 2]}" .stage/
