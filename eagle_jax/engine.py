@@ -108,16 +108,19 @@ def pooled_stats(results: Sequence[Result], k: int) -> dict:
                 num_accepted_tokens=accepted, acceptance_rate_per_position=(per_position / max(drafts, 1)).tolist())
 
 
-def choose_decode_kernels(backend: str, speculative: bool, batch_size: int, mesh) -> str:
+def choose_decode_kernels(backend: str, tree: bool, mesh) -> str:
     """What decode_kernels="auto" runs: "pallas" where it measured faster, else "xla".
 
-    H200, bf16, MT-Bench 80 x 256, 2026-11-30 (docs/BENCHMARKS.md): plain decoding at batch 1
-    ran 942 tokens/s with the Pallas kernels against 785 with XLA's (168 kernels and 943 µs of
-    GPU time a step against 620 and 1,209); EAGLE-3 k = 5 ran slower with them (1,189 against
-    1,384 tokens/s: the attention kernel costs 24 µs a layer on a 6-token verify). Larger
-    batches were not measured, and the kernels run on one GPU only.
+    H200, bf16, MT-Bench 80 x 256, one GPU (docs/BENCHMARKS.md). EAGLE-3 chains ran faster with
+    them wherever one lease measured both: 31,586 against 22,007 tokens/s at 64 rows and 14,209
+    against 13,064 at 16 (k = 5, continuous scheduler, lease 16), and, since the token-block
+    attention kernel, 2,078 against 1,914 at batch 1 (k = 6, lease 19), where XLA's had led.
+    Plain decoding: 942 against 785 tokens/s at batch 1 (lease 6); at 16 and 64 rows the Pallas
+    runs (lease 11) beat XLA's of lease 7 by 11-31%. Trees keep XLA: their verify attends through
+    XLA anyway, and the fused linears alone measured slower there (1,934 against 2,055 tokens/s,
+    lease 11). The kernels run on one device, and interpret slowly off a GPU.
     """
-    return "pallas" if backend == "gpu" and not speculative and batch_size == 1 and mesh is None else "xla"
+    return "pallas" if backend == "gpu" and not tree and mesh is None else "xla"
 
 
 class Engine:
@@ -206,7 +209,7 @@ class Engine:
         if decode_kernels not in ("auto",) + layers.DECODE_KERNELS:
             raise InputError(f"decode_kernels must be one of {('auto',) + layers.DECODE_KERNELS}, got {decode_kernels!r}")
         if decode_kernels == "auto":
-            decode_kernels = choose_decode_kernels(jax.default_backend(), head is not None, batch_size, mesh)
+            decode_kernels = choose_decode_kernels(jax.default_backend(), tree is not None, mesh)
         if mesh is not None and decode_kernels != "xla":
             raise InputError(f"decode_kernels={decode_kernels!r} runs on one device; it does not take a mesh")
         if decode_kernels != "xla":

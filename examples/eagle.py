@@ -127,8 +127,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         default="auto",
                         help="pallas: fused Pallas kernels in decode steps of up to 32 rows, the attention "
                              "kernel alone in larger ones; pallas_linear: the fused norms and projections "
-                             "with XLA's attention; auto: pallas for "
-                             "plain decoding at batch 1 on a GPU, xla elsewhere (Engine.decode_kernels); the "
+                             "with XLA's attention; auto: pallas on one GPU (plain and "
+                             "chains), xla for trees, meshes and CPUs (Engine.decode_kernels); the "
                              "choice is recorded in each row")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top_p", "--top-p", type=float, default=1.0)

@@ -703,8 +703,8 @@ def main(argv=None) -> int:
         # HF peers are slow, so they may be run on fewer prompts: the latest of each, whatever its setting.
         peers = list({r["method"]: r for r in rows if r["method"].startswith("hf-") and r["batch_size"] == 1}.values())
         sub = subtitle(batch1 or ours, setting)
-        # Plain decoding's default kernels differ from speculation's (Pallas at batch 1 on a GPU):
-        # beside the methods, the fastest plain decoding on one device, a test every step, no flags.
+        # The k sweeps are XLA's (the only full ones at batch 1); beside them, the fastest plain
+        # decoding on one device, any decode kernels, a test every step, no flags.
         plain = [r for r in static_greedy(every, setting) if r["batch_size"] == 1 and r["method"] == "none"
                  and r.get("tensor_parallel_size", 1) == 1 and not r.get("xla_flags")
                  and r.get("steps_per_check", 1) == 1]

@@ -120,11 +120,10 @@ def test_with_decode_kernels_copies_and_shares_weights(random_target):
 
 def test_auto_picks_pallas_only_where_it_measured_faster(random_target):
     choose = engine_lib.choose_decode_kernels
-    assert choose("gpu", speculative=False, batch_size=1, mesh=None) == "pallas"
-    assert choose("gpu", speculative=True, batch_size=1, mesh=None) == "xla"  # slower with EAGLE-3 verifies
-    assert choose("gpu", speculative=False, batch_size=16, mesh=None) == "xla"  # not measured
-    assert choose("gpu", speculative=False, batch_size=1, mesh=object()) == "xla"  # one device only
-    assert choose("cpu", speculative=False, batch_size=1, mesh=None) == "xla"  # interpret mode is slow
+    assert choose("gpu", tree=False, mesh=None) == "pallas"  # plain and chains, at every batch size measured
+    assert choose("gpu", tree=True, mesh=None) == "xla"  # a tree's verify attends through XLA
+    assert choose("gpu", tree=False, mesh=object()) == "xla"  # one device only
+    assert choose("cpu", tree=False, mesh=None) == "xla"  # interpret mode is slow
     target = random_target(num_layers=1)
     assert engine_lib.Engine(target).decode_kernels == "xla"  # this CPU
     assert engine_lib.Engine(target, decode_kernels="pallas").decode_kernels == "pallas"
