@@ -116,7 +116,7 @@ def choose_decode_kernels(backend: str, tree: bool, mesh) -> str:
     against 13,064 at 16 (k = 5, continuous scheduler, lease 16), and, since the token-block
     attention kernel, 2,078 against 1,914 at batch 1 (k = 6, lease 19), where XLA's had led.
     Plain decoding: 942 against 785 tokens/s at batch 1 (lease 6); at 16 and 64 rows the Pallas
-    runs (lease 11) beat XLA's of lease 7 by 11-31%. Trees keep XLA: their verify attends through
+    runs (lease 11) beat XLA's of lease 7 by 8-31%. Trees keep XLA: their verify attends through
     XLA anyway, and the fused linears alone measured slower there (1,934 against 2,055 tokens/s,
     lease 11). The kernels run on one device, and interpret slowly off a GPU.
     """
