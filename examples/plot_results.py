@@ -14,7 +14,8 @@ data exists:
   All three from static batches with speculation never disabled (rows with a `scheduler` of
   continuous or a `speculative_disable_by_batch_size` are left out), XLA decode kernels;
   * k_at_batch.png: EAGLE-3 tokens/s vs k at each batch size, relative to that size's best k, with
-    the k the CLI picks there (heads/defaults.json) starred (`k_sweeps_by_batch`);
+    the k the CLI picks there (heads/defaults.json) starred (`k_sweeps_by_batch`), and dashed the
+    batch runs on more prompts (`longer_sweeps`: MT-Bench taken again, closer to a steady state);
   * batch_scaling.png: what serving gets, output tokens/s at each batch size above 1, grouped bars
     of plain decoding and each EAGLE method on static batches and on continuous batching, with
     the continuous / static ratio. The newest row of each (method, batch size, scheduler) at
@@ -645,27 +646,42 @@ def k_sweeps_by_batch(rows: list[dict], setting: tuple[int, int], method: str = 
     return sweeps
 
 
-def plot_k_at_batch(sweeps: dict[int, dict], setting: tuple[int, int], default_k, out: Path) -> None:
+def longer_sweeps(rows: list[dict], setting: tuple[int, int], method: str = "eagle3") -> dict[tuple[int, int], dict]:
+    """`k_sweeps_by_batch` of the batch runs on more prompts than `setting`'s (the same questions
+    taken again, `--num_prompts`): a run of 80 prompts on 64 slots is mostly its tail, these are
+    closer to a steady state. {(batch, num_prompts): sweep}."""
+    prompts = sorted({r["num_prompts"] for r in rows if r["num_prompts"] > setting[0]
+                      and serving_setting(r, (r["num_prompts"], setting[1]))})
+    return {(batch, count): sweep for count in prompts
+            for batch, sweep in k_sweeps_by_batch(rows, (count, setting[1]), method).items() if batch > 1}
+
+
+def plot_k_at_batch(sweeps: dict[int, dict], setting: tuple[int, int], default_k, out: Path,
+                    longer: dict[tuple[int, int], dict] | None = None) -> None:
     """k_at_batch.png: tokens/s at each k relative to the best k of its batch size, a line per batch
-    size, a star at the k the CLI picks there (`default_k(batch)`, from heads/defaults.json)."""
-    if not any(len(sweep["tokens_per_s"]) > 1 for sweep in sweeps.values()):
+    size, a star at the k the CLI picks there (`default_k(batch)`, from heads/defaults.json); runs
+    on more prompts (`longer_sweeps`) dashed, in their batch size's color."""
+    lines = {(batch, setting[0]): sweep for batch, sweep in sweeps.items()} | (longer or {})
+    if not any(len(sweep["tokens_per_s"]) > 1 for sweep in lines.values()):
         return
-    fig, ax = plt.subplots(figsize=(7.5, 5.2))
-    colors = plt.get_cmap("viridis")(np.linspace(0, 0.85, len(sweeps)))
-    for color, (batch, sweep) in zip(colors, sweeps.items()):
+    fig, ax = plt.subplots(figsize=(8.6, 5.4))  # wide enough for two legend columns of long labels
+    batches = sorted({batch for batch, _ in lines})
+    colors = dict(zip(batches, plt.get_cmap("viridis")(np.linspace(0, 0.85, len(batches)))))
+    for (batch, prompts), sweep in sorted(lines.items()):
         speed = sweep["tokens_per_s"]
         best = max(speed, key=speed.get)
         ks = list(speed)
         names = lease_names(sweep["rows"])
         leases = f"lease{'s' * (len(names) > 1)} {', '.join(names)}" if names else ""
-        ax.plot(ks, [speed[k] / speed[best] for k in ks], "o-", color=color, linewidth=2,
-                label=f"{batch} row{'s' * (batch > 1)}: {'best' if len(ks) > 1 else 'only'} k = {best}, "
-                      f"{speed[best]:,.0f} tok/s"
+        more = prompts != setting[0]
+        ax.plot(ks, [speed[k] / speed[best] for k in ks], "o--" if more else "o-", color=colors[batch], linewidth=2,
+                label=f"{batch} row{'s' * (batch > 1)}{f', {prompts} prompts' if more else ''}: "
+                      f"{'best' if len(ks) > 1 else 'only'} k = {best}, {speed[best]:,.0f} tok/s"
                       + (f" ({leases})" if leases else ""))
         chosen = default_k(batch)
         if chosen in speed:
-            ax.plot([chosen], [speed[chosen] / speed[best]], "*", color=color, markersize=16, markeredgecolor="black",
-                    zorder=3)
+            ax.plot([chosen], [speed[chosen] / speed[best]], "*", color=colors[batch], markersize=16,
+                    markeredgecolor="black", zorder=3)
     ax.plot([], [], "*", color="lightgray", markeredgecolor="black", markersize=12,
             label="the k the CLI picks there (heads/defaults.json)")
     ax.set_xlabel("k, speculative tokens per step")
@@ -713,7 +729,7 @@ def main(argv=None) -> int:
         plot_per_position(batch1, sub, out)
         cli_k = lambda batch: heads.best_k("eagle3", "gpu", batch)
         plot_batch_scaling(batch_rows(all_rows, setting, cli_k), setting, out)
-        plot_k_at_batch(k_sweeps_by_batch(all_rows, setting), setting, cli_k, out)
+        plot_k_at_batch(k_sweeps_by_batch(all_rows, setting), setting, cli_k, out, longer_sweeps(all_rows, setting))
         trees = [r for r in every if r.get("speculative_eagle_topk") and r["batch_size"] == 1
                  and (r["num_prompts"], r["max_new_tokens"]) == setting and float(r.get("temperature", 0)) == 0
                  and r.get("decode_kernels", KEY_DEFAULTS["decode_kernels"]) == KEY_DEFAULTS["decode_kernels"]]

@@ -343,6 +343,18 @@ def test_k_at_batch_draws_one_lease_per_batch_size_and_the_clis_k(tmp_path, monk
     assert curves["2 rows: best k = 4, 3,600 tok/s (leases 14, 18)"][1] == [1.0, 3000.0 / 3600.0, 2900.0 / 3600.0]
     assert stars == [(4, 34000.0 / 35500.0), (4, 1.0), (6, 1.0)]
 
+    # Runs on 320 prompts (MT-Bench four times) are their own dashed lines, beside the 80-prompt ones.
+    longer = rows + [batch_row("eagle3", k, speed, 64, "continuous", day + f"11:2{k}", head="run 14", num_prompts=320)
+                     for k, speed in ((3, 38000.0), (4, 40000.0))]
+    long_sweeps = plot_results.longer_sweeps(longer, (80, 256))
+    assert list(long_sweeps) == [(64, 320)] and long_sweeps[64, 320]["tokens_per_s"] == {3: 38000.0, 4: 40000.0}
+    assert plot_results.k_sweeps_by_batch(longer, (80, 256))[64]["tokens_per_s"] == {3: 35500.0, 4: 34000.0}
+    drawn.clear()
+    plot_results.plot_k_at_batch(sweeps, (80, 256), {1: 6, 2: 4, 64: 4}.get, tmp_path, long_sweeps)
+    curves = {label: (x, y) for x, y, label in drawn["k_at_batch.png"] if len(x) > 1}
+    assert curves["64 rows, 320 prompts: best k = 4, 40,000 tok/s (lease 14)"] == ([3, 4], [0.95, 1.0])
+    assert len(curves) == 4
+
 
 def test_scale_plot_keeps_the_last_comparison_of_one_gpu_with_two(tmp_path, monkeypatch):
     """scale_8b.png draws one run: a later run on one GPU only (a baseline) does not replace the
