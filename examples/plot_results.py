@@ -78,6 +78,9 @@ KEY_DEFAULTS = {"scheduler": "static", "decode_kernels": "xla", "tensor_parallel
                 "xla_flags": None, "refill_at": None}
 SCHEDULERS = ("static", "continuous")
 BATCH_KERNELS = "pallas"  # the batch benchmarks' decode kernels since the eleventh session
+# Batch-1 chain sweeps: XLA's kernels until `auto` chose Pallas for chains (nineteenth session), Pallas
+# since. A sweep is one lease's on one set of kernels (`kernel_runs`); the widest, newest on ties, is drawn.
+SWEEP_KERNELS = ("xla", "pallas")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -158,9 +161,20 @@ def leases(rows: list[dict]) -> list[list[dict]]:
     return runs
 
 
+def kernels_of(row: dict) -> str:
+    return row.get("decode_kernels", KEY_DEFAULTS["decode_kernels"])
+
+
+def kernel_runs(rows: list[dict]) -> list[list[dict]]:
+    """`leases`, each split by decode kernels (a lease that ran both has one run of each), oldest first."""
+    return [[r for r in lease if kernels_of(r) == kernels] for lease in leases(rows)
+            for kernels in dict.fromkeys(kernels_of(r) for r in lease)]
+
+
 def widest_lease(rows: list[dict]) -> list[dict]:
-    """The rows of the lease (`leases`) that measured the most k values; the newest on ties."""
-    return max(reversed(leases(rows)), key=lambda run: len({r["k"] for r in run}))
+    """The rows of the run (`kernel_runs`: one lease, one set of decode kernels) that measured the
+    most k values; the newest on ties."""
+    return max(reversed(kernel_runs(rows)), key=lambda run: len({r["k"] for r in run}))
 
 
 def one_lease_sweeps(shown: list[dict], pool: list[dict]) -> list[dict]:
@@ -179,12 +193,12 @@ def one_lease_sweeps(shown: list[dict], pool: list[dict]) -> list[dict]:
     return result
 
 
-def default_settings(rows: list[dict]) -> list[dict]:
-    """Chain rows at the default settings: XLA kernels, one device, the exit test every step, no
-    XLA_FLAGS (trees apart: a tree row's k is its depth, not comparable with a chain's k)."""
-    return [r for r in rows if not r.get("speculative_eagle_topk") and all(
-        r.get(name, KEY_DEFAULTS[name]) == KEY_DEFAULTS[name] for name in ("decode_kernels", "tensor_parallel_size",
-                                                                           "steps_per_check", "xla_flags"))]
+def default_settings(rows: list[dict], kernels: tuple[str, ...] = (KEY_DEFAULTS["decode_kernels"],)) -> list[dict]:
+    """Chain rows at the default settings: decode kernels among `kernels`, one device, the exit test
+    every step, no XLA_FLAGS (trees apart: a tree row's k is its depth, not comparable with a chain's k)."""
+    return [r for r in rows if not r.get("speculative_eagle_topk") and kernels_of(r) in kernels and all(
+        r.get(name, KEY_DEFAULTS[name]) == KEY_DEFAULTS[name] for name in ("tensor_parallel_size", "steps_per_check",
+                                                                           "xla_flags"))]
 
 
 def compiled_greedy(row: dict) -> bool:
@@ -270,8 +284,7 @@ def fastest_plain_line(plain: list[dict]) -> list[tuple]:
     if not plain:
         return []
     fastest = max(plain, key=lambda r: r["output_tokens_per_second"])
-    kernels = fastest.get("decode_kernels", KEY_DEFAULTS["decode_kernels"])
-    return [(f"{LABELS['none']} (ours, {kernels} kernels)", fastest["output_tokens_per_second"], "black", "-")]
+    return [(f"{LABELS['none']} (ours, {kernels_of(fastest)} kernels)", fastest["output_tokens_per_second"], "black", "-")]
 
 
 def plot_otps(rows, plain, peers, sub, out: Path) -> None:
@@ -297,7 +310,7 @@ def plot_otps(rows, plain, peers, sub, out: Path) -> None:
         series = by_k(rows, method)
         if series:
             ax.plot([r["k"] for r in series], [r["output_tokens_per_second"] for r in series], "o-",
-                    color=COLORS[method], label=LABELS[method], linewidth=2)
+                    color=COLORS[method], label=f"{LABELS[method]} ({kernels_of(series[0])} kernels)", linewidth=2)
     for axis in (ax, low):
         if axis is not None:
             for label, value, color, style in lines:
@@ -355,7 +368,7 @@ def serving_setting(row: dict, setting: tuple[int, int]) -> bool:
     a chain (no tree), the scheduler's default refill_at (a continuous row older than the field
     refilled at every finish: left out)."""
     return (row["batch_size"] > 1 and compiled_greedy(row) and (row["num_prompts"], row["max_new_tokens"]) == setting
-            and row.get("decode_kernels", KEY_DEFAULTS["decode_kernels"]) == BATCH_KERNELS
+            and kernels_of(row) == BATCH_KERNELS
             and row.get("tensor_parallel_size", 1) == 1 and row.get("steps_per_check", 1) == 1
             and not row.get("xla_flags") and not row.get("speculative_disable_by_batch_size")
             and not row.get("speculative_eagle_topk") and row.get("scheduler", "static") in SCHEDULERS
@@ -461,8 +474,7 @@ def plot_batch_scaling(rows: list[dict], setting: tuple[int, int], out: Path) ->
     ax.set_ylim(0, 1.2 * top)
     ax.yaxis.set_major_formatter(matplotlib.ticker.StrMethodFormatter("{x:,.0f}"))
     ax.set_axisbelow(True)
-    kernels = rows[0].get("decode_kernels", KEY_DEFAULTS["decode_kernels"])
-    sub = f"{subtitle(rows, setting)}\n{kernels} decode kernels; {lease_range(rows)}"
+    sub = f"{subtitle(rows, setting)}\n{kernels_of(rows[0])} decode kernels; {lease_range(rows)}"
     finish(fig, ax, out / "batch_scaling.png", "Throughput by batch size and scheduler (greedy, one GPU)", sub,
            legend_below=True, grid="y")
 
@@ -626,7 +638,7 @@ def k_sweeps_by_batch(rows: list[dict], setting: tuple[int, int], method: str = 
     did not measure comes from the newest lease that did (lease-to-lease spread is a few percent,
     less than the k = 4 -> 5 steps the sweeps are read for):
     {batch: {"tokens_per_s": {k: mean}, "runs": {k: count}, "rows": [...]}}."""
-    batch1 = [r for r in static_greedy(default_settings(rows), setting) if r["batch_size"] == 1]
+    batch1 = [r for r in static_greedy(default_settings(rows, SWEEP_KERNELS), setting) if r["batch_size"] == 1]
     served = [r for r in rows if serving_setting(r, setting) and r.get("scheduler") == "continuous"]
     mine = [r for r in batch1 + served if r["method"] == method]
     sweeps = {}
@@ -635,9 +647,9 @@ def k_sweeps_by_batch(rows: list[dict], setting: tuple[int, int], method: str = 
         newest = max(head_rank(r) for r in at_batch)
         newest_head = [r for r in at_batch if head_rank(r) == newest]
         run = list(widest_lease(newest_head))
-        for lease in reversed(leases(newest_head)):
+        for lease in reversed(kernel_runs(newest_head)):
             measured = {r["k"] for r in run}
-            run += [r for r in lease if r["k"] not in measured]
+            run += [r for r in lease if r["k"] not in measured and kernels_of(r) == kernels_of(run[0])]
         by_k = collections.defaultdict(list)
         for row in run:
             by_k[row["k"]].append(row["output_tokens_per_second"])
@@ -688,7 +700,8 @@ def plot_k_at_batch(sweeps: dict[int, dict], setting: tuple[int, int], default_k
     ax.set_ylabel("output tokens / s, relative to the best k of its batch size")
     ax.xaxis.get_major_locator().set_params(integer=True)
     rows = [r for sweep in sweeps.values() for r in sweep["rows"]]
-    sub = (f"{subtitle(rows, setting)}\nbatch 1 static ({KEY_DEFAULTS['decode_kernels']} kernels), larger batches "
+    batch1 = f"batch 1 static ({kernels_of(sweeps[1]['rows'][0])} kernels), " if 1 in sweeps else ""
+    sub = (f"{subtitle(rows, setting)}\n{batch1}larger batches "
            f"continuous ({BATCH_KERNELS} kernels); repeats of a k averaged")
     finish(fig, ax, out / "k_at_batch.png", "Best k by batch size (EAGLE-3, greedy, one GPU)", sub, legend_below=True)
 
@@ -708,18 +721,18 @@ def main(argv=None) -> int:
     # Rows from two GPUs of one lease land in the file out of time order: "latest" goes by date.
     all_rows = sorted(load_rows(Path(args.results)), key=lambda r: r.get("date", ""))
     every = latest(all_rows)
-    rows = default_settings(latest_of_newest_head(all_rows))
+    rows = default_settings(latest_of_newest_head(all_rows), SWEEP_KERNELS)
     setting = reference_setting(rows, args)
     if setting is None:
         print(f"no compiled greedy rows in {args.results}: no MT-Bench plots", file=sys.stderr)
     else:
         ours = static_greedy(rows, setting)
-        pool = [r for r in static_greedy(default_settings(all_rows), setting) if r["batch_size"] == 1]
+        pool = [r for r in static_greedy(default_settings(all_rows, SWEEP_KERNELS), setting) if r["batch_size"] == 1]
         batch1 = one_lease_sweeps([r for r in ours if r["batch_size"] == 1], pool)
         # HF peers are slow, so they may be run on fewer prompts: the latest of each, whatever its setting.
         peers = list({r["method"]: r for r in rows if r["method"].startswith("hf-") and r["batch_size"] == 1}.values())
         sub = subtitle(batch1 or ours, setting)
-        # The k sweeps are XLA's (the only full ones at batch 1); beside them, the fastest plain
+        # Each k sweep is one lease's on one set of kernels (`widest_lease`); beside them, the fastest plain
         # decoding on one device, any decode kernels, a test every step, no flags.
         plain = [r for r in static_greedy(every, setting) if r["batch_size"] == 1 and r["method"] == "none"
                  and r.get("tensor_parallel_size", 1) == 1 and not r.get("xla_flags")
@@ -732,7 +745,7 @@ def main(argv=None) -> int:
         plot_k_at_batch(k_sweeps_by_batch(all_rows, setting), setting, cli_k, out, longer_sweeps(all_rows, setting))
         trees = [r for r in every if r.get("speculative_eagle_topk") and r["batch_size"] == 1
                  and (r["num_prompts"], r["max_new_tokens"]) == setting and float(r.get("temperature", 0)) == 0
-                 and r.get("decode_kernels", KEY_DEFAULTS["decode_kernels"]) == KEY_DEFAULTS["decode_kernels"]]
+                 and kernels_of(r) == KEY_DEFAULTS["decode_kernels"]]
         # (trees on other decode kernels are another setting, compared in docs/BENCHMARKS.md's tables)
         newest = max((head_rank(r) for r in trees), default=0)
         trees = [r for r in trees if head_rank(r) == newest]  # one head's trees: older heads' rows would mix in

@@ -159,7 +159,9 @@ def test_plots_compare_default_settings_and_draw_the_tree_sweep(tmp_path, monkey
     assert plot_results.main(["--results", str(results), "--profile", str(tmp_path / "none.json"),
                               "--scaling", str(tmp_path / "none.json"), "--out-dir", str(tmp_path)]) == 0
     [(batch1, plain_beside_k)] = drawn
-    assert sorted((r["method"], r["output_tokens_per_second"]) for r in batch1) == [("eagle3", 1950.0), ("none", 800.0)]
+    # Chains on XLA's or Pallas' kernels (the batch-1 sweeps ran on both); plain decoding on either.
+    assert sorted((r["method"], r["output_tokens_per_second"]) for r in batch1) == [
+        ("eagle3", 1950.0), ("none", 700.0), ("none", 800.0)]
     [(trees, chains, plain)] = sweeps
     assert sorted(r["speculative_num_draft_tokens"] for r in trees) == [16, 16, 32, 32]
     # Beside the trees: the chain, and plain decoding with any kernels on one device (the fastest is drawn).
@@ -191,6 +193,33 @@ def test_a_k_sweep_comes_from_one_lease():
     again = [dict(r, date=r["date"].replace("T00:2", "T05:1"), acceptance_length=3.0) for r in first]
     chosen = plot_results.one_lease_sweeps(plot_results.latest_of_newest_head(rows + again), rows + again)
     assert {r["acceptance_length"] for r in chosen if r["method"] == "eagle3"} == {3.0}
+
+
+def test_a_k_sweep_is_drawn_on_one_set_of_decode_kernels():
+    """Batch-1 sweeps ran on XLA's kernels, then on Pallas': a lease that measured a few k on each
+    is two runs, never one curve (k = 1-8 together, wider than the XLA sweep's 1-7); a later full
+    sweep on Pallas' kernels replaces XLA's."""
+    sys.path.insert(0, str(REPO / "examples"))
+    import plot_results
+    xla = [mtbench_row("eagle3", k, 1800.0 + k, 3.0, head="run 14", date=f"2026-12-02T00:2{k}:00") for k in range(1, 8)]
+    both = [mtbench_row("eagle3", k, 2000.0, 3.1, head="run 14", date=f"2026-12-02T11:1{k}:00", decode_kernels=kernels)
+            for kernels, ks in (("pallas", (1, 2, 3, 4)), ("xla", (5, 6, 7, 8))) for k in ks]
+    rows = plot_results.default_settings(xla + both, plot_results.SWEEP_KERNELS)
+    chosen = plot_results.one_lease_sweeps(plot_results.latest_of_newest_head(rows), rows)
+    assert sorted((r["k"], r["output_tokens_per_second"]) for r in chosen) == [(r["k"], r["output_tokens_per_second"])
+                                                                            for r in xla]
+    pallas = [mtbench_row("eagle3", k, 2050.0 + k, 3.2, head="run 14", date=f"2026-12-02T12:4{k}:00",
+                          decode_kernels="pallas") for k in range(1, 8)]
+    rows = plot_results.default_settings(xla + both + pallas, plot_results.SWEEP_KERNELS)
+    chosen = plot_results.one_lease_sweeps(plot_results.latest_of_newest_head(rows), rows)
+    assert sorted((r["k"], r["output_tokens_per_second"]) for r in chosen) == [
+        (r["k"], r["output_tokens_per_second"]) for r in pallas]
+    # k_at_batch.png's batch-1 line fills a k its sweep lacks from its own kernels' runs only.
+    short = [r for r in pallas if r["k"] != 7]  # wider than XLA's k = 1-5, so drawn
+    sweep = plot_results.k_sweeps_by_batch(xla[:5] + both + short, (80, 256))[1]
+    assert sweep["tokens_per_s"] == {r["k"]: r["output_tokens_per_second"] for r in short}
+    # Trees' chains stay on XLA's kernels, as before: the default kernels filter keeps them apart.
+    assert {plot_results.kernels_of(r) for r in plot_results.default_settings(xla + both + pallas)} == {"xla"}
 
 
 def test_eager_vs_compiled_names_where_a_run_leaves_its_reference():
