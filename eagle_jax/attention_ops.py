@@ -59,3 +59,13 @@ def grouped_attention(q: jax.Array, keys: jax.Array, values: jax.Array, visible:
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     out = jnp.einsum("bkgts,bskh->btkgh", probs, values.astype(q.dtype))
     return out.reshape(batch, length, num_heads, head_dim)
+
+
+def visible_slots(base: jax.Array, relative: jax.Array, num_slots: int) -> jax.Array:
+    """Cache visibility [B, T, S] of T queries: every slot before `base` [B] (the committed context)
+    and, among the W slots from `base` on, those `relative` [B, T, W] marks (a tree query's ancestors)."""
+    batch, queries, width = relative.shape
+    offset = jnp.arange(num_slots, dtype=jnp.int32)[None, :] - base[:, None]  # [B, S]
+    index = jnp.broadcast_to(jnp.clip(offset, 0, width - 1)[:, None, :], (batch, queries, num_slots))
+    in_tree = ((offset >= 0) & (offset < width))[:, None, :] & jnp.take_along_axis(relative, index, axis=2)
+    return (offset < 0)[:, None, :] | in_tree

@@ -116,9 +116,10 @@ def choose_decode_kernels(backend: str, tree: bool, mesh) -> str:
     against 13,064 at 16 (k = 5, continuous scheduler, lease 16), and, since the token-block
     attention kernel, 2,078 against 1,914 at batch 1 (k = 6, lease 19), where XLA's had led.
     Plain decoding: 942 against 785 tokens/s at batch 1 (lease 6); at 16 and 64 rows the Pallas
-    runs (lease 11) beat XLA's of lease 7 by 8-31%. Trees keep XLA: their verify attends through
-    XLA anyway, and the fused linears alone measured slower there (1,934 against 2,055 tokens/s,
-    lease 11). The kernels run on one device, and interpret slowly off a GPU.
+    runs (lease 11) beat XLA's of lease 7 by 8-31%. Trees keep XLA: the fused linears alone
+    measured slower there (1,934 against 2,055 tokens/s, lease 11), when the verify still attended
+    in XLA; since the twentieth session it takes the attention kernel too, not yet measured. The
+    kernels run on one device, and interpret slowly off a GPU.
     """
     return "pallas" if backend == "gpu" and not tree and mesh is None else "xla"
 

@@ -104,10 +104,15 @@ class SlotMask(NamedTuple):
     Attributes:
         start: [B] int32 slot where the T new keys and values are written, consecutively.
         visible: [B, T, S] bool: the cache slots each new query attends to (itself included).
+        among_new: optional [B, T, T] bool, visible's part among the T new slots, given where that
+            is all the mask changes from the contiguous layout: every query sees every slot before
+            start, and positions[:, 0] is start (a tree's verify: its root sits at its write slot).
+            With it the Pallas attention kernel can run the call (`uses_attention_kernel`).
     """
 
     start: jax.Array
     visible: jax.Array
+    among_new: jax.Array | None = None
 
 
 def qkv_sizes(cfg: config_lib.LlamaConfig) -> tuple[int, int, int]:
@@ -327,8 +332,9 @@ class DecoderLayer(nnx.Module):
         o_proj + residual, norm + gate_up_proj + silu, down_proj + residual. Without (more rows than
         the linear kernels take), only the attention kernel, between XLA's norms and matmuls: it reads
         each row's filled slots only, where XLA's attention reads all attend_length of them. A tree's
-        verify (a SlotMask) attends in XLA: the attention kernel takes contiguous positions only;
-        so does every call under "pallas_linear"."""
+        verify takes the kernel too when its SlotMask carries `among_new` (the kernel then reads
+        which new tokens a query sees from it); other masks, and every call under "pallas_linear",
+        attend in XLA."""
         attention, norm = self.self_attn, self.input_layernorm
         if fused_linears:
             qkv = fused_linear.norm_linear(x, norm.weight[...], norm.eps, attention.qkv_proj.kernel[...],
@@ -339,7 +345,8 @@ class DecoderLayer(nnx.Module):
             attended, keys, values = decode_attention.attend(
                 qkv, positions, keys, values, num_heads=attention.num_heads, num_kv_heads=attention.num_kv_heads,
                 head_dim=attention.head_dim, inv_freq=rope_inverse_frequencies(*attention.rope),
-                attend_length=attend_length, implementation=self.decode_kernels)
+                attend_length=attend_length, implementation=self.decode_kernels,
+                new_visible=None if mask is None else mask.among_new)
         else:
             q, k, v = attention.split_heads(qkv, positions)
             attended, keys, values = attention.attend(q, k, v, positions, keys, values, mask, attend_length)
@@ -376,10 +383,11 @@ def uses_decode_kernels(decode_kernels: str, x: jax.Array, *linears: nnx.Linear)
 
 def uses_attention_kernel(decode_kernels: str, x: jax.Array, mask: SlotMask | None, attention: Attention) -> bool:
     """Whether a cached call on x [B, T, D] attends with the Pallas kernel (setting "pallas" only),
-    with or without the fused linear kernels around it: a decode step or a chain's verify (T <= its
-    MAX_TOKENS, no tree mask) at any batch, with the unsharded [q | k | v] layout the kernel reads."""
-    return (decode_kernels == "pallas" and mask is None and x.shape[1] <= decode_attention.MAX_TOKENS
-            and attention.num_shards == 1)
+    with or without the fused linear kernels around it: a decode step, a chain's verify or a tree's
+    (T <= its MAX_TOKENS; a mask only with `among_new`) at any batch, with the unsharded
+    [q | k | v] layout the kernel reads."""
+    return (decode_kernels == "pallas" and (mask is None or mask.among_new is not None)
+            and x.shape[1] <= decode_attention.MAX_TOKENS and attention.num_shards == 1)
 
 
 def with_decode_kernels(module: nnx.Module, decode_kernels: str) -> nnx.Module:
@@ -388,7 +396,7 @@ def with_decode_kernels(module: nnx.Module, decode_kernels: str) -> nnx.Module:
     "xla" (default) runs norms, projections and cached attention as XLA compiles them. "pallas"
     runs them as fused Pallas kernels (`kernels.fused_linear`, `kernels.decode_attention`) in
     cached calls of up to `fused_linear.MAX_ROWS` rows (batch x tokens): five per target decoder
-    layer (four around a tree's verify, whose attention stays XLA), two for a draft head's MLP;
+    layer (a tree's verify included), two for a draft head's MLP;
     in larger cached calls of up to `decode_attention.MAX_TOKENS` tokens a row (batched decode
     steps and verifies) only the attention kernel (`uses_attention_kernel`). "pallas_linear" runs
     the fused linear kernels where "pallas" does, with XLA's rotary, cache writes and attention

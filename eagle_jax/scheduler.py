@@ -46,7 +46,7 @@ def insert(state: speculative.DecodeState, rows: speculative.DecodeState, take: 
     `KVCache` [B, w, K, H], against the slots' [B, S, K, H]): only that leading block is written;
     with `state` donated, XLA updates it in place. A taken slot keeps its old row's entries past
     w, which its new row never reads: a query sees only the slots up to its position
-    (`layers.Attention.attend`, `kernels.decode_attention`, `tree.visible_slots`), and every
+    (`layers.Attention.attend`, `kernels.decode_attention`, `attention_ops.visible_slots`), and every
     forward writes its new keys from its cache's `lengths` on (a new row's: its prompt) before it
     attends, so each slot a query sees holds the prompt or this row's own writes.
     """

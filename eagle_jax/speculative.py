@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from eagle_jax import acceptance
+from eagle_jax import attention_ops
 from eagle_jax import eagle
 from eagle_jax import kv_cache as kv_cache_lib
 from eagle_jax import layers
@@ -290,8 +291,10 @@ def _tree_step(target: llama.Llama, head, state: DecodeState, opts: Options) -> 
     rng, accept_rng = jax.random.split(state.rng)
     committed = state.cache.lengths
     nodes, draft_cache = draft_tree(target, head, state, opts)
-    # Node i is written to slot L + i at position L + depth; it sees the context and its ancestors.
-    mask = layers.SlotMask(committed, tree_lib.visible_slots(committed, nodes.ancestors, state.cache.max_length))
+    # Node i is written to slot L + i at position L + depth; it sees the context and its ancestors
+    # (the root, node 0, at L: so the Pallas attention kernel can take the tree, `among_new`).
+    mask = layers.SlotMask(committed, attention_ops.visible_slots(committed, nodes.ancestors, state.cache.max_length),
+                           among_new=nodes.ancestors)
     hidden, cache, captured = target(nodes.tokens, committed[:, None] + nodes.depths, state.cache,
                                      eagle.capture_layers(head), mask=mask)
     choices = sampling_lib.select(target.logits(hidden), opts.sampling, accept_rng)  # [B, N+1]: one draw per node

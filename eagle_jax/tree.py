@@ -173,16 +173,6 @@ def select(pool_tokens: jax.Array, pool_scores: jax.Array, pool_parents: jax.Arr
                 ancestors=ancestor_matrix(parents, opts.num_steps), scores=scores.astype(jnp.float32))
 
 
-def visible_slots(base: jax.Array, relative: jax.Array, num_slots: int) -> jax.Array:
-    """Cache visibility [B, T, S] of T tree queries: every slot before `base` (the committed context)
-    and, among the W slots from `base` on, those `relative` [B, T, W] marks (the query's ancestors)."""
-    batch, queries, width = relative.shape
-    offset = jnp.arange(num_slots, dtype=jnp.int32)[None, :] - base[:, None]  # [B, S]
-    index = jnp.broadcast_to(jnp.clip(offset, 0, width - 1)[:, None, :], (batch, queries, num_slots))
-    in_tree = ((offset >= 0) & (offset < width))[:, None, :] & jnp.take_along_axis(relative, index, axis=2)
-    return (offset < 0)[:, None, :] | in_tree
-
-
 def accept(tree: Tree, choices: jax.Array, max_depth: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The longest root-to-node path whose every draft the target chose.
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from eagle_jax import attention_ops
 from eagle_jax import kv_cache as kv_cache_lib
 from eagle_jax import layers
 from eagle_jax import llama
@@ -52,7 +53,7 @@ def draft(target: llama.Llama, head, cache: kv_cache_lib.KVCache, root_feature: 
             (tokens, scores, features, entries, seen), (pool_tokens, pool_scores, pool_parents), cache = carry
             first_slot = (level - 1) * topk
             seen = seen | (jnp.arange(width) == first_slot + jnp.arange(topk)[:, None])[None]  # each sees itself
-            mask = layers.SlotMask(committed + first_slot, tree_lib.visible_slots(committed, seen, cache.max_length))
+            mask = layers.SlotMask(committed + first_slot, attention_ops.visible_slots(committed, seen, cache.max_length))
             positions = jnp.broadcast_to((committed + level - 1)[:, None], (batch, topk))
             out, logits, cache = head(tokens, features, positions, cache, target, mask)
             child_scores, child_ids, parent = tree_lib.expand(

@@ -102,6 +102,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     trace.add_argument("--trace-device", choices=step_trace.DEVICES, default="auto",
                        help="which trace events are kernels: gpu stream events or XLA:CPU op events")
     trace.add_argument("--trace-dir", help="keep the profiler trace here (default: a deleted temporary directory)")
+    trace.add_argument("--top-kernels", type=int, default=10,
+                       help="kernels (and kernel kinds) the row lists, heaviest first, each with its shortest "
+                            "and longest call")
     trace.add_argument("--label", default="", help="free text saved in the step_trace row")
     trace.add_argument("--tree", metavar="TOPK,STEPS,N",
                        help="trace an EAGLE-2 tree step (--speculative-eagle-topk, --speculative-num-steps, "
@@ -323,7 +326,8 @@ def trace_part(args, target, head, prompt: list[int], head_is_random: bool) -> d
                                decode_kernels=args.decode_kernels, max_length=max(2048, args.cache_length or 0),
                                **drafting)
     measured = step_trace.measure(engine, prompt, trace_steps=args.trace_steps, steps_per_call=args.steps_per_call,
-                                  cache_length=args.cache_length, device=args.trace_device, trace_dir=args.trace_dir)
+                                  cache_length=args.cache_length, device=args.trace_device, trace_dir=args.trace_dir,
+                                  top=args.top_kernels)
     print(f"[profile_step.py] step_trace {args.method} k={args.k} batch {args.batch_size}: "
           f"{measured['kernels_per_step']} kernels, {measured['busy_us_per_step']} us busy, "
           f"{measured['wall_us_per_step']} us wall per step", file=sys.stderr)

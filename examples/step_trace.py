@@ -172,15 +172,15 @@ def union_us(events: list[Event]) -> float:
 
 
 def _top(kernels: list[Event], key, num_steps: int, top: int) -> list[dict]:
-    """The `top` groups of kernels (by `key(name)`) by total time, per step."""
-    groups = collections.defaultdict(lambda: [0, 0.0])
+    """The `top` groups of kernels (by `key(name)`) by total time, per step, with the shortest and
+    longest call of each (one kernel run at many layers can cost more at some than at others)."""
+    groups = collections.defaultdict(list)
     for event in kernels:
-        group = groups[key(event.name)]
-        group[0] += 1
-        group[1] += event.end_us - event.start_us
-    ranked = sorted(groups.items(), key=lambda item: (-item[1][1], item[0]))[:top]
-    return [dict(name=name, count_per_step=round(count / num_steps, 2), us_per_step=round(us / num_steps, 3))
-            for name, (count, us) in ranked]
+        groups[key(event.name)].append(event.end_us - event.start_us)
+    ranked = sorted(groups.items(), key=lambda item: (-sum(item[1]), item[0]))[:top]
+    return [dict(name=name, count_per_step=round(len(calls) / num_steps, 2), us_per_step=round(sum(calls) / num_steps, 3),
+                 us_min=round(min(calls), 3), us_max=round(max(calls), 3))
+            for name, calls in ranked]
 
 
 def summarize(trace: dict, num_steps: int, device: str = "auto", top: int = 10, exclude: str | None = None) -> dict:
@@ -207,7 +207,7 @@ def summarize(trace: dict, num_steps: int, device: str = "auto", top: int = 10, 
 
 def measure(engine: engine_lib.Engine, prompt, *, trace_steps: int = 64, steps_per_call: int = 64,
             cache_length: int | None = None, device: str = "auto", trace_dir: str | Path | None = None,
-            seed: int = 0) -> dict:
+            seed: int = 0, top: int = 10) -> dict:
     """Traces `trace_steps` steps of `engine`'s step program on `batch_size` copies of `prompt`.
 
     The program is the one `generate` compiles: `steps_per_call` steps inside one device loop
@@ -218,6 +218,7 @@ def measure(engine: engine_lib.Engine, prompt, *, trace_steps: int = 64, steps_p
 
     Args:
         trace_dir: keep the trace there (a new temporary directory, deleted, if None).
+        top: kernels and kernel kinds listed (`summarize`).
     Returns:
         `summarize`'s fields plus wall_us_per_step and the settings that shape the step.
     """
@@ -254,7 +255,7 @@ def measure(engine: engine_lib.Engine, prompt, *, trace_steps: int = 64, steps_p
     ran = jax.device_get(state.num_steps) - steps_before
     if np.any(ran != steps):  # a row that finished early would make the later steps cheaper
         raise RuntimeError(f"expected {steps} traced steps per row, the rows ran {ran.tolist()}")
-    row = dict(summarize(trace, steps, device), wall_us_per_step=round(1e6 * wall / steps, 2), traced_steps=steps,
+    row = dict(summarize(trace, steps, device, top), wall_us_per_step=round(1e6 * wall / steps, 2), traced_steps=steps,
                steps_per_call=steps_per_call, calls=calls, cache_length=cache_length, prompt_tokens=len(prompt),
                steps_per_check=engine.steps_per_check,
                xla_flags=os.environ.get("XLA_FLAGS", ""))

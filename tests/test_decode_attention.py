@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 from jax import export
 
+from eagle_jax import attention_ops
 from eagle_jax import config as config_lib
 from eagle_jax import engine as engine_lib
 from eagle_jax import layers
@@ -36,16 +37,38 @@ def operands(heads: dict, batch: int, length: int, cache_length: int, starts, dt
     return normal(batch, length, width), positions, normal(*cache_shape), normal(*cache_shape)
 
 
-def run(implementation: str, heads: dict, inputs, attend_length=None, tiling=decode_attention.Tiling()):
+def random_trees(batch: int, length: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(depths [B, T], ancestors [B, T, T] bool, itself included) of random trees of T nodes whose
+    node 0 is the root and whose parents precede their children, as `tree.Tree` lays them out."""
+    rng = np.random.default_rng(seed)
+    depths, ancestors = np.zeros((batch, length), np.int32), np.zeros((batch, length, length), bool)
+    for row in range(batch):
+        ancestors[row, 0, 0] = True
+        for node in range(1, length):
+            parent = rng.integers(0, node)
+            depths[row, node] = depths[row, parent] + 1
+            ancestors[row, node] = ancestors[row, parent]
+            ancestors[row, node, node] = True
+    return depths, ancestors
+
+
+def run(implementation: str, heads: dict, inputs, attend_length=None, tiling=decode_attention.Tiling(),
+        new_visible=None):
     kw = dict(heads, inv_freq=INV_FREQ[heads["head_dim"]], attend_length=attend_length, implementation=implementation,
               tiling=tiling)
-    return jax.jit(lambda *i: decode_attention.attend(*i, **kw))(*inputs)
+    return jax.jit(lambda *i: decode_attention.attend(*i[:4], **kw, new_visible=i[4]))(*inputs, new_visible)
 
 
-def assert_pallas_matches_xla(heads, length, cache_length, starts, attend_length, dtype, tiling):
+def assert_pallas_matches_xla(heads, length, cache_length, starts, attend_length, dtype, tiling, tree_seed=None):
+    """Pallas against XLA; with tree_seed, the T new tokens are a random tree's nodes (`new_visible`)."""
     inputs = operands(heads, len(starts), length, cache_length, starts, dtype)
-    want, want_keys, want_values = run("xla", heads, inputs, attend_length)
-    got, keys, values = run("pallas", heads, inputs, attend_length, tiling)
+    new_visible = None
+    if tree_seed is not None:
+        depths, new_visible = random_trees(len(starts), length, tree_seed)
+        inputs = (inputs[0], jnp.asarray(np.asarray(starts)[:, None] + depths), *inputs[2:])
+        new_visible = jnp.asarray(new_visible)
+    want, want_keys, want_values = run("xla", heads, inputs, attend_length, new_visible=new_visible)
+    got, keys, values = run("pallas", heads, inputs, attend_length, tiling, new_visible)
     assert got.shape == want.shape == (len(starts), length, heads["num_heads"], heads["head_dim"])
     assert got.dtype == dtype
     want, got = np.asarray(want, np.float32), np.asarray(got, np.float32)
@@ -139,6 +162,19 @@ def test_token_blocks_match_xla(heads, length, starts, attend_length, tiling):
     assert_pallas_matches_xla(heads, length, 128, starts, attend_length, jnp.float32, tiling)
 
 
+# Tree verifies: k = 2's 2/3/6 tree and SGLang's 4/5/16 (17 nodes with the root: 32 padded new keys),
+# with token blocks (the default), one block, and the cache split; positions are the nodes' depths.
+@pytest.mark.parametrize("heads,length,cache_length,starts,attend_length,dtype,tiling", [
+    (REAL, 7, 128, [40, 0], None, jnp.float32, decode_attention.Tiling(block_s=16)),
+    (REAL, 17, 256, [150, 3], 192, jnp.float32, decode_attention.Tiling(block_s=16)),
+    (REAL, 17, 256, [100], None, jnp.bfloat16, decode_attention.Tiling()),
+    (REAL, 17, 128, [60, 9], None, jnp.float32, decode_attention.Tiling(block_s=16, query_rows=None, splits=3)),
+    (NARROW, 32, 128, [50], None, jnp.float32, decode_attention.Tiling(block_s=16, query_rows=8)),
+], ids=["real-7", "real-17-attend", "real-17-bf16", "real-17-one-block-split", "narrow-32-blocks"])
+def test_a_tree_verify_matches_xla(heads, length, cache_length, starts, attend_length, dtype, tiling):
+    assert_pallas_matches_xla(heads, length, cache_length, starts, attend_length, dtype, tiling, tree_seed=length)
+
+
 def test_xla_reference_is_what_the_attention_layer_computes():
     cfg = config_lib.LlamaConfig(vocab_size=8, hidden_size=16, intermediate_size=8, num_layers=1, num_heads=4,
                                  num_kv_heads=2, head_dim=8, rope_theta=10000.0)
@@ -152,13 +188,25 @@ def test_xla_reference_is_what_the_attention_layer_computes():
                                       attend_length=attend_length)
         for w, g in zip(want, got):
             np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    # A tree's verify: the layer under the SlotMask the speculative step builds.
+    depths, ancestors = (jnp.asarray(a) for a in random_trees(2, 3, seed=3))
+    start = jnp.asarray([4, 20], jnp.int32)
+    positions = start[:, None] + depths
+    q, k, v = attention.split_heads(qkv, positions)
+    mask = layers.SlotMask(start, attention_ops.visible_slots(start, ancestors, 32), among_new=ancestors)
+    want = attention.attend(q, k, v, positions, keys, values, mask=mask)
+    got = decode_attention.attend(qkv, positions, keys, values, **heads, inv_freq=INV_FREQ[8], new_visible=ancestors)
+    for w, g in zip(want, got):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
 def test_rejects_what_it_does_not_take():
     inputs = operands(NARROW, 1, 17, 32, [0], jnp.float32)
     kw = dict(NARROW, inv_freq=INV_FREQ[8])
-    with pytest.raises(ValueError, match="at most 16 tokens"):
-        decode_attention.attend(*inputs, **kw, implementation="pallas")
+    with pytest.raises(ValueError, match="at most 32 tokens"):
+        decode_attention.attend(*operands(NARROW, 1, 33, 64, [0], jnp.float32), **kw, implementation="pallas")
+    with pytest.raises(ValueError, match="new_visible"):
+        decode_attention.attend(*inputs, **kw, new_visible=jnp.ones((1, 17, 16), bool))
     with pytest.raises(ValueError, match="attend_length"):
         decode_attention.attend(*inputs, **kw, attend_length=33)
     with pytest.raises(ValueError, match="implementation"):
@@ -224,16 +272,51 @@ def test_a_verify_of_six_tokens_lowers_to_a_program_per_token_block(monkeypatch,
     assert f"grid_x = 16 : i32, grid_y = {programs} : i32" in call
 
 
+def test_a_tree_verify_lowers_for_cuda_in_token_blocks(monkeypatch):
+    """SGLang's 4/5/16 tree (17 nodes) at SmolLM2's heads, lowered for CUDA (Triton): four token
+    blocks of 5 nodes a kv head, the ancestor mask read as an int32 operand after the caches."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    attend = functools.partial(decode_attention.attend, **REAL, inv_freq=INV_FREQ[64], implementation="pallas")
+    shape = lambda *dims, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(dims, dtype)
+    lowered = export.export(jax.jit(attend), platforms=["cuda"],
+                            disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])
+    text = lowered(shape(2, 17, 15 * 64), shape(2, 17, dtype=jnp.int32), shape(2, 256, 3, 64), shape(2, 256, 3, 64),
+                   new_visible=shape(2, 17, 17, dtype=jnp.bool_)).mlir_module()
+    [call] = [line for line in text.splitlines() if "stablehlo.custom_call @__gpu$xla.gpu.triton" in line]
+    assert "grid_x = 2 : i32, grid_y = 12 : i32" in call
+    assert "output_tuple_indices = [1], operand_index = 3" in call
+
+
 @pytest.mark.parametrize("nodes", [4, 17])
-def test_a_tree_verify_attends_in_xla(random_target, nodes):
-    """With a SlotMask (positions are not slots) the layer keeps XLA attention between its four
-    linears, up to a tree of 16 drafted nodes and its root (17 rows: one block of 32)."""
+def test_a_tree_verify_takes_the_attention_kernel_given_its_ancestors(random_target, nodes):
+    """A tree's SlotMask with `among_new` runs the attention kernel between the four linears, up
+    to a tree of 16 drafted nodes and its root (17 rows: one block of 32); a mask without it (any
+    other layout of slots) keeps XLA's attention."""
     target = layers.with_decode_kernels(random_target(num_layers=1), "pallas")
     cache = target.init_cache(1, 32)
-    positions = 4 + jnp.array([[0] + [1 + (node - 1) // 2 for node in range(1, nodes)]], jnp.int32)  # siblings share a depth
-    mask = layers.SlotMask(start=jnp.array([4], jnp.int32), visible=jnp.ones((1, nodes, 32), bool))
-    jaxpr = jax.make_jaxpr(lambda tokens: target(tokens, positions, cache, mask=mask))(jnp.zeros((1, nodes), jnp.int32))
-    assert str(jaxpr).count("pallas_call") == 4
+    depths, ancestors = (jnp.asarray(a) for a in random_trees(1, nodes, seed=nodes))
+    start = jnp.array([4], jnp.int32)
+    visible = attention_ops.visible_slots(start, ancestors, 32)
+    for mask, kernels in ((layers.SlotMask(start, visible, among_new=ancestors), 5), (layers.SlotMask(start, visible), 4)):
+        jaxpr = jax.make_jaxpr(lambda tokens: target(tokens, start[:, None] + depths, cache, mask=mask))(
+            jnp.zeros((1, nodes), jnp.int32))
+        assert str(jaxpr).count("pallas_call") == kernels
+
+
+def test_a_tree_step_verifies_through_the_kernel(aligned_target, agreeing_head, monkeypatch):
+    """Under "pallas" the tree step hands the kernel its nodes' ancestors (`SlotMask.among_new`):
+    every target layer's verify attends in the kernel, as a chain's does (`test_kernels` compares
+    the greedy tokens with XLA's)."""
+    from eagle_jax import tree as tree_lib
+    calls = []
+    attend = decode_attention.attend
+    monkeypatch.setattr(decode_attention, "attend", lambda *a, **kw: calls.append(kw) or attend(*a, **kw))
+    target = aligned_target(seed=14, num_layers=2)
+    engine = engine_lib.Engine(target, agreeing_head(target.config, 0.3, residual=1.0, seed=1), max_length=32,
+                               tree=tree_lib.TreeOptions(2, 2, 3), decode_kernels="pallas")
+    engine.generate([[3, 5, 7]], max_new_tokens=4, ignore_eos=True)
+    trees = [kw["new_visible"].shape for kw in calls if kw.get("new_visible") is not None]
+    assert trees == [(1, 4, 4)] * 2  # traced once: two layers, the root and three nodes
 
 
 def test_continuous_batching_gives_the_same_tokens(aligned_target, agreeing_head, monkeypatch):

@@ -168,12 +168,12 @@ def tokens_by_setting(aligned_target, agreeing_head, random_head, tmp_path_facto
     prompts = [np.random.default_rng(length).integers(0, 101, length).tolist() for length in (5, 9)]
     cache_dir = tmp_path_factory.mktemp("compile-cache")
     out = {}
-    tree = tree_lib.TreeOptions(2, 3, 6)  # its verify: 7 nodes a row, 14 rows, XLA's attention under a tree mask
+    tree = tree_lib.TreeOptions(2, 3, 6)  # its verify: 7 nodes a row, 14 rows, the attention kernel under its mask
     # EAGLE-1's head runs in the tree (its chain adds nothing the tree and EAGLE-3's chain do not: CI time).
     runs = (("none", None, 0), ("eagle3", heads["eagle3"], 2), ("eagle-tree", heads["eagle"], 0))
     for setting in ("xla", "pallas", "pallas_linear"):
         # "pallas_linear" differs from "pallas" in the target's attention only (the heads' MLP kernels
-        # and a tree's XLA attention are the same in both): plain and one head cover it.
+        # are the same in both): plain and one head cover it.
         for method, head, k in runs if setting != "pallas_linear" else runs[:2]:
             engine = engine_lib.Engine(target, head, num_speculative_tokens=k, max_length=64, batch_size=2,
                                        cache_dir=cache_dir, decode_kernels=setting,
@@ -261,6 +261,14 @@ def test_kernel_bench_sweeps_query_rows(tmp_path, tiny_hf_config):
         (6, 4, None), (6, None, None), (6, 4, 32), (6, None, 32)]
     with pytest.raises(SystemExit):
         bench.parse_args(["--query-rows", "0"])
+    # --tree: the same op over a tree verify's nodes (17: SGLang's 4/5/16), both implementations.
+    assert bench.main(["--config", str(tmp_path / "config.json"), "--dtype", "float32", "--ops", "decode_attention",
+                       "--tokens", "17", "--tree", "--cache-length", "64", "--iterations", "1", "--trace-calls", "1",
+                       "--out", str(out)]) == 0
+    trees = [r for r in json.loads(out.read_text()) if r.get("tree")]
+    assert [(r["implementation"], r["tokens"]) for r in trees] == [("xla", 17), ("pallas", 17)] * 2
+    depths, ancestors = bench.heap_tree(7)
+    assert depths.tolist() == [0, 1, 1, 2, 2, 2, 2] and ancestors[6].tolist() == [True, False, True] + [False] * 3 + [True]
     # 64 rows: the attention kernel takes them (lease 18's sweep was refused); the fused linears do not.
     assert bench.parse_args(["--ops", "decode_attention", "--rows", "16,64"]).rows == [16, 64]
     with pytest.raises(SystemExit):

@@ -70,12 +70,13 @@ def test_gpu_kernels_are_stream_events_with_overlaps_merged():
     assert summary["span_us_per_step"] == 17.5  # 0 to 35
     assert (summary["copies_per_step"], summary["copy_us_per_step"]) == (0.5, 1.0)
     assert summary["top_kernels"] == [
-        dict(name="input_reduce_fusion_1", count_per_step=0.5, us_per_step=5.0),
-        dict(name="input_reduce_fusion_2", count_per_step=0.5, us_per_step=5.0),
-        dict(name="gemm_fusion_dot_3", count_per_step=0.5, us_per_step=4.0),
-        dict(name="loop_add_fusion", count_per_step=0.5, us_per_step=2.5),
+        dict(name="input_reduce_fusion_1", count_per_step=0.5, us_per_step=5.0, us_min=10.0, us_max=10.0),
+        dict(name="input_reduce_fusion_2", count_per_step=0.5, us_per_step=5.0, us_min=10.0, us_max=10.0),
+        dict(name="gemm_fusion_dot_3", count_per_step=0.5, us_per_step=4.0, us_min=8.0, us_max=8.0),
+        dict(name="loop_add_fusion", count_per_step=0.5, us_per_step=2.5, us_min=5.0, us_max=5.0),
     ]
-    assert summary["top_kinds"][0] == dict(name="input_reduce_fusion", count_per_step=1.0, us_per_step=10.0)
+    assert summary["top_kinds"][0] == dict(name="input_reduce_fusion", count_per_step=1.0, us_per_step=10.0,
+                                           us_min=10.0, us_max=10.0)
     assert len(step_trace.summarize(GPU_TRACE, num_steps=2, top=2)["top_kernels"]) == 2
     # A probe between the calls (kernels_bench's L2 eviction) is left out by name.
     probed = step_trace.summarize(GPU_TRACE, num_steps=2, exclude="input_reduce")
@@ -128,7 +129,7 @@ def test_step_trace_part_on_cpu(method, decode_kernels, tree, random_target, ran
     target = random_target()
     head = random_head(target.config, "eagle3", draft_vocab_size=50) if method == "eagle3" else None
     args = profile_step.parse_args(["--parts", "step_trace", "--method", method, "--k", "2", "--batch-size", "2",
-                                    "--trace-steps", "6", "--steps-per-call", "3", "--label", "before",
+                                    "--trace-steps", "6", "--steps-per-call", "3", "--label", "before", "--top-kernels", "4",
                                     "--dtype", "float32", "--trace-dir", str(tmp_path),
                                     "--decode-kernels", decode_kernels] + (["--tree", tree] if tree else []))
     row = dict(profile_step.trace_part(args, target, head, [1, 5, 7, 9, 11], False), **profile_step.metadata(args))
@@ -142,7 +143,8 @@ def test_step_trace_part_on_cpu(method, decode_kernels, tree, random_target, ran
     assert shape == (tuple(map(int, tree.split(","))) if tree else (None, None, None))
     assert (row["traced_steps"], row["calls"], row["trace_device"]) == (6, 2, "cpu")
     assert row["kernels_per_step"] > 10 and 0 < row["busy_us_per_step"] <= row["span_us_per_step"]
-    assert 0 < len(row["top_kernels"]) <= 10 and row["top_kernels"][0]["us_per_step"] > 0
+    assert len(row["top_kernels"]) == len(row["top_kinds"]) == 4 and row["top_kernels"][0]["us_per_step"] > 0
+    assert all(0 <= kernel["us_min"] <= kernel["us_max"] > 0 for kernel in row["top_kernels"])
     assert Path(row["trace_file"]).is_file()
     json.dumps(row)  # a JSON row
 

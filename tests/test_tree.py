@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from eagle_jax import attention_ops
 from eagle_jax import engine as engine_lib
 from eagle_jax import kv_cache as kv_cache_lib
 from eagle_jax import speculative
@@ -73,7 +74,7 @@ def test_tree_mask_and_positions_match_a_walk_over_parents(topk, num_steps, num_
     root = rng.integers(0, 1000, batch).astype(np.int32)
     committed = rng.integers(0, num_slots - num_draft_tokens, batch).astype(np.int32)
     tree = tree_lib.select(*map(jnp.asarray, (pool_tokens, pool_scores, pool_parents, root)), opts)
-    visible = np.asarray(tree_lib.visible_slots(jnp.asarray(committed), tree.ancestors, num_slots))
+    visible = np.asarray(attention_ops.visible_slots(jnp.asarray(committed), tree.ancestors, num_slots))
     positions = np.asarray(committed[:, None] + tree.depths)
     for row, (tokens, scores, parents) in enumerate(pools):
         node_tokens, node_parents, depths, ancestors = brute_force_tree(tokens, scores, parents, opts)

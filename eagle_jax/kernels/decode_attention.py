@@ -29,7 +29,10 @@ It
   3. rotates all T new keys, folds them in from registers, causally, and (token block 0 alone)
      stores them and the new values into its (row, kv head) of the caches.
 Positions are contiguous from start and a position is its slot, so every query sees every
-older slot and new key t' is visible to query t iff t' <= t. Taking the new keys from
+older slot and new key t' is visible to query t iff t' <= t. A tree's verify (`new_visible`)
+keeps the layout, its T nodes written to slots start.. in node order, and only changes step 3's
+mask: node t sees node t' iff t' is t or one of its ancestors (rotary reads the nodes' own
+positions, start + depth; the root's is start). Taking the new keys from
 registers and the older ones from below start means no load touches a slot any program
 writes: no barrier, and no ordering of reads after writes to aliased memory, is needed. The
 loop also ends at the row's own length, so a row never reads the slots past it.
@@ -65,7 +68,9 @@ from jax.experimental.pallas import triton as plgpu
 from eagle_jax import attention_ops
 
 IMPLEMENTATIONS = ("xla", "pallas")
-MAX_TOKENS = 16  # the most tokens a row sends to the kernel (decode steps and chain verifies)
+# The most tokens a row sends to the kernel: decode steps, chain verifies, and tree verifies of up
+# to 31 drafted nodes and their root (SGLang's --speculative-num-draft-tokens 16 or 31).
+MAX_TOKENS = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,14 +119,15 @@ class Tiling:
 
 def attend(qkv: jax.Array, positions: jax.Array, keys: jax.Array, values: jax.Array, *, num_heads: int,
            num_kv_heads: int, head_dim: int, inv_freq: np.ndarray, attend_length: int | None = None,
-           implementation: str = "xla", interpret: bool | None = None,
-           tiling: Tiling = Tiling()) -> tuple[jax.Array, jax.Array, jax.Array]:
+           implementation: str = "xla", interpret: bool | None = None, tiling: Tiling = Tiling(),
+           new_visible: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Rotary on q and k, the new keys and values written into the cache, then causal attention.
 
     Args:
         qkv: [B, T, (N + 2K) H] `qkv_proj` output: N query heads, then K key heads, then K value heads.
         positions: [B, T] int32 positions, contiguous per row; position p lives in cache slot p
-            and sees slots <= p.
+            and sees slots <= p. With new_visible, any positions (rotary's) whose first is the
+            row's write slot: token t is written to slot positions[:, 0] + t.
         keys, values: [B, S, K, H] the layer's cache. positions[:, 0] + T <= S: the writes are
             not clamped into the cache as `lax.dynamic_update_slice` clamps them.
         num_heads, num_kv_heads, head_dim: N, K and H.
@@ -131,6 +137,8 @@ def attend(qkv: jax.Array, positions: jax.Array, keys: jax.Array, values: jax.Ar
         implementation: "xla" (reference) or "pallas".
         interpret: run the Pallas kernel in interpret mode; None: unless the backend is a GPU.
         tiling: the Pallas kernel's block size, launch settings and split over the cache.
+        new_visible: [B, T, T] bool, which new tokens each one sees (a tree's ancestors, itself
+            included), in place of causal order; every older slot stays visible to every token.
     Returns:
         (attended [B, T, N, H] in qkv's dtype, updated keys, updated values).
     """
@@ -146,13 +154,16 @@ def attend(qkv: jax.Array, positions: jax.Array, keys: jax.Array, values: jax.Ar
     if not 0 < read <= cache_length:
         raise ValueError(f"attend_length must be in 1..{cache_length}, got {attend_length}")
     heads = qkv.reshape(batch, length, num_heads + 2 * num_kv_heads, head_dim)  # a bitcast: no copy
+    if new_visible is not None and new_visible.shape != (batch, length, length):
+        raise ValueError(f"new_visible must be [B, T, T] = {(batch, length, length)}, got {new_visible.shape}")
     if implementation == "xla":
-        return _reference(heads, positions, keys, values, num_heads, inv_freq, read)
+        return _reference(heads, positions, keys, values, num_heads, inv_freq, read, new_visible)
     if length > MAX_TOKENS:
         raise ValueError(f"the Pallas kernel takes at most {MAX_TOKENS} tokens a row, got {length}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    results = _attention_call(heads, positions, keys, values, num_heads, inv_freq, read, tiling, interpret)
+    results = _attention_call(heads, positions, keys, values, num_heads, inv_freq, read, tiling, interpret,
+                              new_visible)
     if tiling.splits == 1:
         return results
     outputs, keys, values, maxima, sums = results
@@ -161,16 +172,19 @@ def attend(qkv: jax.Array, positions: jax.Array, keys: jax.Array, values: jax.Ar
     return attended, keys, values
 
 
-def _reference(heads, positions, keys, values, num_heads: int, inv_freq: np.ndarray, read: int):
+def _reference(heads, positions, keys, values, num_heads: int, inv_freq: np.ndarray, read: int, new_visible=None):
     """The XLA path of `attend` from heads [B, T, N + 2K, H]: `layers.Attention.split_heads` and
-    `.attend` without a SlotMask, in the same `attention_ops` functions."""
+    `.attend` (with new_visible: under a tree's SlotMask), in the same `attention_ops` functions."""
     num_kv_heads = keys.shape[2]
     rotate = lambda x: attention_ops.apply_rotary(x, positions, inv_freq)
     q, k = rotate(heads[:, :, :num_heads]), rotate(heads[:, :, num_heads:num_heads + num_kv_heads])
     start = positions[:, 0]
     keys = attention_ops.write_rows(keys, k, start)
     values = attention_ops.write_rows(values, heads[:, :, num_heads + num_kv_heads:], start)
-    visible = jnp.arange(read, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]  # [B, T, read]
+    if new_visible is None:
+        visible = jnp.arange(read, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]  # [B, T, read]
+    else:
+        visible = attention_ops.visible_slots(start, new_visible, read)
     return attention_ops.grouped_attention(q, keys[:, :read], values[:, :read], visible), keys, values
 
 
@@ -252,7 +266,7 @@ def _merge(state: tuple, partial: tuple) -> tuple:
 
 
 def _attention_call(heads, positions, keys, values, num_heads: int, inv_freq: np.ndarray, read: int, tiling: Tiling,
-                    interpret: bool):
+                    interpret: bool, new_visible=None):
     """The attention kernel: (attended, keys, values) with splits 1, else (outputs, keys, values,
     maxima, sums) with the float32 partials laid out as the module docstring says."""
     batch, length, _, head_dim = heads.shape
@@ -268,16 +282,17 @@ def _attention_call(heads, positions, keys, values, num_heads: int, inv_freq: np
         statistics = (*grid, _block(per_block * num_heads // num_kv_heads))  # [B, K Q, P, M']
         out_shape = (jax.ShapeDtypeStruct((*statistics, _block(head_dim)), jnp.float32), *caches,
                      jax.ShapeDtypeStruct(statistics, jnp.float32), jax.ShapeDtypeStruct(statistics, jnp.float32))
+    tree = () if new_visible is None else (new_visible.astype(jnp.int32),)  # Triton loads no bools
     return pl.pallas_call(
         functools.partial(_kernel, num_heads=num_heads, read=read, tiling=tiling, per_block=per_block,
-                          blocks=blocks),
+                          blocks=blocks, tree=bool(tree)),
         out_shape=out_shape,
         grid=grid,
         input_output_aliases={3: 1, 4: 2},  # the caches, updated in place
         compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
         interpret=interpret,
         name="decode_attention",
-    )(positions.astype(jnp.int32), frequencies, heads, keys, values)
+    )(positions.astype(jnp.int32), frequencies, heads, keys, values, *tree)
 
 
 def _combine_call(outputs, maxima, sums, batch_length: tuple, num_heads: int, num_kv_heads: int, head_dim: int, dtype,
@@ -296,10 +311,13 @@ def _combine_call(outputs, maxima, sums, batch_length: tuple, num_heads: int, nu
     )(outputs, maxima, sums)
 
 
-def _kernel(positions_ref, frequencies_ref, heads_ref, keys_ref, values_ref, out_ref, keys_out_ref, values_out_ref,
-            *statistics_refs, num_heads: int, read: int, tiling: Tiling, per_block: int, blocks: int):
+def _kernel(positions_ref, frequencies_ref, heads_ref, keys_ref, values_ref, *refs, num_heads: int, read: int,
+            tiling: Tiling, per_block: int, blocks: int, tree: bool):
     """One (row, kv head, token block[, part]): heads_ref [B, T, N + 2K, H]; caches [B, S, K, H];
-    out_ref [B, T, N, H], or with splits > 1 the partial outputs and statistics_refs (maxima, sums)."""
+    with `tree`, new_visible [B, T, T] int32 first in refs; then out_ref [B, T, N, H], or with
+    splits > 1 the partial outputs, and the caches out, then the statistics (maxima, sums)."""
+    new_visible_ref, refs = (refs[0], refs[1:]) if tree else (None, refs)
+    out_ref, keys_out_ref, values_out_ref, *statistics_refs = refs
     row, kv_head, token_block = pl.program_id(0), pl.program_id(1) // blocks, pl.program_id(1) % blocks
     length = heads_ref.shape[1]
     cache_length, num_kv_heads, head_dim = keys_ref.shape[1:]
@@ -340,7 +358,11 @@ def _kernel(positions_ref, frequencies_ref, heads_ref, keys_ref, values_ref, out
         plgpu.store(values_out_ref.at[cache_index], values.astype(values_out_ref.dtype), mask=written)
         keys = keys.astype(dtype).astype(keys_out_ref.dtype).astype(dtype)
         values = values.astype(values_out_ref.dtype).astype(dtype)
-        visible = (slots[None, :] <= query_positions[:, None]) & (is_new & (slots < read))[None, :]
+        if tree:  # the query's ancestors among the new tokens, itself included
+            among = _load(new_visible_ref, (row, tokens[:, None], new[None, :]), real[:, None] & is_new[None, :]) != 0
+        else:  # causal: positions are slots
+            among = slots[None, :] <= query_positions[:, None]
+        visible = among & (is_new & (slots < read))[None, :]
         return _fold(state, _scores(q, keys, visible, head_dim), values)
 
     # Every chunk of a range holds a slot below `older`, so its max is finite after the first:

@@ -6,6 +6,7 @@
     python examples/gpu/kernels_bench.py --ops decode_attention --tokens 1,6 --splits 1,2,4,8
     python examples/gpu/kernels_bench.py --ops decode_attention --rows 1,16,32 --tokens 5,6,7 --query-rows 16,none
     python examples/gpu/kernels_bench.py --ops decode_attention,norm_gate_up --evict-mb 0,256
+    python examples/gpu/kernels_bench.py --ops decode_attention --tokens 7,17 --tree
 
 Random bf16 weights, no model files. Ops (`kernels.fused_linear`, implementation "xla" vs "pallas"):
   * norm_linear: input_layernorm + qkv_proj (576 -> 960)
@@ -15,7 +16,8 @@ Random bf16 weights, no model files. Ops (`kernels.fused_linear`, implementation
     step; 6: a k = 5 chain's verify) in each of `rows` rows, from qkv_proj's output: rotary, cache
     write and attention over a --cache-length cache whose first half is filled (the new tokens
     are the half's last), attend_length None (all the cache) and the half; its weight_bytes are
-    the filled keys and values, which attention must read
+    the filled keys and values, which attention must read; with --tree the tokens are a tree
+    verify's nodes, attending to their ancestors (`heap_tree`)
   * decoder_layer: one cached decode call of a whole `layers.DecoderLayer` (cache --cache-length),
     decode_kernels "xla" vs "pallas" vs "pallas_linear" (default tiling)
   * draft_top_k: an EAGLE-2 tree's expansion of `rows` frontier nodes, the `rows` best of each
@@ -108,6 +110,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "program holds a (row, kv head)'s tokens x heads, however many")
     parser.add_argument("--tokens", type=int_list, default=[1],
                         help=f"decode_attention's tokens per row, or a comma list (<= {decode_attention.MAX_TOKENS})")
+    parser.add_argument("--tree", action="store_true",
+                        help="decode_attention's tokens are a tree verify's nodes (node i's parent (i - 1) // 2, "
+                             "positions by depth), each attending to its ancestors (`new_visible`)")
     parser.add_argument("--num-warps", type=int_list, help="default: each kernel's Tiling default")
     parser.add_argument("--num-stages", type=int_list, help="default: each kernel's Tiling default")
     parser.add_argument("--iterations", type=int, default=200, help="timed calls for the wall-time median")
@@ -246,9 +251,21 @@ def layer_case(cfg: config_lib.LlamaConfig, rows: int, dtype, setting: str, cach
     return call, (params, x, cache(), cache()), weight_bytes
 
 
+def heap_tree(tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """(depths [T], ancestors [T, T] bool, itself included) of the tree whose node i > 0 hangs
+    under node (i - 1) // 2: a fixed tree shape for timing (the mask's values cost nothing)."""
+    depths, ancestors = np.zeros(tokens, np.int32), np.eye(tokens, dtype=bool)
+    for node in range(1, tokens):
+        depths[node] = depths[(node - 1) // 2] + 1
+        ancestors[node] |= ancestors[(node - 1) // 2]
+    return depths, ancestors
+
+
 def attention_case(cfg: config_lib.LlamaConfig, rows: int, tokens: int, dtype, cache_length: int,
-                   attend_length: int | None, implementation: str, tiling: decode_attention.Tiling | None):
-    """(decode_attention call of `tokens` tokens a row, updating a donated cache, its inputs, filled cache bytes)."""
+                   attend_length: int | None, implementation: str, tiling: decode_attention.Tiling | None,
+                   tree: bool = False):
+    """(decode_attention call of `tokens` tokens a row, updating a donated cache, its inputs, filled
+    cache bytes); with `tree`, the tokens are `heap_tree`'s nodes."""
     rng = np.random.default_rng(0)
     width = sum(layers.qkv_sizes(cfg))
     qkv = jnp.asarray(rng.standard_normal((rows, tokens, width)), dtype)
@@ -257,9 +274,14 @@ def attention_case(cfg: config_lib.LlamaConfig, rows: int, tokens: int, dtype, c
     # Slots below cache_length // 2 are filled, the new tokens the last of them.
     positions = jnp.broadcast_to(jnp.arange(cache_length // 2 - tokens, cache_length // 2, dtype=jnp.int32),
                                  (rows, tokens))
+    new_visible = None
+    if tree:  # the same slots, the nodes at their depths' positions
+        depths, ancestors = heap_tree(tokens)
+        positions = positions[:, :1] + jnp.asarray(depths)[None, :]
+        new_visible = jnp.broadcast_to(jnp.asarray(ancestors), (rows, tokens, tokens))
     kw = dict(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
               attend_length=attend_length, inv_freq=layers.rope_inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
-              implementation=implementation) | (dict(tiling=tiling) if tiling else {})
+              implementation=implementation, new_visible=new_visible) | (dict(tiling=tiling) if tiling else {})
     step = jax.jit(lambda qkv, keys, values: decode_attention.attend(qkv, positions, keys, values, **kw),
                    donate_argnums=(1, 2))
 
@@ -314,8 +336,8 @@ def run_cases(args, cfg: config_lib.LlamaConfig, dtype, common: dict, evict) -> 
                 for tokens, attend_length, (implementation, tiling) in itertools.product(
                         args.tokens, (None, args.cache_length // 2), settings):
                     call, inputs, weight_bytes = attention_case(cfg, count, tokens, dtype, args.cache_length,
-                                                                attend_length, implementation, tiling)
-                    rows.append(dict(op=op, implementation=implementation, rows=count, tokens=tokens,
+                                                                attend_length, implementation, tiling, args.tree)
+                    rows.append(dict(op=op, implementation=implementation, rows=count, tokens=tokens, tree=args.tree,
                                      weight_bytes=weight_bytes, cache_length=args.cache_length,
                                      attend_length=attend_length,
                                      tiling=tiling and vars(tiling), **measure(call, inputs, args, evict), **common))
