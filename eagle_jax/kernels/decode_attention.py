@@ -121,7 +121,7 @@ def attend(qkv: jax.Array, positions: jax.Array, keys: jax.Array, values: jax.Ar
            num_kv_heads: int, head_dim: int, inv_freq: np.ndarray, attend_length: int | None = None,
            implementation: str = "xla", interpret: bool | None = None, tiling: Tiling = Tiling(),
            new_visible: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Rotary on q and k, the new keys and values written into the cache, then causal attention.
+    """Rotary on q and k, the new keys and values written into the cache, then causal (or tree) attention.
 
     Args:
         qkv: [B, T, (N + 2K) H] `qkv_proj` output: N query heads, then K key heads, then K value heads.
