@@ -647,9 +647,10 @@ def k_sweeps_by_batch(rows: list[dict], setting: tuple[int, int], method: str = 
         newest = max(head_rank(r) for r in at_batch)
         newest_head = [r for r in at_batch if head_rank(r) == newest]
         run = list(widest_lease(newest_head))
-        for lease in reversed(kernel_runs(newest_head)):
+        kernels = kernels_of(run[0])  # a missing k comes from the same kernels' leases only
+        for lease in reversed(leases([r for r in newest_head if kernels_of(r) == kernels])):
             measured = {r["k"] for r in run}
-            run += [r for r in lease if r["k"] not in measured and kernels_of(r) == kernels_of(run[0])]
+            run += [r for r in lease if r["k"] not in measured]
         by_k = collections.defaultdict(list)
         for row in run:
             by_k[row["k"]].append(row["output_tokens_per_second"])

@@ -19,6 +19,7 @@ from eagle_jax import config as config_lib
 from eagle_jax import engine as engine_lib
 from eagle_jax import layers
 from eagle_jax import scheduler as scheduler_lib
+from eagle_jax import tree as tree_lib
 from eagle_jax.kernels import decode_attention
 
 # SmolLM2-135M's attention: 9 query heads, 3 kv heads (groups of 3), head dim 64.
@@ -41,15 +42,9 @@ def random_trees(batch: int, length: int, seed: int = 0) -> tuple[np.ndarray, np
     """(depths [B, T], ancestors [B, T, T] bool, itself included) of random trees of T nodes whose
     node 0 is the root and whose parents precede their children, as `tree.Tree` lays them out."""
     rng = np.random.default_rng(seed)
-    depths, ancestors = np.zeros((batch, length), np.int32), np.zeros((batch, length, length), bool)
-    for row in range(batch):
-        ancestors[row, 0, 0] = True
-        for node in range(1, length):
-            parent = rng.integers(0, node)
-            depths[row, node] = depths[row, parent] + 1
-            ancestors[row, node] = ancestors[row, parent]
-            ancestors[row, node, node] = True
-    return depths, ancestors
+    parents = [[0] + [rng.integers(0, node) for node in range(1, length)] for _ in range(batch)]
+    ancestors = np.asarray(tree_lib.ancestor_matrix(jnp.asarray(parents, jnp.int32), length))
+    return ancestors.sum(axis=2).astype(np.int32) - 1, ancestors
 
 
 def run(implementation: str, heads: dict, inputs, attend_length=None, tiling=decode_attention.Tiling(),
@@ -307,7 +302,6 @@ def test_a_tree_step_verifies_through_the_kernel(aligned_target, agreeing_head, 
     """Under "pallas" the tree step hands the kernel its nodes' ancestors (`SlotMask.among_new`):
     every target layer's verify attends in the kernel, as a chain's does (`test_kernels` compares
     the greedy tokens with XLA's)."""
-    from eagle_jax import tree as tree_lib
     calls = []
     attend = decode_attention.attend
     monkeypatch.setattr(decode_attention, "attend", lambda *a, **kw: calls.append(kw) or attend(*a, **kw))

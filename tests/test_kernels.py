@@ -121,7 +121,7 @@ def test_with_decode_kernels_copies_and_shares_weights(random_target):
 def test_auto_picks_pallas_only_where_it_measured_faster(random_target):
     choose = engine_lib.choose_decode_kernels
     assert choose("gpu", tree=False, mesh=None) == "pallas"  # plain and chains, at every batch size measured
-    assert choose("gpu", tree=True, mesh=None) == "xla"  # a tree's verify attends through XLA
+    assert choose("gpu", tree=True, mesh=None) == "xla"  # trees: not yet measured on the kernels
     assert choose("gpu", tree=False, mesh=object()) == "xla"  # one device only
     assert choose("cpu", tree=False, mesh=None) == "xla"  # interpret mode is slow
     target = random_target(num_layers=1)

@@ -254,11 +254,9 @@ def layer_case(cfg: config_lib.LlamaConfig, rows: int, dtype, setting: str, cach
 def heap_tree(tokens: int) -> tuple[np.ndarray, np.ndarray]:
     """(depths [T], ancestors [T, T] bool, itself included) of the tree whose node i > 0 hangs
     under node (i - 1) // 2: a fixed tree shape for timing (the mask's values cost nothing)."""
-    depths, ancestors = np.zeros(tokens, np.int32), np.eye(tokens, dtype=bool)
-    for node in range(1, tokens):
-        depths[node] = depths[(node - 1) // 2] + 1
-        ancestors[node] |= ancestors[(node - 1) // 2]
-    return depths, ancestors
+    parents = np.maximum(np.arange(tokens) - 1, 0) // 2  # the root its own parent
+    ancestors = np.asarray(tree.ancestor_matrix(jnp.asarray(parents)[None], tokens))[0]
+    return ancestors.sum(axis=1).astype(np.int32) - 1, ancestors
 
 
 def attention_case(cfg: config_lib.LlamaConfig, rows: int, tokens: int, dtype, cache_length: int,
