@@ -26,6 +26,7 @@ from eagle_jax import scheduler as scheduler_lib
 from eagle_jax import sharding as sharding_lib
 from eagle_jax import speculative
 from eagle_jax import tree as tree_lib
+from eagle_jax.kernels import decode_attention
 
 MIN_BUCKET = 16
 
@@ -117,9 +118,11 @@ def choose_decode_kernels(backend: str, tree: bool, mesh) -> str:
     attention kernel, 2,078 against 1,914 at batch 1 (k = 6, lease 19), where XLA's had led.
     Plain decoding: 942 against 785 tokens/s at batch 1 (lease 6); at 16 and 64 rows the Pallas
     runs (lease 11) beat XLA's of lease 7 by 8-31%. Trees keep XLA: the fused linears alone
-    measured slower there (1,934 against 2,055 tokens/s, lease 11), when the verify still attended
-    in XLA; since the twentieth session it takes the attention kernel too, not yet measured. The
-    kernels run on one device, and interpret slowly off a GPU.
+    measured slower there (1,934 against 2,055 tokens/s, lease 11), and with the attention kernel
+    too (tree 4/5/16: 1,802 against 2,050, lease 21), its verify then costing 31 us a layer in
+    the kernel's tiling of the time (128/4/3/1); the one-row tiling since (`Tiling.for_rows`,
+    9.4 against 22.3 us alone with L2 evicted) is not yet measured in a step. The kernels run
+    on one device, and interpret slowly off a GPU.
     """
     return "pallas" if backend == "gpu" and not tree and mesh is None else "xla"
 
@@ -169,6 +172,9 @@ class Engine:
             (`layers.with_decode_kernels`). The engine uses copies, the modules
             given are unchanged. "auto" picks them where they measured faster
             (`choose_decode_kernels`), XLA elsewhere; `self.decode_kernels` holds the choice.
+        attention_tiling: the Pallas attention kernel's block size and launch settings
+            (`decode_attention.Tiling`; needs decode_kernels "pallas", or "auto" choosing it).
+            None (default): the kernel's own choice for the batch (`Tiling.for_rows`).
         mesh: a `jax.sharding.Mesh` with a "tensor" axis (`sharding.make_mesh`): the target is
             split over it Megatron-style and the head replicated, or split too (below; `sharding`);
             XLA SPMD places the collectives inside the same compiled programs. None runs on one device.
@@ -181,7 +187,8 @@ class Engine:
                  eager: bool = False, cache_dir=None, fixed_shapes: bool = False, steps_per_check: int = 1,
                  scheduler: str = "static", speculative_disable_by_batch_size: int | None = None,
                  decode_kernels: str = "auto", mesh: jax.sharding.Mesh | None = None, refill_at: int | None = None,
-                 draft_tensor_parallel_size: int | None = None):
+                 draft_tensor_parallel_size: int | None = None,
+                 attention_tiling: decode_attention.Tiling | None = None):
         if num_speculative_tokens < 0:
             raise InputError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
         if (num_speculative_tokens or tree is not None) and head is None:
@@ -213,10 +220,14 @@ class Engine:
             decode_kernels = choose_decode_kernels(jax.default_backend(), tree is not None, mesh)
         if mesh is not None and decode_kernels != "xla":
             raise InputError(f"decode_kernels={decode_kernels!r} runs on one device; it does not take a mesh")
+        if attention_tiling is not None and decode_kernels != "pallas":
+            raise InputError(f"attention_tiling sets the Pallas attention kernel; decode_kernels={decode_kernels!r} "
+                             "does not run it (pass decode_kernels='pallas')")
         if decode_kernels != "xla":
-            target = layers.with_decode_kernels(target, decode_kernels)
+            target = layers.with_decode_kernels(target, decode_kernels, attention_tiling)
             head = layers.with_decode_kernels(head, decode_kernels) if head is not None else None
         self.decode_kernels = decode_kernels
+        self.attention_tiling = attention_tiling
         self.mesh = mesh
         size = sharding_lib.tensor_parallel_size(mesh)
         if draft_tensor_parallel_size not in (None, 1, size):
@@ -310,10 +321,10 @@ class Engine:
         key = (name, width, tuple(sorted(static.items())))
         if key not in self._compiled:
             shapes = jax.tree.map(lambda x: (x.shape, x.dtype) if hasattr(x, "shape") else x, args)
-            # decode_kernels changes the program text, which names the entry anyway; keyed here
-            # too, each setting gets its own module directory.
+            # decode_kernels and attention_tiling change the program text, which names the entry
+            # anyway; keyed here too.
             description = repr((name, shapes, sorted(static.items()), self.config, self.head_config, self.max_length,
-                                self.steps_per_check, self.decode_kernels))
+                                self.steps_per_check, self.decode_kernels, self.attention_tiling))
             jitted = jax.jit(function, static_argnames=tuple(static), donate_argnames=donate)
             lowered = jitted.lower(*args, **static)
             module = self.module_name(name, static.get("opts"))

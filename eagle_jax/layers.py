@@ -309,6 +309,7 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.mlp = MLP(cfg, rngs=rngs, **kw)
         self.decode_kernels = "xla"  # static: see `with_decode_kernels`
+        self.attention_tiling = None  # static: the attention kernel's `Tiling`, None for its own choice
 
     def __call__(self, x, positions, keys, values, implementation: str = "xla", mask: SlotMask | None = None,
                  attend_length: int | None = None):
@@ -345,7 +346,7 @@ class DecoderLayer(nnx.Module):
             attended, keys, values = decode_attention.attend(
                 qkv, positions, keys, values, num_heads=attention.num_heads, num_kv_heads=attention.num_kv_heads,
                 head_dim=attention.head_dim, inv_freq=rope_inverse_frequencies(*attention.rope),
-                attend_length=attend_length, implementation=self.decode_kernels,
+                attend_length=attend_length, implementation=self.decode_kernels, tiling=self.attention_tiling,
                 new_visible=None if mask is None else mask.among_new)
         else:
             q, k, v = attention.split_heads(qkv, positions)
@@ -390,7 +391,8 @@ def uses_attention_kernel(decode_kernels: str, x: jax.Array, mask: SlotMask | No
             and x.shape[1] <= decode_attention.MAX_TOKENS and attention.num_shards == 1)
 
 
-def with_decode_kernels(module: nnx.Module, decode_kernels: str) -> nnx.Module:
+def with_decode_kernels(module: nnx.Module, decode_kernels: str,
+                        attention_tiling: decode_attention.Tiling | None = None) -> nnx.Module:
     """A copy of a target or head (sharing its weights) whose decode steps use `decode_kernels`.
 
     "xla" (default) runs norms, projections and cached attention as XLA compiles them. "pallas"
@@ -404,14 +406,21 @@ def with_decode_kernels(module: nnx.Module, decode_kernels: str) -> nnx.Module:
     setting a tree step moves its accepted path into place in one kernel (`kernels.compact_cache`)
     rather than two per layer's keys and values. In Pallas interpret
     mode unless the backend is a GPU (so CPU tests run the kernel code).
-    The setting is a static attribute, so it is part of the module's graph and of every
+    `attention_tiling` sets the attention kernel's block size and launch settings (None: the
+    kernel's own choice for the batch, `decode_attention.Tiling.for_rows`); it takes "pallas".
+    Both settings are static attributes, so they are part of the module's graph and of every
     program compiled from it.
     """
     if decode_kernels not in DECODE_KERNELS:
         raise ValueError(f"decode_kernels must be one of {DECODE_KERNELS}, got {decode_kernels!r}")
+    if attention_tiling is not None and decode_kernels != "pallas":
+        raise ValueError(f"an attention tiling sets the Pallas attention kernel, which decode_kernels="
+                         f"{decode_kernels!r} does not run")
     graphdef, state = nnx.split(module)
     module = nnx.merge(graphdef, state)  # new module objects over the same (immutable) arrays
     for _, child in nnx.iter_graph(module):
         if isinstance(child, nnx.Module) and hasattr(child, "decode_kernels"):
             child.decode_kernels = decode_kernels
+        if isinstance(child, nnx.Module) and hasattr(child, "attention_tiling"):
+            child.attention_tiling = attention_tiling
     return module

@@ -58,6 +58,7 @@ from eagle_jax import sharding
 from eagle_jax import speculative
 from eagle_jax import tokenization
 from eagle_jax import tree as tree_lib
+from eagle_jax.kernels import decode_attention
 import script_errors  # examples/ is on sys.path when run as a script
 import step_trace
 from results_file import append_rows
@@ -130,6 +131,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "with XLA's attention; auto: pallas on one GPU (plain and "
                              "chains), xla for trees, meshes and CPUs (Engine.decode_kernels); the "
                              "choice is recorded in each row")
+    parser.add_argument("--attention_tiling", "--attention-tiling", metavar="BLOCK_S/WARPS/STAGES/SPLITS[/QUERY_ROWS]",
+                        help="the Pallas attention kernel's tiling (decode_attention.Tiling; with pallas kernels); "
+                             "default: its own choice for the batch (Tiling.for_rows); recorded in each row when set")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top_p", "--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -151,6 +155,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--tensor_parallel_size must be >= 1")
     if args.refill_at is not None and args.refill_at < 1:
         parser.error("--refill_at must be >= 1")
+    try:
+        args.attention_tiling = args.attention_tiling and decode_attention.Tiling.parse(args.attention_tiling)
+    except ValueError as error:
+        parser.error(f"--attention_tiling: {error}")
     if args.speculative_disable_by_batch_size is not None and args.speculative_disable_by_batch_size < 1:
         parser.error("--speculative_disable_by_batch_size must be >= 1")
     tree_lists = (args.speculative_eagle_topk, args.speculative_num_steps, args.speculative_num_draft_tokens)
@@ -356,9 +364,10 @@ def main(argv=None) -> int:
                                    speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
                                    mesh=meshes[tensor_parallel_size], refill_at=args.refill_at,
                                    draft_tensor_parallel_size=tensor_parallel_size if args.split_draft_head else 1,
-                                   **drafting)
+                                   attention_tiling=args.attention_tiling, **drafting)
         name = f"tree {tree.topk}/{tree.num_steps}/{tree.num_draft_tokens}" if tree else f"k={k}"
-        desc = f"{method} {name} bs={batch_size} {scheduler} tp={tensor_parallel_size}"
+        desc = f"{method} {name} bs={batch_size} {scheduler} tp={tensor_parallel_size}" + (
+            f" tiling {args.attention_tiling}" if args.attention_tiling else "")
         measured = run_setting(engine, prompts, warmup_prompts, args, sampling, desc=f"{desc} {mode}")
         stats = engine_lib.pooled_stats(measured["results"], k)
         row = dict(
@@ -383,7 +392,8 @@ def main(argv=None) -> int:
             draft=None if head_path is None else str(head_path), seed=args.seed,
             dataset=Path(args.dataset).name if args.dataset else "mt_bench",
             steps_per_call=args.steps_per_call, steps_per_check=args.steps_per_check,
-            decode_kernels=engine.decode_kernels, refill_at=engine.refill_at if scheduler == "continuous" else None,
+            decode_kernels=engine.decode_kernels, attention_tiling=args.attention_tiling and str(args.attention_tiling),
+            refill_at=engine.refill_at if scheduler == "continuous" else None,
             speculative_disable_by_batch_size=args.speculative_disable_by_batch_size if k else None,
             ttft_ms_p50=round(float(measured["ttft_ms_p50"]), 2),
             latency_s_p50=round(float(measured["latency_s_p50"]), 4),

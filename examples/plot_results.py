@@ -71,11 +71,12 @@ COLORS = {"none": "black", "eagle": "tab:blue", "eagle3": "tab:orange"}
 EAGLE_METHODS = ("eagle", "eagle3")
 KEY = ("method", "k", "mode", "batch_size", "temperature", "max_new_tokens", "num_prompts", "scheduler",
        "speculative_disable_by_batch_size", "decode_kernels", "tensor_parallel_size", "steps_per_check",
-       "speculative_eagle_topk", "speculative_num_steps", "speculative_num_draft_tokens", "xla_flags", "refill_at")
+       "speculative_eagle_topk", "speculative_num_steps", "speculative_num_draft_tokens", "xla_flags", "refill_at", "attention_tiling")
 # Rows written before a field existed: static batches, XLA kernels, one device, a test every step,
-# no XLA flags (a row run without them has none), no refill_at (static rows have none).
+# no XLA flags (a row run without them has none), no refill_at (static rows have none), the
+# attention kernel's own tiling (a row names one only when it was set).
 KEY_DEFAULTS = {"scheduler": "static", "decode_kernels": "xla", "tensor_parallel_size": 1, "steps_per_check": 1,
-                "xla_flags": None, "refill_at": None}
+                "xla_flags": None, "refill_at": None, "attention_tiling": None}
 SCHEDULERS = ("static", "continuous")
 BATCH_KERNELS = "pallas"  # the batch benchmarks' decode kernels since the eleventh session
 # Batch-1 chain sweeps: XLA's kernels until `auto` chose Pallas for chains (nineteenth session), Pallas
@@ -195,10 +196,11 @@ def one_lease_sweeps(shown: list[dict], pool: list[dict]) -> list[dict]:
 
 def default_settings(rows: list[dict], kernels: tuple[str, ...] = (KEY_DEFAULTS["decode_kernels"],)) -> list[dict]:
     """Chain rows at the default settings: decode kernels among `kernels`, one device, the exit test
-    every step, no XLA_FLAGS (trees apart: a tree row's k is its depth, not comparable with a chain's k)."""
+    every step, no XLA_FLAGS, the attention kernel's own tiling (trees apart: a tree row's k is its
+    depth, not comparable with a chain's k)."""
     return [r for r in rows if not r.get("speculative_eagle_topk") and kernels_of(r) in kernels and all(
         r.get(name, KEY_DEFAULTS[name]) == KEY_DEFAULTS[name] for name in ("tensor_parallel_size", "steps_per_check",
-                                                                           "xla_flags"))]
+                                                                           "xla_flags", "attention_tiling"))]
 
 
 def compiled_greedy(row: dict) -> bool:

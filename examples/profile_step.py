@@ -60,6 +60,7 @@ from eagle_jax import speculative
 from eagle_jax import tokenization
 from eagle_jax import tree as tree_lib
 from eagle_jax import train
+from eagle_jax.kernels import decode_attention
 import script_errors  # examples/ is on sys.path when run as a script
 import step_trace
 from results_file import append_rows
@@ -91,6 +92,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", default="docs/results/profile.json", help="JSON list the rows are appended to")
     parser.add_argument("--decode-kernels", choices=layers.DECODE_KERNELS, default="xla",
                         help="the Engine's decode kernels (Engine.decode_kernels), in every part")
+    parser.add_argument("--attention-tiling", metavar="BLOCK_S/WARPS/STAGES/SPLITS[/QUERY_ROWS]",
+                        help="the Pallas attention kernel's tiling (decode_attention.Tiling), with --decode-kernels "
+                             "pallas; default: its own choice for the batch (Tiling.for_rows)")
     trace = parser.add_argument_group("step_trace")
     trace.add_argument("--batch-size", type=int, default=1, help="rows of the traced step (copies of the prompt)")
     trace.add_argument("--trace-steps", type=int, default=64, help="steps traced (after one untraced warm-up call)")
@@ -128,6 +132,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         except ValueError as error:
             parser.error(f"--tree TOPK,STEPS,N: {error}")
         args.k = args.tree.num_steps
+    try:
+        args.attention_tiling = args.attention_tiling and decode_attention.Tiling.parse(args.attention_tiling)
+    except ValueError as error:
+        parser.error(f"--attention-tiling: {error}")
+    if args.attention_tiling and args.decode_kernels != "pallas":
+        parser.error("--attention-tiling sets the Pallas attention kernel: it takes --decode-kernels pallas")
+    if args.attention_tiling and "cold_warm" in args.parts:
+        parser.error("--attention-tiling does not reach cold_warm's generate processes: leave that part out")
     if args.iterations < 1 or args.eager_iterations < 1:
         parser.error("--iterations and --eager-iterations must be >= 1")
     if min(args.batch_size, args.trace_steps, args.steps_per_call, args.steps_per_check) < 1:
@@ -138,7 +150,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def metadata(args) -> dict:
     device = jax.devices()[0]
     return dict(device=device.device_kind, platform=device.platform, jax_version=jax.__version__, dtype=args.dtype,
-                decode_kernels=args.decode_kernels,
+                decode_kernels=args.decode_kernels, attention_tiling=args.attention_tiling and str(args.attention_tiling),
                 model=args.model or "SmolLM2-135M-Instruct",
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 command="python examples/profile_step.py " + shlex.join(sys.argv[1:]))
@@ -324,7 +336,7 @@ def trace_part(args, target, head, prompt: list[int], head_is_random: bool) -> d
     drafting = dict(tree=args.tree) if args.tree is not None else dict(num_speculative_tokens=args.k)
     engine = engine_lib.Engine(target, head, batch_size=args.batch_size, steps_per_check=args.steps_per_check,
                                decode_kernels=args.decode_kernels, max_length=max(2048, args.cache_length or 0),
-                               **drafting)
+                               attention_tiling=args.attention_tiling, **drafting)
     measured = step_trace.measure(engine, prompt, trace_steps=args.trace_steps, steps_per_call=args.steps_per_call,
                                   cache_length=args.cache_length, device=args.trace_device, trace_dir=args.trace_dir,
                                   top=args.top_kernels)
@@ -357,7 +369,7 @@ def main(argv=None) -> int:
         if needs_prompt:
             head = models.load_head(draft_path, target, args.dtype) if draft_path is not None else None
             # For the in-process parts; the step_trace Engine applies the same setting itself.
-            target = layers.with_decode_kernels(target, args.decode_kernels)
+            target = layers.with_decode_kernels(target, args.decode_kernels, args.attention_tiling)
             head = layers.with_decode_kernels(head, args.decode_kernels) if head is not None else None
             if tokenizer_dir is None:  # random weights: any ids time the same
                 prompt = np.random.default_rng(0).integers(0, target.config.vocab_size, args.random_prompt_length)

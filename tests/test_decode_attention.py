@@ -6,6 +6,7 @@ that the attention call updates the caches in place.
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -216,20 +217,21 @@ def test_rejects_what_it_does_not_take():
         decode_attention.Tiling(query_rows=0)
 
 
-@pytest.mark.parametrize("setting,splits,triton_calls", [("pallas", 1, 5), ("pallas", 4, 6), ("pallas_linear", 1, 4)])
-def test_decoder_layer_lowers_to_five_triton_calls_writing_the_cache_in_place(monkeypatch, setting, splits, triton_calls):
+@pytest.mark.parametrize("setting,tiling,triton_calls", [
+    ("pallas", decode_attention.Tiling(splits=1), 5), ("pallas", decode_attention.Tiling(splits=4), 6),
+    ("pallas", None, 6), ("pallas_linear", None, 4)], ids=["unsplit", "split", "own-choice", "linear"])
+def test_decoder_layer_lowers_to_five_triton_calls_writing_the_cache_in_place(monkeypatch, setting, tiling, triton_calls):
     """A pallas decode call of one SmolLM2-shaped layer, lowered for CUDA: four fused linears and
     the attention kernel, whose keys and values outputs alias its cache operands, so that XLA
-    need not copy a donated cache; split over the cache, the attention adds its combine kernel.
-    "pallas_linear" lowers the four linears alone (XLA attends between them)."""
+    need not copy a donated cache; split over the cache, the attention adds its combine kernel,
+    as it does at batch 1 without a tiling given (`Tiling.for_rows`). "pallas_linear" lowers the
+    four linears alone (XLA attends between them)."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the kernels' interpret=None: compile them
-    tiling = decode_attention.Tiling(splits=splits)
-    monkeypatch.setattr(decode_attention, "attend", functools.partial(decode_attention.attend, tiling=tiling))
     cfg = config_lib.LlamaConfig(vocab_size=8, hidden_size=576, intermediate_size=1536, num_layers=1, num_heads=9,
                                  num_kv_heads=3, head_dim=64, rope_theta=100000.0)
     layer = nnx.eval_shape(lambda: layers.DecoderLayer(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16,
                                                        param_dtype=jnp.bfloat16))
-    graphdef, params = nnx.split(layers.with_decode_kernels(layer, setting))
+    graphdef, params = nnx.split(layers.with_decode_kernels(layer, setting, tiling))
     cache = jax.ShapeDtypeStruct((1, 1024, 3, 64), jnp.bfloat16)
 
     def step(params, x, keys, values):
@@ -267,6 +269,42 @@ def test_a_verify_of_six_tokens_lowers_to_a_program_per_token_block(monkeypatch,
     assert f"grid_x = 16 : i32, grid_y = {programs} : i32" in call
 
 
+@pytest.mark.parametrize("batch,grids,warps", [(1, ["1/6/4", "1/6/1"], ["8", "4"]), (2, ["2/6/1"], ["4"])])
+def test_without_a_tiling_one_row_splits_the_cache_over_eight_warps(monkeypatch, batch, grids, warps):
+    """`Tiling.for_rows`, lowered for CUDA: a k = 6 verify (7 tokens, two token blocks a kv head)
+    of one row runs 4 parts of 8 warps and the combine kernel; of two rows, one kernel of 4 warps."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    attend = functools.partial(decode_attention.attend, **REAL, inv_freq=INV_FREQ[64], implementation="pallas")
+    shape = lambda *dims, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(dims, dtype)
+    lowered = export.export(jax.jit(attend), platforms=["cuda"],
+                            disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])
+    text = lowered(shape(batch, 7, 15 * 64), shape(batch, 7, dtype=jnp.int32), shape(batch, 512, 3, 64),
+                   shape(batch, 512, 3, 64)).mlir_module()
+    calls = [line for line in text.splitlines() if "stablehlo.custom_call @__gpu$xla.gpu.triton" in line]
+    launch = lambda call, name: re.search(rf"{name} = (\d+)", call).group(1)
+    assert ["/".join(launch(call, f"grid_{axis}") for axis in "xyz") for call in calls] == grids
+    assert [launch(call, "num_warps") for call in calls] == warps
+
+
+@pytest.mark.parametrize("text,tiling", [
+    ("256/8/3/4", decode_attention.Tiling(block_s=256, num_warps=8, splits=4)),
+    ("64/2/2/1/none", decode_attention.Tiling(block_s=64, num_warps=2, num_stages=2, query_rows=None)),
+    ("128/4/3/2/8", decode_attention.Tiling(splits=2, query_rows=8)),
+])
+def test_a_tiling_reads_back_from_its_text(text, tiling):
+    assert decode_attention.Tiling.parse(text) == tiling
+    assert decode_attention.Tiling.parse(str(tiling)) == tiling
+
+
+@pytest.mark.parametrize("text,message", [("128/4/3", "block_s/num_warps"), ("128/4/3/1/16/2", "block_s/num_warps"),
+                                          ("128/4/none/1", "integers"), ("128/x/3/1", "integers"),
+                                          ("128/3/3/1", "num_warps must be a power of two"),
+                                          ("128/4/0/1", "num_stages")])
+def test_a_bad_tiling_text_says_what_is_wrong(text, message):
+    with pytest.raises(ValueError, match=message):
+        decode_attention.Tiling.parse(text)
+
+
 def test_a_tree_verify_lowers_for_cuda_in_token_blocks(monkeypatch):
     """SGLang's 4/5/16 tree (17 nodes) at SmolLM2's heads, lowered for CUDA (Triton): four token
     blocks of 5 nodes a kv head, the ancestor mask read as an int32 operand after the caches."""
@@ -284,15 +322,15 @@ def test_a_tree_verify_lowers_for_cuda_in_token_blocks(monkeypatch):
 
 @pytest.mark.parametrize("nodes", [4, 17])
 def test_a_tree_verify_takes_the_attention_kernel_given_its_ancestors(random_target, nodes):
-    """A tree's SlotMask with `among_new` runs the attention kernel between the four linears, up
-    to a tree of 16 drafted nodes and its root (17 rows: one block of 32); a mask without it (any
-    other layout of slots) keeps XLA's attention."""
+    """A tree's SlotMask with `among_new` runs the attention kernel between the four linears (at
+    one row, split over the cache: two calls), up to a tree of 16 drafted nodes and its root (17
+    rows: one block of 32); a mask without it (any other layout of slots) keeps XLA's attention."""
     target = layers.with_decode_kernels(random_target(num_layers=1), "pallas")
     cache = target.init_cache(1, 32)
     depths, ancestors = (jnp.asarray(a) for a in random_trees(1, nodes, seed=nodes))
     start = jnp.array([4], jnp.int32)
     visible = attention_ops.visible_slots(start, ancestors, 32)
-    for mask, kernels in ((layers.SlotMask(start, visible, among_new=ancestors), 5), (layers.SlotMask(start, visible), 4)):
+    for mask, kernels in ((layers.SlotMask(start, visible, among_new=ancestors), 6), (layers.SlotMask(start, visible), 4)):
         jaxpr = jax.make_jaxpr(lambda tokens: target(tokens, start[:, None] + depths, cache, mask=mask))(
             jnp.zeros((1, nodes), jnp.int32))
         assert str(jaxpr).count("pallas_call") == kernels
@@ -311,6 +349,30 @@ def test_a_tree_step_verifies_through_the_kernel(aligned_target, agreeing_head, 
     engine.generate([[3, 5, 7]], max_new_tokens=4, ignore_eos=True)
     trees = [kw["new_visible"].shape for kw in calls if kw.get("new_visible") is not None]
     assert trees == [(1, 4, 4)] * 2  # traced once: two layers, the root and three nodes
+
+
+def test_an_engine_runs_the_attention_tiling_it_is_given(aligned_target, agreeing_head, monkeypatch):
+    """Engine(attention_tiling=...) reaches every target layer's kernel call, and greedy tokens
+    stay XLA's; a tiling without the Pallas attention kernel to set is refused."""
+    tilings = []
+    attend = decode_attention.attend
+    monkeypatch.setattr(decode_attention, "attend", lambda *a, **kw: tilings.append(kw["tiling"]) or attend(*a, **kw))
+    target = aligned_target(seed=14, num_layers=2)
+    head = agreeing_head(target.config, 0.3, residual=1.0, seed=1)
+    tiling = decode_attention.Tiling(block_s=16, num_warps=2, splits=3, query_rows=None)
+    tokens = {}
+    for setting, given in (("xla", None), ("pallas", tiling)):
+        engine = engine_lib.Engine(target, head, num_speculative_tokens=3, max_length=48, decode_kernels=setting,
+                                   attention_tiling=given)
+        tokens[setting] = [r.token_ids for r in engine.generate([[3, 5, 7, 9]], max_new_tokens=10, ignore_eos=True)]
+    assert engine.attention_tiling == tiling
+    assert len(tilings) >= 2 and set(tilings) == {tiling}  # traced: the decode and verify calls of both layers
+    assert tokens["pallas"] == tokens["xla"]
+    for setting in ("xla", "pallas_linear"):
+        with pytest.raises(engine_lib.InputError, match="attention_tiling"):
+            engine_lib.Engine(target, head, num_speculative_tokens=3, decode_kernels=setting, attention_tiling=tiling)
+    with pytest.raises(ValueError, match="attention tiling"):
+        layers.with_decode_kernels(target, "pallas_linear", tiling)
 
 
 def test_continuous_batching_gives_the_same_tokens(aligned_target, agreeing_head, monkeypatch):

@@ -56,6 +56,21 @@ def test_eagle_tree_lists_run_every_valid_combination(capsys):
     assert "trees need all of" in capsys.readouterr().err
 
 
+def test_eagle_reads_an_attention_tiling_or_names_its_fields(capsys):
+    sys.path.append(str(REPO / "examples"))
+    import importlib
+
+    from eagle_jax.kernels import decode_attention
+
+    example = importlib.import_module("eagle")
+    args = example.parse_args(["--decode_kernels", "pallas", "--attention_tiling", "256/8/3/4"])
+    assert args.attention_tiling == decode_attention.Tiling(block_s=256, num_warps=8, splits=4)
+    assert example.parse_args([]).attention_tiling is None
+    with pytest.raises(SystemExit):
+        example.parse_args(["--attention_tiling", "256/8"])
+    assert "--attention_tiling: a tiling is block_s/num_warps/num_stages/splits" in capsys.readouterr().err
+
+
 def test_eagle_records_both_schedulers(model_dir, tmp_path, capsys, monkeypatch):
     """One run, two rows: the same prompts and tokens through static batches and through decode
     slots, each row with its scheduler, time to first token and latency percentiles."""

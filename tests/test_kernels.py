@@ -18,6 +18,7 @@ from jax import export
 from eagle_jax import engine as engine_lib
 from eagle_jax import layers
 from eagle_jax import tree as tree_lib
+from eagle_jax.kernels import decode_attention
 from eagle_jax.kernels import fused_linear
 
 EPS = 1e-5
@@ -139,7 +140,9 @@ def test_decode_step_runs_the_kernels(random_target):
         tokens = jnp.asarray(np.random.default_rng(batch).integers(0, 100, (batch, length)), jnp.int32)
         return lambda: model(tokens, positions, cache)[0], jax.make_jaxpr(lambda: model(tokens, positions, cache))()
 
-    assert str(forward(fused, 1, 4)[1]).count("pallas_call") == 5  # norm + qkv, attention, o_proj, norm + gate_up, down_proj
+    # norm + qkv, attention (at one row split over the cache: two calls), o_proj, norm + gate_up, down_proj
+    assert str(forward(fused, 1, 4)[1]).count("pallas_call") == 6
+    assert str(forward(fused, 2, 4)[1]).count("pallas_call") == 5
     assert "pallas_call" not in str(forward(fused, 1, 33)[1])
     # More rows than the linear kernels take (a batched decode step): the attention kernel alone,
     # between XLA's matmuls, computing what XLA's attention does.
@@ -232,6 +235,9 @@ def test_kernel_bench_runs_without_model_files(tmp_path, tiny_hf_config):
         ("kernel_bench", "decoder_layer", "xla", None), ("kernel_bench", "decoder_layer", "pallas", None),
         ("kernel_bench", "decoder_layer", "pallas_linear", None)]
     assert all(r["kernels"] > 0 and r["busy_us"] > 0 and r["wall_us"] > 0 for r in rows)
+    # No tiling asked for: the one `attend` runs at one row (`Tiling.for_rows`).
+    attention = [r["tiling"] for r in rows if r["op"] == "decode_attention" and r["implementation"] == "pallas"]
+    assert attention == [vars(decode_attention.Tiling.for_rows(1))] * 2
 
 
 def test_kernel_bench_times_the_tree_ops(tmp_path):

@@ -123,20 +123,23 @@ def test_reads_the_newest_run(tmp_path):
     assert step_trace.kernel_events(step_trace.load_trace(path))[0] == "gpu"
 
 
-@pytest.mark.parametrize("method,decode_kernels,tree", [("none", "xla", None), ("eagle3", "xla", None),
-                                                        ("none", "pallas", None), ("eagle3", "xla", "2,2,3")])
-def test_step_trace_part_on_cpu(method, decode_kernels, tree, random_target, random_head, tmp_path):
+@pytest.mark.parametrize("method,decode_kernels,tree,tiling", [
+    ("none", "xla", None, None), ("eagle3", "xla", None, None), ("none", "pallas", None, "16/2/2/2"),
+    ("eagle3", "xla", "2,2,3", None)])
+def test_step_trace_part_on_cpu(method, decode_kernels, tree, tiling, random_target, random_head, tmp_path):
     target = random_target()
     head = random_head(target.config, "eagle3", draft_vocab_size=50) if method == "eagle3" else None
     args = profile_step.parse_args(["--parts", "step_trace", "--method", method, "--k", "2", "--batch-size", "2",
                                     "--trace-steps", "6", "--steps-per-call", "3", "--label", "before", "--top-kernels", "4",
                                     "--dtype", "float32", "--trace-dir", str(tmp_path),
-                                    "--decode-kernels", decode_kernels] + (["--tree", tree] if tree else []))
+                                    "--decode-kernels", decode_kernels] + (["--tree", tree] if tree else [])
+                                   + (["--attention-tiling", tiling] if tiling else []))
     row = dict(profile_step.trace_part(args, target, head, [1, 5, 7, 9, 11], False), **profile_step.metadata(args))
     assert {"kind", "label", "method", "k", "batch_size", "kernels_per_step", "busy_us_per_step", "wall_us_per_step",
             "top_kernels", "command", "date", "device", "jax_version", "decode_kernels"} <= set(row)
     assert (row["kind"], row["label"], row["method"], row["batch_size"]) == ("step_trace", "before", method, 2)
     assert row["decode_kernels"] == decode_kernels
+    assert row["attention_tiling"] == (tiling and tiling + "/16")  # query_rows: the default's
     assert row["k"] == (0 if method == "none" else 2)
     # A tree row names its shape (SGLang's settings); a chain's are None.
     shape = tuple(row[f"speculative_{name}"] for name in ("eagle_topk", "num_steps", "num_draft_tokens"))
@@ -193,3 +196,16 @@ def test_by_module_splits_device_time_by_program():
                                   dict(module="(unnamed)", kernels=1, busy_us=1.0)]
     with pytest.raises(ValueError, match="no gpu kernel events"):
         step_trace.by_module({"traceEvents": events[:3]}, device="gpu")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--decode-kernels", "pallas", "--attention-tiling", "128/4/3"], "block_s/num_warps/num_stages/splits"),
+    (["--decode-kernels", "pallas", "--attention-tiling", "128/four/3/1"], "integers"),
+    (["--decode-kernels", "pallas", "--attention-tiling", "100/4/3/1"], "block_s must be a power of two"),
+    (["--decode-kernels", "xla", "--parts", "step_trace", "--attention-tiling", "128/4/3/1"], "takes --decode-kernels pallas"),
+    (["--decode-kernels", "pallas", "--attention-tiling", "128/4/3/1"], "cold_warm"),
+])
+def test_a_bad_attention_tiling_is_one_error_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        profile_step.parse_args(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err

@@ -77,16 +77,21 @@ MAX_TOKENS = 32
 class Tiling:
     """Static block size and Triton launch settings of the Pallas kernel.
 
-    The defaults were the fastest of the H200 sweep in docs/results/kernels.json (rows of
-    2026-11-30, 1,024-slot cache, 512 filled): 9.79 us at 1 row and 10.46 at 4, against
-    11.94 and 12.40 for the former 64 / 4 / 2 and 15-20 us with 2 warps.
+    The defaults are `for_rows`'s choice from 2 rows up: the fastest of the H200 sweep in
+    docs/results/kernels.json (rows of 2026-11-30, 1,024-slot cache, 512 filled): 9.79 us at 1
+    row and 10.46 at 4, against 11.94 and 12.40 for the former 64 / 4 / 2 and 15-20 us with 2
+    warps. That sweep read a cache left in L2 by the call before; in a decode step every layer's
+    weights pass between two calls of one layer's kernel. Lease 21 (H200) timed the defaults at
+    k = 6's verify (7 tokens) at 10.6 us alone, 11.3 with L2 evicted and 15.9 a layer inside a
+    step; at a 17-node tree's, 13.6, 22.3 and 30.8. Only the trees' gap is mostly L2's.
 
     Attributes:
         block_s: cache slots per chunk of the online softmax (Triton's dot needs >= 16).
         num_warps: Triton warps per program.
         num_stages: Triton software-pipelining depth of the chunk loop (cache loads in flight).
         splits: programs sharing one (row, kv head)'s older slots, merged by a second kernel;
-            1 is the single kernel. A lever still to be measured, so not a default.
+            1 is the single kernel (the default from 2 rows up; one row splits in
+            4: `for_rows`).
         query_rows: the most query rows (tokens x G heads, before padding) one program holds;
             a row's tokens beyond it are shared out over several programs (token blocks).
             None: one program holds all of a (row, kv head)'s T G rows. 16, Triton's smallest
@@ -107,6 +112,41 @@ class Tiling:
             raise ValueError(f"splits must be >= 1, got {self.splits}")
         if self.query_rows is not None and self.query_rows < 1:
             raise ValueError(f"query_rows must be >= 1 or None, got {self.query_rows}")
+        if self.num_warps < 1 or self.num_warps & (self.num_warps - 1):
+            raise ValueError(f"num_warps must be a power of two, got {self.num_warps}")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+
+    @classmethod
+    def for_rows(cls, rows: int) -> Tiling:
+        """The tiling `attend` runs for a batch of `rows` rows when it is given none.
+
+        One row: 256-slot chunks, 8 warps, the cache split in 4 (`ONE_ROW`). With L2 evicted
+        between calls (256 MB written first, `kernels_bench.py --evict-mb`), the H200 sweep of
+        lease 21 (docs/results/kernels.json, 1,024-slot cache) measured it fastest of block_s
+        64-256 x 4 or 8 warps x 1, 2 or 4 splits at every shape tried: 6.42 us for one token
+        against the defaults' 10.74, 6.54 for a k = 6 verify against 11.30, 9.41 for a 17-node
+        tree against 22.30. Eight warps keep more cache loads in flight, and at batch 1 the
+        split turns 3 programs (one a kv head) into 12. From 2 rows up: the class defaults, not
+        yet swept with 8 warps or with L2 evicted.
+        """
+        return ONE_ROW if rows == 1 else cls()
+
+    @classmethod
+    def parse(cls, text: str) -> Tiling:
+        """"block_s/num_warps/num_stages/splits[/query_rows]" (kernels_bench's column; query_rows
+        "none" for no bound) as a Tiling, for command lines."""
+        fields = text.split("/")
+        if not 4 <= len(fields) <= 5:
+            raise ValueError(f"a tiling is block_s/num_warps/num_stages/splits[/query_rows], got {text!r}")
+        try:
+            numbers = [None if f.lower() == "none" and i == 4 else int(f) for i, f in enumerate(fields)]
+        except ValueError:
+            raise ValueError(f"a tiling's fields are integers (query_rows may be none), got {text!r}") from None
+        return cls(*numbers)
+
+    def __str__(self) -> str:
+        return "/".join(str(getattr(self, f.name)).lower() for f in dataclasses.fields(self))
 
     def token_blocks(self, length: int, group: int) -> tuple[int, int]:
         """(tokens a program holds T', programs Q sharing a row's `length` tokens) for `group`
@@ -117,9 +157,12 @@ class Tiling:
         return -(-length // blocks), blocks
 
 
+ONE_ROW = Tiling(block_s=256, num_warps=8, splits=4)  # `Tiling.for_rows(1)`
+
+
 def attend(qkv: jax.Array, positions: jax.Array, keys: jax.Array, values: jax.Array, *, num_heads: int,
            num_kv_heads: int, head_dim: int, inv_freq: np.ndarray, attend_length: int | None = None,
-           implementation: str = "xla", interpret: bool | None = None, tiling: Tiling = Tiling(),
+           implementation: str = "xla", interpret: bool | None = None, tiling: Tiling | None = None,
            new_visible: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Rotary on q and k, the new keys and values written into the cache, then causal (or tree) attention.
 
@@ -136,7 +179,8 @@ def attend(qkv: jax.Array, positions: jax.Array, keys: jax.Array, values: jax.Ar
             slot must lie below it.
         implementation: "xla" (reference) or "pallas".
         interpret: run the Pallas kernel in interpret mode; None: unless the backend is a GPU.
-        tiling: the Pallas kernel's block size, launch settings and split over the cache.
+        tiling: the Pallas kernel's block size, launch settings and split over the cache;
+            None: `Tiling.for_rows(B)`.
         new_visible: [B, T, T] bool, which new tokens each one sees (a tree's ancestors, itself
             included), in place of causal order; every older slot stays visible to every token.
     Returns:
@@ -162,6 +206,7 @@ def attend(qkv: jax.Array, positions: jax.Array, keys: jax.Array, values: jax.Ar
         raise ValueError(f"the Pallas kernel takes at most {MAX_TOKENS} tokens a row, got {length}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
+    tiling = Tiling.for_rows(batch) if tiling is None else tiling
     results = _attention_call(heads, positions, keys, values, num_heads, inv_freq, read, tiling, interpret,
                               new_visible)
     if tiling.splits == 1:

@@ -7,6 +7,8 @@
     python examples/gpu/kernels_bench.py --ops decode_attention --rows 1,16,32 --tokens 5,6,7 --query-rows 16,none
     python examples/gpu/kernels_bench.py --ops decode_attention,norm_gate_up --evict-mb 0,256
     python examples/gpu/kernels_bench.py --ops decode_attention --tokens 7,17 --tree
+    python examples/gpu/kernels_bench.py --ops decode_attention --rows 1,4,16 --tokens 1,7 --evict-mb 256 \
+        --block-s 128,256 --num-warps 4,8 --splits 1,4
 
 Random bf16 weights, no model files. Ops (`kernels.fused_linear`, implementation "xla" vs "pallas"):
   * norm_linear: input_layernorm + qkv_proj (576 -> 960)
@@ -19,7 +21,7 @@ Random bf16 weights, no model files. Ops (`kernels.fused_linear`, implementation
     the filled keys and values, which attention must read; with --tree the tokens are a tree
     verify's nodes, attending to their ancestors (`heap_tree`)
   * decoder_layer: one cached decode call of a whole `layers.DecoderLayer` (cache --cache-length),
-    decode_kernels "xla" vs "pallas" vs "pallas_linear" (default tiling)
+    decode_kernels "xla" vs "pallas" vs "pallas_linear" (each kernel's own tiling)
   * draft_top_k: an EAGLE-2 tree's expansion of `rows` frontier nodes, the `rows` best of each
     node's --draft-vocab float32 log-probabilities: `lax.top_k` ("xla") vs `tree.top_k`
     ("two_stage": chunks of `tree.TOP_K_CHUNK`, then the best of those)
@@ -35,8 +37,9 @@ weights pass through the L2 cache between two calls of a layer's kernel in a rea
 traced figures leave it out (by name), wall_us includes it. 0 (default) calls nothing between.
 Pallas rows run
 once per tiling in the product of --block-n, --block-k, --num-warps and --num-stages (decode_attention:
---block-s, --splits, --query-rows, --num-warps and --num-stages). Every row is appended to --out (kind
-"kernel_bench") and a table is printed.
+--block-s, --splits, --query-rows, --num-warps and --num-stages, the Tiling defaults for those not
+given; with none of them, the tiling `attend` runs at that many rows, `Tiling.for_rows`). Every row
+is appended to --out (kind "kernel_bench") and a table is printed.
 """
 
 from __future__ import annotations
@@ -101,11 +104,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--ops", default=",".join(OPS), help=f"comma list of {OPS}")
     parser.add_argument("--block-n", type=int_list, default=[fused_linear.Tiling.block_n])
     parser.add_argument("--block-k", type=int_list, default=[fused_linear.Tiling.block_k])
-    parser.add_argument("--block-s", type=int_list, default=[decode_attention.Tiling.block_s],
-                        help="cache slots per chunk of decode_attention")
-    parser.add_argument("--splits", type=int_list, default=[decode_attention.Tiling.splits],
+    parser.add_argument("--block-s", type=int_list,
+                        help="cache slots per chunk of decode_attention (with none of --block-s, --splits, "
+                             "--query-rows, --num-warps and --num-stages: the kernel's own choice for the rows, "
+                             "decode_attention.Tiling.for_rows; else the Tiling defaults for those not given)")
+    parser.add_argument("--splits", type=int_list,
                         help="programs sharing a row's cache in decode_attention (1: the single kernel)")
-    parser.add_argument("--query-rows", type=optional_int_list, default=[decode_attention.Tiling.query_rows],
+    parser.add_argument("--query-rows", type=optional_int_list,
                         help="most query rows a decode_attention program holds, or a comma list; none: one "
                              "program holds a (row, kv head)'s tokens x heads, however many")
     parser.add_argument("--tokens", type=int_list, default=[1],
@@ -134,9 +139,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--rows must be <= {fused_linear.MAX_ROWS} for the fused linears {fused} (the other ops take more)")
     if not args.tokens or min(args.tokens) < 1 or max(args.tokens) > decode_attention.MAX_TOKENS:
         parser.error(f"--tokens must be in 1..{decode_attention.MAX_TOKENS}")
-    if not args.splits or min(args.splits) < 1:
+    if args.splits and min(args.splits) < 1:
         parser.error("--splits must be >= 1")
-    if not args.query_rows or any(rows is not None and rows < 1 for rows in args.query_rows):
+    if args.query_rows and any(rows is not None and rows < 1 for rows in args.query_rows):
         parser.error("--query-rows must be >= 1 or none")
     if min(args.iterations, args.trace_calls) < 1:
         parser.error("--iterations and --trace-calls must be >= 1")
@@ -291,11 +296,19 @@ def attention_case(cfg: config_lib.LlamaConfig, rows: int, tokens: int, dtype, c
     return call, (qkv, cache(), cache()), filled_bytes
 
 
-def tilings(args, tiling_class, **blocks: list[int]) -> list:
+def tilings(args, tiling_class, **blocks: list[int] | None) -> list:
     """Every combination of the block sizes and launch settings asked for (`tiling_class`'s defaults if not)."""
-    launch = {name: getattr(args, name) or [getattr(tiling_class, name)] for name in ("num_warps", "num_stages")}
-    options = blocks | launch
+    options = blocks | {name: getattr(args, name) for name in ("num_warps", "num_stages")}
+    options = {name: values or [getattr(tiling_class, name)] for name, values in options.items()}
     return [tiling_class(**dict(zip(options, values))) for values in itertools.product(*options.values())]
+
+
+def attention_tilings(args, rows: int) -> list[decode_attention.Tiling]:
+    """The tilings asked for, or with none asked for the one `attend` runs at this many rows."""
+    asked = dict(block_s=args.block_s, splits=args.splits, query_rows=args.query_rows)
+    if not any(asked.values()) and not args.num_warps and not args.num_stages:
+        return [decode_attention.Tiling.for_rows(rows)]
+    return tilings(args, decode_attention.Tiling, **asked)
 
 
 def run(args) -> list[dict]:
@@ -328,9 +341,7 @@ def run_cases(args, cfg: config_lib.LlamaConfig, dtype, common: dict, evict) -> 
                                      cache_length=args.cache_length, **measure(call, inputs, args, evict), **common))
                 continue
             if op == "decode_attention":
-                pallas = tilings(args, decode_attention.Tiling, block_s=args.block_s, splits=args.splits,
-                                 query_rows=args.query_rows)
-                settings = [("xla", None)] + [("pallas", tiling) for tiling in pallas]
+                settings = [("xla", None)] + [("pallas", tiling) for tiling in attention_tilings(args, count)]
                 for tokens, attend_length, (implementation, tiling) in itertools.product(
                         args.tokens, (None, args.cache_length // 2), settings):
                     call, inputs, weight_bytes = attention_case(cfg, count, tokens, dtype, args.cache_length,
