@@ -123,8 +123,9 @@ class Tiling:
 
         One row: 256-slot chunks, 8 warps, the cache split in 4 (`ONE_ROW`). With L2 evicted
         between calls (256 MB written first, `kernels_bench.py --evict-mb`), the H200 sweep of
-        lease 21 (docs/results/kernels.json, 1,024-slot cache) measured it fastest of block_s
-        64-256 x 4 or 8 warps x 1, 2 or 4 splits at every shape tried: 6.42 us for one token
+        lease 21 (docs/results/kernels.json, 1,024-slot cache) measured it fastest of the tilings
+        tried at every shape (block_s 64, 128 or 256, 4 or 8 warps, 1, 2 or 4 splits; not every
+        combination at every shape): 6.42 us for one token
         against the defaults' 10.74, 6.54 for a k = 6 verify against 11.30, 9.41 for a 17-node
         tree against 22.30. Eight warps keep more cache loads in flight, and at batch 1 the
         split turns 3 programs (one a kv head) into 12. From 2 rows up: the class defaults, not
