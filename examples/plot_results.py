@@ -172,10 +172,14 @@ def kernel_runs(rows: list[dict]) -> list[list[dict]]:
             for kernels in dict.fromkeys(kernels_of(r) for r in lease)]
 
 
-def widest_lease(rows: list[dict]) -> list[dict]:
+def tree_shape(row: dict) -> tuple:
+    return row["speculative_eagle_topk"], row["speculative_num_steps"], row["speculative_num_draft_tokens"]
+
+
+def widest_lease(rows: list[dict], swept=lambda row: row["k"]) -> list[dict]:
     """The rows of the run (`kernel_runs`: one lease, one set of decode kernels) that measured the
-    most k values; the newest on ties."""
-    return max(reversed(kernel_runs(rows)), key=lambda run: len({r["k"] for r in run}))
+    most values of `swept` (k; a tree's shape with `tree_shape`); the newest on ties."""
+    return max(reversed(kernel_runs(rows)), key=lambda run: len({swept(r) for r in run}))
 
 
 def one_lease_sweeps(shown: list[dict], pool: list[dict]) -> list[dict]:
@@ -746,12 +750,15 @@ def main(argv=None) -> int:
         cli_k = lambda batch: heads.best_k("eagle3", "gpu", batch)
         plot_batch_scaling(batch_rows(all_rows, setting, cli_k), setting, out)
         plot_k_at_batch(k_sweeps_by_batch(all_rows, setting), setting, cli_k, out, longer_sweeps(all_rows, setting))
-        trees = [r for r in every if r.get("speculative_eagle_topk") and r["batch_size"] == 1
+        trees = [r for r in all_rows if r.get("speculative_eagle_topk") and r["batch_size"] == 1
                  and (r["num_prompts"], r["max_new_tokens"]) == setting and float(r.get("temperature", 0)) == 0
                  and kernels_of(r) == KEY_DEFAULTS["decode_kernels"]]
         # (trees on other decode kernels are another setting, compared in docs/BENCHMARKS.md's tables)
         newest = max((head_rank(r) for r in trees), default=0)
         trees = [r for r in trees if head_rank(r) == newest]  # one head's trees: older heads' rows would mix in
+        # One lease's sweep, the one that measured the most tree shapes (as the k sweeps): a later
+        # lease's repeat of one shape would otherwise draw a curve no run measured.
+        trees = latest(widest_lease(trees, tree_shape)) if trees else []
         # The chain beside the trees is the one drafted by the trees' own head (a newer head may have
         # been measured since), and the latest plain decoding. A head is named by its `head` field
         # ("run N"), else by its path: every lease exports its head to the same path.

@@ -162,6 +162,10 @@ def test_plots_compare_default_settings_and_draw_the_tree_sweep(tmp_path, monkey
     # An older head's tree, measured later at a setting the newest head lacks, stays out of the sweep.
     rows.append(mtbench_row("eagle3", 5, 1000.0, 2.0, speculative_eagle_topk=4, speculative_num_steps=5,
                             speculative_num_draft_tokens=64, head="run 5", date="2026-11-30T23:00:00"))
+    # A later lease's repeat of one tree shape does not patch the widest lease's sweep.
+    rows.append(mtbench_row("eagle3", 5, 2050.0, 4.06, speculative_eagle_topk=4, speculative_num_steps=5,
+                            speculative_num_draft_tokens=16, head="run 6", draft="/root/stage/run/eagle3/head",
+                            date="2026-12-02T14:07:35+00:00"))
     # The newest head's tree on other decode kernels is another setting: it stays out too.
     rows.append(mtbench_row("eagle3", 5, 1100.0, 2.7, speculative_eagle_topk=4, speculative_num_steps=5,
                             speculative_num_draft_tokens=16, head="run 6", decode_kernels="pallas_linear"))
@@ -178,7 +182,8 @@ def test_plots_compare_default_settings_and_draw_the_tree_sweep(tmp_path, monkey
     assert sorted((r["method"], r["output_tokens_per_second"]) for r in batch1) == [
         ("eagle3", 1950.0), ("none", 700.0), ("none", 800.0)]
     [(trees, chains, plain)] = sweeps
-    assert sorted(r["speculative_num_draft_tokens"] for r in trees) == [16, 16, 32, 32]
+    assert sorted((r["speculative_num_draft_tokens"], r["output_tokens_per_second"]) for r in trees) == [
+        (16, 1316.0), (16, 1316.0), (32, 1332.0), (32, 1332.0)]
     # Beside the trees: the chain, and plain decoding with any kernels on one device (the fastest is drawn).
     assert [(r["method"], r["head"], r["output_tokens_per_second"]) for r in chains] == [("eagle3", "run 6", 1900.0)]
     assert sorted(r["output_tokens_per_second"] for r in plain) == [700.0, 800.0]
