@@ -68,7 +68,8 @@ class Eagle1Head(nnx.Module):
         self.self_attn = layers.Attention(cfg.layer, rngs=rngs, **kw)
         self.post_attention_layernorm = layers.RMSNorm(hidden, cfg.layer.rms_norm_eps, **kw)
         self.mlp = layers.MLP(cfg.layer, rngs=rngs, **kw)
-        self.decode_kernels = "xla"  # static: the MLP's, in cached draft steps (`layers.with_decode_kernels`)
+        self.decode_kernels = "xla"  # static: in cached draft steps, as the target's (`layers.with_decode_kernels`)
+        self.attention_tiling = None  # static: the attention kernel's, as the target's
 
     def project(self, target_features: jax.Array) -> jax.Array:
         return target_features  # EAGLE-1 regresses the target's final-norm hidden state itself
@@ -115,7 +116,8 @@ class Eagle3Head(nnx.Module):
         self.lm_head = nnx.Linear(hidden, cfg.draft_vocab_size, use_bias=False, rngs=rngs, **kw)
         # d2t[i] = target_id - draft_id; a Param-free variable so it travels with the weights.
         self.d2t = nnx.Variable(jnp.zeros((cfg.draft_vocab_size,), jnp.int32))
-        self.decode_kernels = "xla"  # static: the MLP's, in cached draft steps (`layers.with_decode_kernels`)
+        self.decode_kernels = "xla"  # static: in cached draft steps, as the target's (`layers.with_decode_kernels`)
+        self.attention_tiling = None  # static: the attention kernel's, as the target's
 
     def project(self, target_features: jax.Array) -> jax.Array:
         return self.fc(target_features.astype(self.fc.kernel[...].dtype))
@@ -199,6 +201,11 @@ def _cached_forward(head, tokens, features, positions, cache: kv_cache_lib.KVCac
     keys, values = list(cache.keys), list(cache.values)
 
     def attend(index, attention, x):
+        if layers.uses_attention_kernel(head.decode_kernels, x, mask, attention):  # as the target's decode steps
+            attended, keys[index], values[index] = layers.kernel_attend(
+                attention, attention.qkv_proj(x), positions, keys[index], values[index], mask, attend_length,
+                head.attention_tiling)
+            return attention.output(attended)
         attended, keys[index], values[index] = attention(x, positions, keys[index], values[index], mask=mask,
                                                          attend_length=attend_length)
         return attended

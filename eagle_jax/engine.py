@@ -166,14 +166,14 @@ class Engine:
             The switch happens inside the compiled step, both ways; greedy outputs are the same.
             None speculates at every step.
         decode_kernels: "auto" (default), "xla", "pallas" or "pallas_linear". "pallas": fused
-            Pallas kernels for the norms, projections and (target, no tree) attention of decode
-            steps of up to 32 rows, and the attention kernel alone in larger ones, in target and
-            head; "pallas_linear": the same fused norms and projections with XLA's attention
+            Pallas kernels for the norms, projections and attention (a tree's verify too, not its
+            drafting) of decode steps of up to 32 rows, and the attention kernel alone in larger
+            ones, in target and head; "pallas_linear": the same fused norms and projections with XLA's attention
             (`layers.with_decode_kernels`). The engine uses copies, the modules
             given are unchanged. "auto" picks them where they measured faster
             (`choose_decode_kernels`), XLA elsewhere; `self.decode_kernels` holds the choice.
-        attention_tiling: the Pallas attention kernel's block size and launch settings
-            (`decode_attention.Tiling`; needs decode_kernels "pallas", or "auto" choosing it).
+        attention_tiling: the Pallas attention kernel's block size and launch settings, in target
+            and head (`decode_attention.Tiling`; needs decode_kernels "pallas", or "auto" choosing it).
             None (default): the kernel's own choice for the batch (`Tiling.for_rows`).
         mesh: a `jax.sharding.Mesh` with a "tensor" axis (`sharding.make_mesh`): the target is
             split over it Megatron-style and the head replicated, or split too (below; `sharding`);
@@ -225,7 +225,7 @@ class Engine:
                              "does not run it (pass decode_kernels='pallas')")
         if decode_kernels != "xla":
             target = layers.with_decode_kernels(target, decode_kernels, attention_tiling)
-            head = layers.with_decode_kernels(head, decode_kernels) if head is not None else None
+            head = layers.with_decode_kernels(head, decode_kernels, attention_tiling) if head is not None else None
         self.decode_kernels = decode_kernels
         self.attention_tiling = attention_tiling
         self.mesh = mesh

@@ -343,11 +343,8 @@ class DecoderLayer(nnx.Module):
         else:
             qkv = attention.qkv_proj(norm(x))
         if uses_attention_kernel(self.decode_kernels, x, mask, attention):
-            attended, keys, values = decode_attention.attend(
-                qkv, positions, keys, values, num_heads=attention.num_heads, num_kv_heads=attention.num_kv_heads,
-                head_dim=attention.head_dim, inv_freq=rope_inverse_frequencies(*attention.rope),
-                attend_length=attend_length, implementation=self.decode_kernels, tiling=self.attention_tiling,
-                new_visible=None if mask is None else mask.among_new)
+            attended, keys, values = kernel_attend(attention, qkv, positions, keys, values, mask, attend_length,
+                                                   self.attention_tiling)
         else:
             q, k, v = attention.split_heads(qkv, positions)
             attended, keys, values = attention.attend(q, k, v, positions, keys, values, mask, attend_length)
@@ -391,6 +388,16 @@ def uses_attention_kernel(decode_kernels: str, x: jax.Array, mask: SlotMask | No
             and x.shape[1] <= decode_attention.MAX_TOKENS and attention.num_shards == 1)
 
 
+def kernel_attend(attention: Attention, qkv: jax.Array, positions: jax.Array, keys: jax.Array, values: jax.Array,
+                  mask: SlotMask | None, attend_length: int | None, tiling: decode_attention.Tiling | None):
+    """`attention`'s cached attention from qkv_proj's output in the Pallas kernel (where
+    `uses_attention_kernel`): (attended [B, T, N, H], keys, values), before o_proj."""
+    return decode_attention.attend(
+        qkv, positions, keys, values, num_heads=attention.num_heads, num_kv_heads=attention.num_kv_heads,
+        head_dim=attention.head_dim, inv_freq=rope_inverse_frequencies(*attention.rope), attend_length=attend_length,
+        implementation="pallas", tiling=tiling, new_visible=None if mask is None else mask.among_new)
+
+
 def with_decode_kernels(module: nnx.Module, decode_kernels: str,
                         attention_tiling: decode_attention.Tiling | None = None) -> nnx.Module:
     """A copy of a target or head (sharing its weights) whose decode steps use `decode_kernels`.
@@ -398,7 +405,8 @@ def with_decode_kernels(module: nnx.Module, decode_kernels: str,
     "xla" (default) runs norms, projections and cached attention as XLA compiles them. "pallas"
     runs them as fused Pallas kernels (`kernels.fused_linear`, `kernels.decode_attention`) in
     cached calls of up to `fused_linear.MAX_ROWS` rows (batch x tokens): five per target decoder
-    layer (a tree's verify included), two for a draft head's MLP;
+    layer (a tree's verify included), two for a draft head's MLP, with the attention kernel
+    between a draft head's projections in its cached calls without a tree's mask;
     in larger cached calls of up to `decode_attention.MAX_TOKENS` tokens a row (batched decode
     steps and verifies) only the attention kernel (`uses_attention_kernel`). "pallas_linear" runs
     the fused linear kernels where "pallas" does, with XLA's rotary, cache writes and attention

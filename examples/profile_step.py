@@ -150,7 +150,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def metadata(args) -> dict:
     device = jax.devices()[0]
     return dict(device=device.device_kind, platform=device.platform, jax_version=jax.__version__, dtype=args.dtype,
-                decode_kernels=args.decode_kernels, attention_tiling=args.attention_tiling and str(args.attention_tiling),
+                decode_kernels=args.decode_kernels,
+                attention_tiling=args.attention_tiling and str(args.attention_tiling),
                 model=args.model or "SmolLM2-135M-Instruct",
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 command="python examples/profile_step.py " + shlex.join(sys.argv[1:]))
@@ -370,7 +371,8 @@ def main(argv=None) -> int:
             head = models.load_head(draft_path, target, args.dtype) if draft_path is not None else None
             # For the in-process parts; the step_trace Engine applies the same setting itself.
             target = layers.with_decode_kernels(target, args.decode_kernels, args.attention_tiling)
-            head = layers.with_decode_kernels(head, args.decode_kernels) if head is not None else None
+            if head is not None:
+                head = layers.with_decode_kernels(head, args.decode_kernels, args.attention_tiling)
             if tokenizer_dir is None:  # random weights: any ids time the same
                 prompt = np.random.default_rng(0).integers(0, target.config.vocab_size, args.random_prompt_length)
             else:

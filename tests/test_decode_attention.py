@@ -17,6 +17,7 @@ from jax import export
 
 from eagle_jax import attention_ops
 from eagle_jax import config as config_lib
+from eagle_jax import eagle
 from eagle_jax import engine as engine_lib
 from eagle_jax import layers
 from eagle_jax import scheduler as scheduler_lib
@@ -220,7 +221,8 @@ def test_rejects_what_it_does_not_take():
 @pytest.mark.parametrize("setting,tiling,triton_calls", [
     ("pallas", decode_attention.Tiling(splits=1), 5), ("pallas", decode_attention.Tiling(splits=4), 6),
     ("pallas", None, 6), ("pallas_linear", None, 4)], ids=["unsplit", "split", "own-choice", "linear"])
-def test_decoder_layer_lowers_to_five_triton_calls_writing_the_cache_in_place(monkeypatch, setting, tiling, triton_calls):
+def test_decoder_layer_lowers_to_five_triton_calls_writing_the_cache_in_place(monkeypatch, setting, tiling,
+                                                                              triton_calls):
     """A pallas decode call of one SmolLM2-shaped layer, lowered for CUDA: four fused linears and
     the attention kernel, whose keys and values outputs alias its cache operands, so that XLA
     need not copy a donated cache; split over the cache, the attention adds its combine kernel,
@@ -330,10 +332,34 @@ def test_a_tree_verify_takes_the_attention_kernel_given_its_ancestors(random_tar
     depths, ancestors = (jnp.asarray(a) for a in random_trees(1, nodes, seed=nodes))
     start = jnp.array([4], jnp.int32)
     visible = attention_ops.visible_slots(start, ancestors, 32)
-    for mask, kernels in ((layers.SlotMask(start, visible, among_new=ancestors), 6), (layers.SlotMask(start, visible), 4)):
+    for mask, kernels in ((layers.SlotMask(start, visible, among_new=ancestors), 6),
+                          (layers.SlotMask(start, visible), 4)):
         jaxpr = jax.make_jaxpr(lambda tokens: target(tokens, start[:, None] + depths, cache, mask=mask))(
             jnp.zeros((1, nodes), jnp.int32))
         assert str(jaxpr).count("pallas_call") == kernels
+
+
+def test_a_draft_heads_cached_calls_attend_in_the_kernel(random_target, random_head):
+    """Under "pallas" an EAGLE-3 head's cached calls attend in the kernel as the target's do (its
+    midlayer, whose q/k/v read 2H inputs, and a plain layer after it), computing what XLA's
+    attention does; under a tree-drafting mask (no `among_new`) they keep XLA's attention."""
+    target = random_target(num_layers=1)
+    head = random_head(target.config, "eagle3", draft_vocab_size=50, num_layers=2)
+    fused = layers.with_decode_kernels(head, "pallas")
+    cache = eagle.init_cache(head.config, 1, 32, jnp.float32)
+    tokens = jnp.asarray([[3, 5, 7]], jnp.int32)
+    features = jax.random.normal(jax.random.key(0), (1, 3, head.config.hidden_size))
+    start = jnp.asarray([4], jnp.int32)
+    positions = start[:, None] + jnp.arange(3, dtype=jnp.int32)
+    chain_mask = layers.SlotMask(start, attention_ops.visible_slots(start, jnp.tril(jnp.ones((1, 3, 3), bool)), 32))
+    for mask, kernels in ((None, 8), (chain_mask, 4)):  # a layer: attention split over the cache at one row,
+        call = lambda module: module(tokens, features, positions, cache, target, mask=mask)  # and the MLP's two
+        assert str(jax.make_jaxpr(lambda: call(fused))()).count("pallas_call") == kernels
+        (out, logits, written), (want_out, want_logits, want_written) = call(fused), call(head)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(np.asarray(logits), np.asarray(want_logits), rtol=2e-5, atol=2e-5)
+        for got, want in zip(written.keys + written.values, want_written.keys + want_written.values):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
 
 
 def test_a_tree_step_verifies_through_the_kernel(aligned_target, agreeing_head, monkeypatch):
