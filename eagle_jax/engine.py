@@ -168,8 +168,8 @@ class Engine:
         decode_kernels: "auto" (default), "xla", "pallas" or "pallas_linear". "pallas": fused
             Pallas kernels for the norms, projections and attention (a tree's verify too, not its
             drafting) of decode steps of up to 32 rows, and the attention kernel alone in larger
-            ones, in target and head; "pallas_linear": the same fused norms and projections with XLA's attention
-            (`layers.with_decode_kernels`). The engine uses copies, the modules
+            ones, in target and head; "pallas_linear": the same fused norms and projections with
+            XLA's attention (`layers.with_decode_kernels`). The engine uses copies, the modules
             given are unchanged. "auto" picks them where they measured faster
             (`choose_decode_kernels`), XLA elsewhere; `self.decode_kernels` holds the choice.
         attention_tiling: the Pallas attention kernel's block size and launch settings, in target
