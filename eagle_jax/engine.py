@@ -109,7 +109,7 @@ def pooled_stats(results: Sequence[Result], k: int) -> dict:
                 num_accepted_tokens=accepted, acceptance_rate_per_position=(per_position / max(drafts, 1)).tolist())
 
 
-def choose_decode_kernels(backend: str, tree: bool, mesh) -> str:
+def choose_decode_kernels(backend: str, mesh) -> str:
     """What decode_kernels="auto" runs: "pallas" where it measured faster, else "xla".
 
     H200, bf16, MT-Bench 80 x 256, one GPU (docs/BENCHMARKS.md). EAGLE-3 chains ran faster with
@@ -117,14 +117,12 @@ def choose_decode_kernels(backend: str, tree: bool, mesh) -> str:
     against 13,064 at 16 (k = 5, continuous scheduler, lease 16), and, since the token-block
     attention kernel, 2,078 against 1,914 at batch 1 (k = 6, lease 19), where XLA's had led.
     Plain decoding: 942 against 785 tokens/s at batch 1 (lease 6); at 16 and 64 rows the Pallas
-    runs (lease 11) beat XLA's of lease 7 by 8-31%. Trees keep XLA: the fused linears alone
-    measured slower there (1,934 against 2,055 tokens/s, lease 11), and with the attention kernel
-    too (tree 4/5/16: 1,802 against 2,050, lease 21), its verify then costing 31 us a layer in
-    the kernel's tiling of the time (128/4/3/1); the one-row tiling since (`Tiling.for_rows`,
-    9.4 against 22.3 us alone with L2 evicted) is not yet measured in a step. The kernels run
-    on one device, and interpret slowly off a GPU.
+    runs (lease 11) beat XLA's of lease 7 by 8-31%. Trees (measured at batch 1 only) ran slower
+    on them until the attention kernel's few-row tiling (`Tiling.for_rows`): tree 4/5/16 1,802
+    against XLA's 2,050 (lease 21), then 2,321 against 2,120 (lease 22). The kernels run on one
+    device, and interpret slowly off a GPU.
     """
-    return "pallas" if backend == "gpu" and not tree and mesh is None else "xla"
+    return "pallas" if backend == "gpu" and mesh is None else "xla"
 
 
 class Engine:
@@ -217,7 +215,7 @@ class Engine:
         if decode_kernels not in ("auto",) + layers.DECODE_KERNELS:
             raise InputError(f"decode_kernels must be one of {('auto',) + layers.DECODE_KERNELS}, got {decode_kernels!r}")
         if decode_kernels == "auto":
-            decode_kernels = choose_decode_kernels(jax.default_backend(), tree is not None, mesh)
+            decode_kernels = choose_decode_kernels(jax.default_backend(), mesh)
         if mesh is not None and decode_kernels != "xla":
             raise InputError(f"decode_kernels={decode_kernels!r} runs on one device; it does not take a mesh")
         if attention_tiling is not None and decode_kernels != "pallas":

@@ -65,7 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "rows, the attention kernel alone in larger ones (Pallas on a GPU, interpreted "
                              "elsewhere); pallas_linear: the fused norms and projections with XLA's attention; "
                              "xla: as XLA compiles them; auto: "
-                             "pallas for plain decoding at batch 1 on a GPU, where it measured faster, else xla")
+                             "pallas on one GPU, where it measured faster, xla on meshes and CPUs")
     parser.add_argument("--batch-size", "--max-num-seqs", dest="batch_size", type=int, default=1,
                         help="rows decoded together: a static batch, or the continuous scheduler's decode slots")
     parser.add_argument("--scheduler", metavar="{continuous,static}",

@@ -128,8 +128,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         default="auto",
                         help="pallas: fused Pallas kernels in decode steps of up to 32 rows, the attention "
                              "kernel alone in larger ones; pallas_linear: the fused norms and projections "
-                             "with XLA's attention; auto: pallas on one GPU (plain and "
-                             "chains), xla for trees, meshes and CPUs (Engine.decode_kernels); the "
+                             "with XLA's attention; auto: pallas on one GPU, xla for meshes "
+                             "and CPUs (Engine.decode_kernels); the "
                              "choice is recorded in each row")
     parser.add_argument("--attention_tiling", "--attention-tiling", metavar="BLOCK_S/WARPS/STAGES/SPLITS[/QUERY_ROWS]",
                         help="the Pallas attention kernel's tiling (decode_attention.Tiling; with pallas kernels); "

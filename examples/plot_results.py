@@ -8,8 +8,8 @@ data exists:
   * acceptance_vs_k.png: acceptance length vs k per method (compiled, batch 1, greedy), with
     vLLM's Llama-3.1-8B figures as dashed references; each method's curve from one lease (the one
     that measured the most k values with its newest head: `one_lease_sweeps`);
-  * otps_vs_k.png: output tokens/s vs k, the fastest plain decoding (any decode kernels) and HF
-    peers as horizontal lines;
+  * otps_vs_k.png: output tokens/s vs k, the fastest plain decoding (any decode kernels; of the
+    lease nearest the EAGLE-3 curve's: `of_lease`) and HF peers as horizontal lines;
   * per_position_acceptance.png: acceptance rate at each draft position, best k per method;
   All three from static batches with speculation never disabled (rows with a `scheduler` of
   continuous or a `speculative_disable_by_batch_size` are left out), XLA decode kernels;
@@ -160,6 +160,16 @@ def leases(rows: list[dict]) -> list[list[dict]]:
         else:
             runs.append([row])
     return runs
+
+
+def of_lease(rows: list[dict], anchors: list[dict]) -> list[dict]:
+    """The `rows` of the lease nearest in time to `anchors` (the lease of one of them where it has
+    some): a plain-decoding line beside one lease's curve then compares figures measured together
+    (kernels and tilings change between leases). All of `rows` where no dates tell."""
+    distance = lambda run: min((seconds_apart(r.get("date"), a.get("date")) for r in run for a in anchors),
+                               default=math.inf)
+    nearest = min(leases(rows), key=distance, default=[])
+    return nearest if distance(nearest) < math.inf else rows
 
 
 def kernels_of(row: dict) -> str:
@@ -727,7 +737,6 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     # Rows from two GPUs of one lease land in the file out of time order: "latest" goes by date.
     all_rows = sorted(load_rows(Path(args.results)), key=lambda r: r.get("date", ""))
-    every = latest(all_rows)
     rows = default_settings(latest_of_newest_head(all_rows), SWEEP_KERNELS)
     setting = reference_setting(rows, args)
     if setting is None:
@@ -740,12 +749,14 @@ def main(argv=None) -> int:
         peers = list({r["method"]: r for r in rows if r["method"].startswith("hf-") and r["batch_size"] == 1}.values())
         sub = subtitle(batch1 or ours, setting)
         # Each k sweep is one lease's on one set of kernels (`widest_lease`); beside them, the fastest plain
-        # decoding on one device, any decode kernels, a test every step, no flags.
-        plain = [r for r in static_greedy(every, setting) if r["batch_size"] == 1 and r["method"] == "none"
+        # decoding of the nearest lease (`of_lease`) on one device, any decode kernels, a test every step,
+        # no flags, the attention kernel's own tiling.
+        plain = [r for r in static_greedy(all_rows, setting) if r["batch_size"] == 1 and r["method"] == "none"
                  and r.get("tensor_parallel_size", 1) == 1 and not r.get("xla_flags")
-                 and r.get("steps_per_check", 1) == 1]
+                 and r.get("steps_per_check", 1) == 1 and not r.get("attention_tiling")]
         plot_acceptance(batch1, sub, out)
-        plot_otps(batch1, plain, peers, sub, out)
+        shipped_method = [r for r in batch1 if r["method"] == "eagle3"] or [r for r in batch1 if r["method"] != "none"]
+        plot_otps(batch1, of_lease(plain, shipped_method), peers, sub, out)
         plot_per_position(batch1, sub, out)
         cli_k = lambda batch: heads.best_k("eagle3", "gpu", batch)
         plot_batch_scaling(batch_rows(all_rows, setting, cli_k), setting, out)
@@ -760,7 +771,7 @@ def main(argv=None) -> int:
         # lease's repeat of one shape would otherwise draw a curve no run measured.
         trees = latest(widest_lease(trees, tree_shape)) if trees else []
         # The chain beside the trees is the one drafted by the trees' own head (a newer head may have
-        # been measured since), and the latest plain decoding. A head is named by its `head` field
+        # been measured since), and plain decoding of the lease nearest the trees'. A head is named by its `head` field
         # ("run N"), else by its path: every lease exports its head to the same path.
         drafted_by = lambda row: row.get("head") or row.get("draft")
         tree_heads = {drafted_by(r) for r in trees}
@@ -771,7 +782,7 @@ def main(argv=None) -> int:
         same_head.sort(key=lambda r: -seconds_apart(r.get("date"), trees_date))
         chains = [r for r in static_greedy(default_settings(latest(same_head)), setting)
                   if r["batch_size"] == 1 and r["method"] != "none"]
-        plot_trees(trees, chains, plain, sub, out)
+        plot_trees(trees, chains, of_lease(plain, trees), sub, out)
     plot_training(Path(args.training), out)
     plot_data_scaling(load_rows(Path(args.scaling)), out)
     profile = load_rows(Path(args.profile))

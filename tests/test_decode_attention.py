@@ -226,7 +226,7 @@ def test_decoder_layer_lowers_to_five_triton_calls_writing_the_cache_in_place(mo
     """A pallas decode call of one SmolLM2-shaped layer, lowered for CUDA: four fused linears and
     the attention kernel, whose keys and values outputs alias its cache operands, so that XLA
     need not copy a donated cache; split over the cache, the attention adds its combine kernel,
-    as it does at batch 1 without a tiling given (`Tiling.for_rows`). "pallas_linear" lowers the
+    as it does up to 8 rows without a tiling given (`Tiling.for_rows`). "pallas_linear" lowers the
     four linears alone (XLA attends between them)."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the kernels' interpret=None: compile them
     cfg = config_lib.LlamaConfig(vocab_size=8, hidden_size=576, intermediate_size=1536, num_layers=1, num_heads=9,
@@ -271,10 +271,11 @@ def test_a_verify_of_six_tokens_lowers_to_a_program_per_token_block(monkeypatch,
     assert f"grid_x = 16 : i32, grid_y = {programs} : i32" in call
 
 
-@pytest.mark.parametrize("batch,grids,warps", [(1, ["1/6/4", "1/6/1"], ["8", "4"]), (2, ["2/6/1"], ["4"])])
-def test_without_a_tiling_one_row_splits_the_cache_over_eight_warps(monkeypatch, batch, grids, warps):
+@pytest.mark.parametrize("batch,grids,warps", [(1, ["1/6/4", "1/6/1"], ["8", "4"]), (8, ["8/6/4", "8/6/1"], ["8", "4"]),
+                                               (9, ["9/6/1"], ["4"])])
+def test_without_a_tiling_few_rows_split_the_cache_over_eight_warps(monkeypatch, batch, grids, warps):
     """`Tiling.for_rows`, lowered for CUDA: a k = 6 verify (7 tokens, two token blocks a kv head)
-    of one row runs 4 parts of 8 warps and the combine kernel; of two rows, one kernel of 4 warps."""
+    of up to 8 rows runs 4 parts of 8 warps and the combine kernel; of more, one kernel of 4 warps."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     attend = functools.partial(decode_attention.attend, **REAL, inv_freq=INV_FREQ[64], implementation="pallas")
     shape = lambda *dims, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(dims, dtype)
@@ -308,10 +309,12 @@ def test_a_bad_tiling_text_says_what_is_wrong(text, message):
 
 
 def test_a_tree_verify_lowers_for_cuda_in_token_blocks(monkeypatch):
-    """SGLang's 4/5/16 tree (17 nodes) at SmolLM2's heads, lowered for CUDA (Triton): four token
-    blocks of 5 nodes a kv head, the ancestor mask read as an int32 operand after the caches."""
+    """SGLang's 4/5/16 tree (17 nodes) at SmolLM2's heads, lowered for CUDA (Triton), the kernel
+    unsplit: four token blocks of 5 nodes a kv head, the ancestor mask read as an int32 operand
+    after the caches."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    attend = functools.partial(decode_attention.attend, **REAL, inv_freq=INV_FREQ[64], implementation="pallas")
+    attend = functools.partial(decode_attention.attend, **REAL, inv_freq=INV_FREQ[64], implementation="pallas",
+                               tiling=decode_attention.Tiling())
     shape = lambda *dims, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(dims, dtype)
     lowered = export.export(jax.jit(attend), platforms=["cuda"],
                             disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])

@@ -192,6 +192,20 @@ def test_plots_compare_default_settings_and_draw_the_tree_sweep(tmp_path, monkey
     assert not (tmp_path / "data_scaling.png").exists()  # no scaling rows given
 
 
+def test_plain_decoding_beside_a_curve_comes_from_the_curves_lease():
+    """A plain-decoding line beside one lease's curve is that lease's, or the nearest lease's: a
+    faster plain run of a later lease (new kernels) would shrink a speedup no run measured."""
+    sys.path.insert(0, str(REPO / "examples"))
+    import plot_results
+    then = mtbench_row("none", 0, 923.0, 1.0, date="2026-12-02T07:10:00+00:00")
+    later = mtbench_row("none", 0, 1170.0, 1.0, date="2026-12-02T15:58:00+00:00")
+    curve = [mtbench_row("eagle3", k, 2000.0 + k, 3.0, date=f"2026-12-02T07:{20 + k}:00+00:00") for k in (5, 6)]
+    assert plot_results.of_lease([then, later], curve) == [then]
+    earlier = mtbench_row("none", 0, 900.0, 1.0, date="2026-12-02T02:10:00+00:00")
+    assert plot_results.of_lease([earlier, later], curve) == [earlier]  # none in the curve's lease: the nearest
+    assert plot_results.of_lease([then, later], [mtbench_row("eagle3", 6, 2000.0, 3.0)]) == [then, later]
+
+
 def test_a_k_sweep_comes_from_one_lease():
     """Acceptance moves from lease to lease: a method's curve is the lease with the most k values of
     its newest head, not each k's latest row."""

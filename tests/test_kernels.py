@@ -121,10 +121,9 @@ def test_with_decode_kernels_copies_and_shares_weights(random_target):
 
 def test_auto_picks_pallas_only_where_it_measured_faster(random_target):
     choose = engine_lib.choose_decode_kernels
-    assert choose("gpu", tree=False, mesh=None) == "pallas"  # plain and chains, at every batch size measured
-    assert choose("gpu", tree=True, mesh=None) == "xla"  # trees: not yet measured on the kernels
-    assert choose("gpu", tree=False, mesh=object()) == "xla"  # one device only
-    assert choose("cpu", tree=False, mesh=None) == "xla"  # interpret mode is slow
+    assert choose("gpu", mesh=None) == "pallas"  # plain, chains and trees (batch 1), as measured
+    assert choose("gpu", mesh=object()) == "xla"  # one device only
+    assert choose("cpu", mesh=None) == "xla"  # interpret mode is slow
     target = random_target(num_layers=1)
     assert engine_lib.Engine(target).decode_kernels == "xla"  # this CPU
     assert engine_lib.Engine(target, decode_kernels="pallas").decode_kernels == "pallas"
@@ -140,9 +139,10 @@ def test_decode_step_runs_the_kernels(random_target):
         tokens = jnp.asarray(np.random.default_rng(batch).integers(0, 100, (batch, length)), jnp.int32)
         return lambda: model(tokens, positions, cache)[0], jax.make_jaxpr(lambda: model(tokens, positions, cache))()
 
-    # norm + qkv, attention (at one row split over the cache: two calls), o_proj, norm + gate_up, down_proj
+    # norm + qkv, attention (up to 8 rows split over the cache: two calls), o_proj, norm + gate_up, down_proj
     assert str(forward(fused, 1, 4)[1]).count("pallas_call") == 6
-    assert str(forward(fused, 2, 4)[1]).count("pallas_call") == 5
+    assert str(forward(fused, 8, 4)[1]).count("pallas_call") == 6
+    assert str(forward(fused, 9, 1)[1]).count("pallas_call") == 5
     assert "pallas_call" not in str(forward(fused, 1, 33)[1])
     # More rows than the linear kernels take (a batched decode step): the attention kernel alone,
     # between XLA's matmuls, computing what XLA's attention does.

@@ -77,20 +77,22 @@ MAX_TOKENS = 32
 class Tiling:
     """Static block size and Triton launch settings of the Pallas kernel.
 
-    The defaults are `for_rows`'s choice from 2 rows up: the fastest of the H200 sweep in
+    The defaults are `for_rows`'s choice past 8 rows; they were the fastest of the H200 sweep in
     docs/results/kernels.json (rows of 2026-11-30, 1,024-slot cache, 512 filled): 9.79 us at 1
     row and 10.46 at 4, against 11.94 and 12.40 for the former 64 / 4 / 2 and 15-20 us with 2
     warps. That sweep read a cache left in L2 by the call before; in a decode step every layer's
     weights pass between two calls of one layer's kernel. Lease 21 (H200) timed the defaults at
     k = 6's verify (7 tokens) at 10.6 us alone, 11.3 with L2 evicted and 15.9 a layer inside a
-    step; at a 17-node tree's, 13.6, 22.3 and 30.8. Only the trees' gap is mostly L2's.
+    step; at a 17-node tree's, 13.6, 22.3 and 30.8. Only the trees' gap is mostly L2's. In
+    lease 22's steps `FEW_ROWS` took 6.8 us a layer at k = 6 (5.1 for the kernel, 1.7 for the
+    split's merge) and 11.8 at the tree.
 
     Attributes:
         block_s: cache slots per chunk of the online softmax (Triton's dot needs >= 16).
         num_warps: Triton warps per program.
         num_stages: Triton software-pipelining depth of the chunk loop (cache loads in flight).
         splits: programs sharing one (row, kv head)'s older slots, merged by a second kernel;
-            1 is the single kernel (the default from 2 rows up; one row splits in
+            1 is the single kernel (the default past 8 rows; up to 8 rows split in
             4: `for_rows`).
         query_rows: the most query rows (tokens x G heads, before padding) one program holds;
             a row's tokens beyond it are shared out over several programs (token blocks).
@@ -121,17 +123,22 @@ class Tiling:
     def for_rows(cls, rows: int) -> Tiling:
         """The tiling `attend` runs for a batch of `rows` rows when it is given none.
 
-        One row: 256-slot chunks, 8 warps, the cache split in 4 (`ONE_ROW`). With L2 evicted
-        between calls (256 MB written first, `kernels_bench.py --evict-mb`), the H200 sweep of
-        lease 21 (docs/results/kernels.json, 1,024-slot cache) measured it fastest of the tilings
-        tried at every shape (block_s 64, 128 or 256, 4 or 8 warps, 1, 2 or 4 splits; not every
-        combination at every shape): 6.42 us for one token
-        against the defaults' 10.74, 6.54 for a k = 6 verify against 11.30, 9.41 for a 17-node
-        tree against 22.30. Eight warps keep more cache loads in flight, and at batch 1 the
-        split turns 3 programs (one a kv head) into 12. From 2 rows up: the class defaults, not
-        yet swept with 8 warps or with L2 evicted.
+        Up to 8 rows: 256-slot chunks, 8 warps, the cache split in 4 (`FEW_ROWS`). With L2
+        evicted between calls (256 MB written first, `kernels_bench.py --evict-mb`), the H200
+        sweeps of leases 21 and 22 (docs/results/kernels.json, 1,024-slot cache, block_s 128 or
+        256 x 4 or 8 warps x 1 or 4 splits) measured it fastest at 1, 4 and 8 rows, one token or
+        a verify's: 6.42 us for one token at 1 row against the class defaults' 10.74, 6.54
+        against 11.30 for a k = 6 verify, 9.41 against 22.30 for a 17-node tree; 7.65 against
+        11.72 at 4 rows, 7.89 against 11.85 at 8. Eight warps keep more cache loads in flight,
+        and the split turns 3 programs a row (one a kv head) into 12. End to end (MT-Bench
+        80 x 256, EAGLE-3, lease 22): 2,525 and 2,621 tokens/s at batch 1, k = 6, against 2,164
+        for the defaults; plain decoding 1,170 against 942; continuous, k = 4, 320 prompts:
+        6,904 at 4 rows against 5,749 and 6,150, 12,074 at 8 against 12,037 and 12,076.
+        Past 8 rows the class defaults: at 64 rows they were fastest alone (16.3 us against
+        27.9 for `FEW_ROWS`); at 16 rows 256/8/3/1 led alone (10.5 against 12.5) but ran 19,730
+        tokens/s end to end against the defaults' 21,508.
         """
-        return ONE_ROW if rows == 1 else cls()
+        return FEW_ROWS if rows <= 8 else cls()
 
     @classmethod
     def parse(cls, text: str) -> Tiling:
@@ -158,7 +165,7 @@ class Tiling:
         return -(-length // blocks), blocks
 
 
-ONE_ROW = Tiling(block_s=256, num_warps=8, splits=4)  # `Tiling.for_rows(1)`
+FEW_ROWS = Tiling(block_s=256, num_warps=8, splits=4)  # `Tiling.for_rows` up to 8 rows
 
 
 def attend(qkv: jax.Array, positions: jax.Array, keys: jax.Array, values: jax.Array, *, num_heads: int,
