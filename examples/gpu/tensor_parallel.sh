@@ -35,8 +35,10 @@ identity() {  # SmolLM2 greedy outputs at TP 2 equal TP 1 (EAGLE-3 with its head
     esac
     for size in 1 2; do
       # Full float32 matmuls (not TF32): 17/20 prompts matched on 2026-11-30 with the default precision.
+      # XLA's kernels at both sizes: "auto" picks the Pallas ones on one GPU only, and their sums
+      # round otherwise than XLA's, which would make TP 1 and 2 differ for a reason other than TP.
       JAX_DEFAULT_MATMUL_PRECISION=highest python3 -m eagle_jax.generate --prompts-file /tmp/tp_prompts.jsonl --json \
-        --dtype float32 --max-new-tokens 128 --ignore-eos $drafting --tensor-parallel-size $size \
+        --dtype float32 --max-new-tokens 128 --ignore-eos $drafting --tensor-parallel-size $size --decode-kernels xla \
         $([ $size = 2 ] && echo $split) > /tmp/tp$size.jsonl
     done
     python3 -c "
