@@ -771,8 +771,8 @@ def main(argv=None) -> int:
         # lease's repeat of one shape would otherwise draw a curve no run measured.
         trees = latest(widest_lease(trees, tree_shape)) if trees else []
         # The chain beside the trees is the one drafted by the trees' own head (a newer head may have
-        # been measured since), and plain decoding of the lease nearest the trees'. A head is named by its `head` field
-        # ("run N"), else by its path: every lease exports its head to the same path.
+        # been measured since), and plain decoding of the lease nearest the trees'. A head is named by
+        # its `head` field ("run N"), else by its path: every lease exports its head to the same path.
         drafted_by = lambda row: row.get("head") or row.get("draft")
         tree_heads = {drafted_by(r) for r in trees}
         same_head = [r for r in all_rows if r["method"] == "none" or drafted_by(r) in tree_heads]
