@@ -755,8 +755,8 @@ def main(argv=None) -> int:
                  and r.get("tensor_parallel_size", 1) == 1 and not r.get("xla_flags")
                  and r.get("steps_per_check", 1) == 1 and not r.get("attention_tiling")]
         plot_acceptance(batch1, sub, out)
-        shipped_method = [r for r in batch1 if r["method"] == "eagle3"] or [r for r in batch1 if r["method"] != "none"]
-        plot_otps(batch1, of_lease(plain, shipped_method), peers, sub, out)
+        eagle_curve = [r for r in batch1 if r["method"] == "eagle3"] or [r for r in batch1 if r["method"] != "none"]
+        plot_otps(batch1, of_lease(plain, eagle_curve), peers, sub, out)
         plot_per_position(batch1, sub, out)
         cli_k = lambda batch: heads.best_k("eagle3", "gpu", batch)
         plot_batch_scaling(batch_rows(all_rows, setting, cli_k), setting, out)
