@@ -347,7 +347,8 @@ class DecoderLayer(nnx.Module):
             qkv = attention.qkv_proj(norm(x))
         if uses_attention_kernel(self.decode_kernels, x, mask, attention):
             attended, keys, values = kernel_attend(attention, qkv, positions, keys, values, mask, attend_length,
-                                                   self.attention_tiling, merge=not fused_linears)
+                                                   self.attention_tiling,
+                                                   merge=not (fused_linears and fused_linear.takes_partials(attention.head_dim)))
         else:
             q, k, v = attention.split_heads(qkv, positions)
             attended, keys, values = attention.attend(q, k, v, positions, keys, values, mask, attend_length)

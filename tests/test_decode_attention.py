@@ -271,12 +271,12 @@ def test_a_verify_of_six_tokens_lowers_to_a_program_per_token_block(monkeypatch,
     assert f"grid_x = 16 : i32, grid_y = {programs} : i32" in call
 
 
-@pytest.mark.parametrize("batch,grids,warps", [(1, ["1/6/4", "1/5/1"], ["8", "4"]), (8, ["8/6/4", "4/5/1"], ["8", "4"]),
+@pytest.mark.parametrize("batch,grids,warps", [(1, ["1/6/4", "1/9/1"], ["8", "4"]), (8, ["8/6/4", "4/9/1"], ["8", "4"]),
                                                (9, ["9/6/1"], ["4"])])
 def test_without_a_tiling_few_rows_split_the_cache_over_eight_warps(monkeypatch, batch, grids, warps):
     """`Tiling.for_rows`, lowered for CUDA: a k = 6 verify (7 tokens, two token blocks a kv head)
-    of up to 8 rows runs 4 parts of 8 warps and the combine kernel (a tile of 16 rows x 128
-    features a program); of more, one kernel of 4 warps."""
+    of up to 8 rows runs 4 parts of 8 warps and the combine kernel (16 rows of one query head
+    a program); of more, one kernel of 4 warps."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     attend = functools.partial(decode_attention.attend, **REAL, inv_freq=INV_FREQ[64], implementation="pallas")
     shape = lambda *dims, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(dims, dtype)
@@ -332,7 +332,7 @@ def test_a_tree_verify_takes_the_attention_kernel_given_its_ancestors(random_tar
     one row split over the cache, o_proj's kernel merging the parts), up to a tree of 16 drafted
     nodes and its root (17 rows: one block of 32); a mask without it (any other layout of slots)
     keeps XLA's attention."""
-    target = layers.with_decode_kernels(random_target(num_layers=1), "pallas")
+    target = layers.with_decode_kernels(random_target(num_layers=1, head_dim=16), "pallas")
     cache = target.init_cache(1, 32)
     depths, ancestors = (jnp.asarray(a) for a in random_trees(1, nodes, seed=nodes))
     start = jnp.array([4], jnp.int32)

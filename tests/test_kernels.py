@@ -130,7 +130,7 @@ def test_auto_picks_pallas_only_where_it_measured_faster(random_target):
 
 
 def test_decode_step_runs_the_kernels(random_target):
-    target = random_target(num_layers=1)
+    target = random_target(num_layers=1, head_dim=16)  # o_proj's kernel steps a head at a time: 16 for Triton's dot
     fused = layers.with_decode_kernels(target, "pallas")
 
     def forward(model, batch, length, start=0):
@@ -144,6 +144,9 @@ def test_decode_step_runs_the_kernels(random_target):
     assert str(forward(fused, 1, 4)[1]).count("pallas_call") == 5
     assert str(forward(fused, 8, 4)[1]).count("pallas_call") == 5
     assert str(forward(fused, 9, 1)[1]).count("pallas_call") == 5
+    # At head dim 8 (below Triton's 16) o_proj cannot read a head a step: the combine kernel merges.
+    narrow = layers.with_decode_kernels(random_target(num_layers=1), "pallas")
+    assert str(forward(narrow, 1, 4)[1]).count("pallas_call") == 6
     # A split attention between XLA's matmuls (8 rows of 5 tokens: more rows than the linear
     # kernels take) is merged by its combine kernel.
     run, jaxpr = forward(fused, 8, 5, start=5)

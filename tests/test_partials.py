@@ -84,15 +84,18 @@ def test_the_reference_merge_is_a_softmax_over_all_parts():
 @pytest.mark.parametrize("batch,length,dtype", [(1, 7, jnp.bfloat16), (1, 1, jnp.float32), (4, 5, jnp.bfloat16)])
 def test_o_proj_over_the_partials_is_o_proj_after_the_combine(batch, length, dtype):
     """merged_linear_residual (one kernel) equals linear_residual after the combine kernel, bit for
-    bit, on the attention kernel's own partials (both merge through `merged_tile`), and stays
-    within a rounding of its XLA reference."""
+    bit, on the attention kernel's own partials (both merge through `merged_tile`; the linear
+    summing K in the fused kernel's head-sized chunks), and stays within a rounding of its XLA
+    reference."""
     parts, attended = split_attention(batch, length, dtype)
     rng = np.random.default_rng(1)
     weight = jnp.asarray(rng.standard_normal((HEADS * HEAD_DIM, HIDDEN)) / 24, dtype)
     residual = jnp.asarray(rng.standard_normal((batch, length, HIDDEN)), dtype)
     flat = attended.reshape(batch, length, -1)
     fused = jax.jit(lambda p, w, r: fused_linear.merged_linear_residual(p, w, r, implementation="pallas"))
-    two_kernels = jax.jit(lambda a, w, r: fused_linear.linear_residual(a, w, r, implementation="pallas"))
+    # the same chunks of K (one head each) as the fused kernel's loop, so the same float32 sums
+    two_kernels = jax.jit(lambda a, w, r: fused_linear.linear_residual(
+        a, w, r, implementation="pallas", tiling=fused_linear.Tiling(block_k=HEAD_DIM)))
     got = np.asarray(fused(parts, weight, residual), np.float32)
     np.testing.assert_array_equal(got, np.asarray(two_kernels(flat, weight, residual), np.float32))
     reference = fused_linear.merged_linear_residual(parts, weight, residual, implementation="xla")
@@ -102,6 +105,9 @@ def test_o_proj_over_the_partials_is_o_proj_after_the_combine(batch, length, dty
 
 
 def test_bad_operands_say_what_is_wrong():
+    with pytest.raises(ValueError, match="head_dim must be a power of two >= 16"):
+        fused_linear.merged_linear_residual(random_partials(2, 1, 3, head_dim=8), jnp.zeros((HEADS * 8, HIDDEN)),
+                                            jnp.zeros((1, 3, HIDDEN)), implementation="pallas")
     parts = random_partials(2, 1, 3)
     weight, residual = jnp.zeros((HEADS * HEAD_DIM, HIDDEN)), jnp.zeros((1, 3, HIDDEN))
     with pytest.raises(ValueError, match="does not take 9 heads of 64"):

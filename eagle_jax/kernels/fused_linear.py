@@ -140,12 +140,20 @@ def linear_residual(x: jax.Array, weight: jax.Array, residual: jax.Array, *, imp
     return _call(_linear_residual_kernel, "linear_residual", x, (weight, rows), weight.shape[1], interpret, tiling)
 
 
+def takes_partials(head_dim: int) -> bool:
+    """Whether `merged_linear_residual` runs at this head dim: its loop over input features steps
+    one head at a time, and Triton's dot takes power-of-two blocks of at least 16."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
 def merged_linear_residual(partials: partials_lib.Partials, weight: jax.Array, residual: jax.Array, *,
                            implementation: str = "xla", interpret: bool | None = None,
                            tiling: Tiling = Tiling()) -> jax.Array:
     """residual + attended @ weight, attended [B, T, N, H] being the merge of a split attention's
     partials (o_proj closing the attention branch), rounded to residual's dtype before the matmul
-    as `partials.combine` rounds it: the same result as `linear_residual` after `combine`.
+    as `partials.combine` rounds it: the same result as `linear_residual` after `combine`. The
+    Pallas kernel steps through K one head at a time (block_k = H, whatever the tiling says; H a
+    power of two >= 16: `takes_partials`).
 
     Args:
         partials: `partials.Partials` of attended (`decode_attention.attend(..., merge=False)`).
@@ -165,10 +173,13 @@ def merged_linear_residual(partials: partials_lib.Partials, weight: jax.Array, r
     if implementation == "xla":
         attended = partials_lib.merge_reference(partials, residual.dtype).reshape(batch, length, -1)
         return linear_residual(attended, weight, residual)
+    if not takes_partials(head_dim):
+        raise ValueError(f"the kernel reads one head per step of its loop: head_dim must be a power of two >= 16, "
+                         f"got {head_dim}")
     rows = residual.reshape(-1, weight.shape[1])  # [M, D]
-    kernel = functools.partial(_merged_linear_residual_kernel, head_dim=head_dim)
-    out = _launch(kernel, "merged_linear_residual", (*partials_lib.flat(partials), weight, rows), rows.shape,
-                  residual.dtype, interpret, tiling)
+    tiling = dataclasses.replace(tiling, block_k=head_dim)
+    out = _launch(_merged_linear_residual_kernel, "merged_linear_residual",
+                  (*partials_lib.flat(partials), weight, rows), rows.shape, residual.dtype, interpret, tiling)
     return out.reshape(residual.shape)
 
 
@@ -322,11 +333,12 @@ def _linear_residual_kernel(x_ref, w_ref, residual_ref, out_ref, *, tiling: Tili
     _add_residual(rows, w_ref, residual_ref, out_ref, tiling)
 
 
-def _merged_linear_residual_kernel(outputs_ref, maxima_ref, sums_ref, w_ref, residual_ref, out_ref, *, head_dim: int,
+def _merged_linear_residual_kernel(outputs_ref, maxima_ref, sums_ref, w_ref, residual_ref, out_ref, *,
                                    tiling: Tiling):
     row, _ = _origin(tiling)
-    shape = (tiling.block_m, tiling.block_k)
-    rows = lambda k: partials_lib.merged_tile(outputs_ref, maxima_ref, sums_ref, row, k, shape, head_dim, out_ref.dtype)
+    # block_k is the head dim: step k of the loop reads head k / H.
+    rows = lambda k: partials_lib.merged_tile(outputs_ref, maxima_ref, sums_ref, row, k // tiling.block_k,
+                                              tiling.block_m, out_ref.dtype)
     _add_residual(rows, w_ref, residual_ref, out_ref, tiling)
 
 

@@ -5,8 +5,8 @@ each part's float32 online-softmax state unnormalised, laid out as attended is, 
 
   outputs [P, B, T, N, H], maxima and sums [P, B, T, N]
 
-so that rows (b, t) and features (n, h) flatten to the [P, M, N H] and [P, M, N] that a matmul
-tile reads: the o_proj kernel that follows (`fused_linear.merged_linear_residual`) merges its
+so that rows (b, t) flatten to the [P, M, N, H] and [P, M, N] whose one-head tiles a matmul
+reads in its loop over input features: the o_proj kernel that follows (`fused_linear.merged_linear_residual`) merges its
 tiles as it loads them, and no kernel of its own stands between attention and o_proj. `combine`
 is that merge alone, for the calls whose o_proj is not fused. Both go through `merged_tile`,
 so they round alike: each merged value is out / sum, cast to the computation's dtype.
@@ -22,8 +22,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-# `combine`'s tile: rows x features.
-_COMBINE_BLOCK = (16, 128)
+# Rows of one head a `combine` program merges.
+_COMBINE_ROWS = 16
 
 
 class Partials(NamedTuple):
@@ -58,28 +58,30 @@ def merge_reference(partials: Partials, dtype) -> jax.Array:
 
 
 def flat(partials: Partials) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(outputs [P, M, N H], maxima [P, M, N], sums [P, M, N]) with M = B T: the refs `merged_tile`
-    reads (reshapes of contiguous arrays, no copies)."""
+    """(outputs [P, M, N, H], maxima [P, M, N], sums [P, M, N]) with M = B T: the refs
+    `merged_tile` reads (reshapes of contiguous arrays, no copies)."""
     parts, batch, length, num_heads, head_dim = partials.outputs.shape
     rows = batch * length
-    return (partials.outputs.reshape(parts, rows, num_heads * head_dim),
+    return (partials.outputs.reshape(parts, rows, num_heads, head_dim),
             partials.maxima.reshape(parts, rows, num_heads), partials.sums.reshape(parts, rows, num_heads))
 
 
-def merged_tile(outputs_ref, maxima_ref, sums_ref, row, feature, shape: tuple[int, int], head_dim: int,
-                dtype) -> jax.Array:
-    """Inside a Pallas kernel: attended rows [row, row + shape[0]) and features [feature, feature +
-    shape[1]) of the flattened [M, N H], merged from `flat`'s refs, in dtype. Outside the arrays it
+def merged_tile(outputs_ref, maxima_ref, sums_ref, row, head, block_rows: int, dtype) -> jax.Array:
+    """Inside a Pallas kernel: attended rows [row, row + block_rows) of one head, [block_rows, H']
+    in dtype (H' = H padded to a power of two), merged from `flat`'s refs. One head a tile, so each
+    row's max and sum are one value (a tile spanning heads would gather them per element: on the
+    H200 such tiles overflowed shared memory once Triton pipelined them). Outside the arrays it
     reads zeros (a sum of 1 there keeps out / sum finite for the dot that may follow)."""
-    rows = row + jnp.arange(shape[0])
-    features = feature + jnp.arange(shape[1])
-    inside = (rows < outputs_ref.shape[1])[:, None] & (features < outputs_ref.shape[2])[None, :]
-    heads = (features // head_dim)[None, :]
+    head_dim = outputs_ref.shape[3]
+    rows, columns = row + jnp.arange(block_rows), jnp.arange(pl.next_power_of_2(head_dim))
+    real = rows < outputs_ref.shape[1]
+    inside = real[:, None] & (columns < head_dim)[None, :]
 
     def part(index: int) -> tuple:
         index = jnp.int32(index)
-        load = lambda ref, column, other: plgpu.load(ref.at[index, rows[:, None], column], mask=inside, other=other)
-        return load(maxima_ref, heads, 0.0), load(sums_ref, heads, 1.0), load(outputs_ref, features[None, :], 0.0)
+        statistic = lambda ref, other: plgpu.load(ref.at[index, rows, head], mask=real, other=other)[:, None]
+        out = plgpu.load(outputs_ref.at[index, rows[:, None], head, columns[None, :]], mask=inside, other=0.0)
+        return statistic(maxima_ref, 0.0), statistic(sums_ref, 1.0), out
 
     state = part(0)
     for index in range(1, outputs_ref.shape[0]):  # P is small and static: unrolled
@@ -97,11 +99,11 @@ def combine(partials: Partials, dtype, *, implementation: str = "pallas", interp
     outputs, maxima, sums = flat(partials)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    rows, width = outputs.shape[1:]
+    rows = outputs.shape[1]
     attended = pl.pallas_call(
-        functools.partial(_combine_kernel, head_dim=head_dim),
-        out_shape=jax.ShapeDtypeStruct((rows, width), dtype),
-        grid=(pl.cdiv(rows, _COMBINE_BLOCK[0]), pl.cdiv(width, _COMBINE_BLOCK[1])),
+        _combine_kernel,
+        out_shape=jax.ShapeDtypeStruct(outputs.shape[1:], dtype),
+        grid=(pl.cdiv(rows, _COMBINE_ROWS), num_heads),
         compiler_params=plgpu.CompilerParams(),  # Triton's defaults: without them a GPU gets Mosaic GPU
         interpret=interpret,
         name="decode_attention_combine",
@@ -109,9 +111,9 @@ def combine(partials: Partials, dtype, *, implementation: str = "pallas", interp
     return attended.reshape(batch, length, num_heads, head_dim)
 
 
-def _combine_kernel(outputs_ref, maxima_ref, sums_ref, out_ref, *, head_dim: int):
-    row, feature = pl.program_id(0) * _COMBINE_BLOCK[0], pl.program_id(1) * _COMBINE_BLOCK[1]
-    merged = merged_tile(outputs_ref, maxima_ref, sums_ref, row, feature, _COMBINE_BLOCK, head_dim, out_ref.dtype)
-    rows, features = row + jnp.arange(_COMBINE_BLOCK[0]), feature + jnp.arange(_COMBINE_BLOCK[1])
-    inside = (rows < out_ref.shape[0])[:, None] & (features < out_ref.shape[1])[None, :]
-    plgpu.store(out_ref.at[rows[:, None], features[None, :]], merged, mask=inside)
+def _combine_kernel(outputs_ref, maxima_ref, sums_ref, out_ref):
+    row, head = pl.program_id(0) * _COMBINE_ROWS, pl.program_id(1)
+    merged = merged_tile(outputs_ref, maxima_ref, sums_ref, row, head, _COMBINE_ROWS, out_ref.dtype)
+    rows, columns = row + jnp.arange(_COMBINE_ROWS), jnp.arange(merged.shape[1])
+    inside = (rows < out_ref.shape[0])[:, None] & (columns < out_ref.shape[2])[None, :]
+    plgpu.store(out_ref.at[rows[:, None], head, columns[None, :]], merged, mask=inside)
