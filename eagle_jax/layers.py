@@ -21,7 +21,6 @@ from eagle_jax import attention_ops
 from eagle_jax import config as config_lib
 from eagle_jax.kernels import decode_attention
 from eagle_jax.kernels import fused_linear
-from eagle_jax.kernels import partials as partials_lib
 
 # Settings of `with_decode_kernels`: XLA alone; every fused Pallas kernel; or the fused linear
 # kernels around XLA's attention (in a whole step the attention kernel cost 24-27 us a layer on a
@@ -331,9 +330,7 @@ class DecoderLayer(nnx.Module):
                        fused_linears: bool):
         """The cached call with the Pallas kernels. With fused_linears, five kernels: norm +
         qkv_proj, attention (rotary, cache write and softmax attention; `kernels.decode_attention`),
-        o_proj + residual, norm + gate_up_proj + silu, down_proj + residual; where the attention
-        kernel splits the cache, o_proj merges its parts as it reads them (no combine kernel:
-        `fused_linear.merged_linear_residual`). Without (more rows than
+        o_proj + residual, norm + gate_up_proj + silu, down_proj + residual. Without (more rows than
         the linear kernels take), only the attention kernel, between XLA's norms and matmuls: it reads
         each row's filled slots only, where XLA's attention reads all attend_length of them. A tree's
         verify takes the kernel too when its SlotMask carries `among_new` (the kernel then reads
@@ -347,21 +344,15 @@ class DecoderLayer(nnx.Module):
             qkv = attention.qkv_proj(norm(x))
         if uses_attention_kernel(self.decode_kernels, x, mask, attention):
             attended, keys, values = kernel_attend(attention, qkv, positions, keys, values, mask, attend_length,
-                                                   self.attention_tiling,
-                                                   merge=not (fused_linears and fused_linear.takes_partials(attention.head_dim)))
+                                                   self.attention_tiling)
         else:
             q, k, v = attention.split_heads(qkv, positions)
             attended, keys, values = attention.attend(q, k, v, positions, keys, values, mask, attend_length)
         if not fused_linears:
             x = x + attention.output(attended)
             return residual_mlp(x, self.post_attention_layernorm, self.mlp), keys, values
-        implementation = fused_kernels(self.decode_kernels)
-        if isinstance(attended, partials_lib.Partials):
-            x = fused_linear.merged_linear_residual(attended, attention.o_proj.kernel[...], x,
-                                                    implementation=implementation)
-        else:
-            x = fused_linear.linear_residual(attended.reshape(*x.shape[:2], -1), attention.o_proj.kernel[...], x,
-                                             implementation=implementation)
+        x = fused_linear.linear_residual(attended.reshape(*x.shape[:2], -1), attention.o_proj.kernel[...], x,
+                                         implementation=fused_kernels(self.decode_kernels))
         return residual_mlp(x, self.post_attention_layernorm, self.mlp, self.decode_kernels), keys, values
 
 
@@ -398,15 +389,13 @@ def uses_attention_kernel(decode_kernels: str, x: jax.Array, mask: SlotMask | No
 
 
 def kernel_attend(attention: Attention, qkv: jax.Array, positions: jax.Array, keys: jax.Array, values: jax.Array,
-                  mask: SlotMask | None, attend_length: int | None, tiling: decode_attention.Tiling | None,
-                  merge: bool = True):
+                  mask: SlotMask | None, attend_length: int | None, tiling: decode_attention.Tiling | None):
     """`attention`'s cached attention from qkv_proj's output in the Pallas kernel (where
-    `uses_attention_kernel`): (attended [B, T, N, H], keys, values), before o_proj; with merge
-    False and the cache split, the unmerged `partials.Partials` in attended's place."""
+    `uses_attention_kernel`): (attended [B, T, N, H], keys, values), before o_proj."""
     return decode_attention.attend(
         qkv, positions, keys, values, num_heads=attention.num_heads, num_kv_heads=attention.num_kv_heads,
         head_dim=attention.head_dim, inv_freq=rope_inverse_frequencies(*attention.rope), attend_length=attend_length,
-        implementation="pallas", tiling=tiling, new_visible=None if mask is None else mask.among_new, merge=merge)
+        implementation="pallas", tiling=tiling, new_visible=None if mask is None else mask.among_new)
 
 
 def with_decode_kernels(module: nnx.Module, decode_kernels: str,

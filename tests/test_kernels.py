@@ -130,7 +130,7 @@ def test_auto_picks_pallas_only_where_it_measured_faster(random_target):
 
 
 def test_decode_step_runs_the_kernels(random_target):
-    target = random_target(num_layers=1, head_dim=16)  # o_proj's kernel steps a head at a time: 16 for Triton's dot
+    target = random_target(num_layers=1)
     fused = layers.with_decode_kernels(target, "pallas")
 
     def forward(model, batch, length, start=0):
@@ -139,19 +139,10 @@ def test_decode_step_runs_the_kernels(random_target):
         tokens = jnp.asarray(np.random.default_rng(batch).integers(0, 100, (batch, length)), jnp.int32)
         return lambda: model(tokens, positions, cache)[0], jax.make_jaxpr(lambda: model(tokens, positions, cache))()
 
-    # norm + qkv, attention, o_proj, norm + gate_up, down_proj; up to 8 rows the attention splits the
-    # cache and o_proj's kernel merges the parts (no combine kernel)
-    assert str(forward(fused, 1, 4)[1]).count("pallas_call") == 5
-    assert str(forward(fused, 8, 4)[1]).count("pallas_call") == 5
+    # norm + qkv, attention (up to 8 rows split over the cache: two calls), o_proj, norm + gate_up, down_proj
+    assert str(forward(fused, 1, 4)[1]).count("pallas_call") == 6
+    assert str(forward(fused, 8, 4)[1]).count("pallas_call") == 6
     assert str(forward(fused, 9, 1)[1]).count("pallas_call") == 5
-    # At head dim 8 (below Triton's 16) o_proj cannot read a head a step: the combine kernel merges.
-    narrow = layers.with_decode_kernels(random_target(num_layers=1), "pallas")
-    assert str(forward(narrow, 1, 4)[1]).count("pallas_call") == 6
-    # A split attention between XLA's matmuls (8 rows of 5 tokens: more rows than the linear
-    # kernels take) is merged by its combine kernel.
-    run, jaxpr = forward(fused, 8, 5, start=5)
-    assert str(jaxpr).count("pallas_call") == 2
-    np.testing.assert_allclose(run(), forward(target, 8, 5, start=5)[0](), rtol=2e-5, atol=2e-5)
     assert "pallas_call" not in str(forward(fused, 1, 33)[1])
     # More rows than the linear kernels take (a batched decode step): the attention kernel alone,
     # between XLA's matmuls, computing what XLA's attention does.

@@ -2,7 +2,6 @@
 
 `fused_linear`: RMSNorm, matmul, SwiGLU and residual add fused for decode steps (few rows).
 `decode_attention`: rotary, KV cache write and grouped attention of a decode step in one kernel.
-`partials`: a split attention's parts and their merge, alone or inside o_proj's kernel.
 `compact_cache`: a tree verify's accepted path moved into place in every layer's cache at once.
 Each public function takes `implementation`: "xla" (plain jnp, the reference) or "pallas".
 """

@@ -43,11 +43,12 @@ split kernel's grid is (B, K Q, P): program p folds chunks [p C / P, (p + 1) C /
 C = cdiv(min(start, attend_length), block_s) older chunks (contiguous, chunk-aligned, sized by
 the row's own length at run time), and only p == 0, whose range floor division makes the
 shortest, also does step 3. Each writes its float32 online-softmax state as a partial,
-unnormalised (a range with no chunks leaves the neutral state: max MASK_VALUE, sum 0), in the
-layout of `partials.Partials` (outputs [P, B, T, N, H], maxima and sums [P, B, T, N]). Their
-log-sum-exp merge is a second kernel (`partials.combine`), or, with `merge=False`, left to the
-o_proj kernel that reads them (`fused_linear.merged_linear_residual`): one launch fewer a layer.
-The no-overlap rule above holds across parts and token blocks too:
+unnormalised (a range with no chunks leaves the neutral state: max MASK_VALUE, sum 0):
+
+  outputs [B, K Q, P, M', H'], maxima and sums [B, K Q, P, M'] (M', H': M and H padded)
+
+and a second kernel, grid (B, K Q), merges the P partials of its (row, kv head, token block) by
+log-sum-exp into attended. The no-overlap rule above holds across parts and token blocks too:
 all of them read below start, and only p == 0 of token block 0 writes, at start and past it.
 """
 
@@ -65,7 +66,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from eagle_jax import attention_ops
-from eagle_jax.kernels import partials as partials_lib
 
 IMPLEMENTATIONS = ("xla", "pallas")
 # The most tokens a row sends to the kernel: decode steps, chain verifies, and tree verifies of up
@@ -91,9 +91,9 @@ class Tiling:
         block_s: cache slots per chunk of the online softmax (Triton's dot needs >= 16).
         num_warps: Triton warps per program.
         num_stages: Triton software-pipelining depth of the chunk loop (cache loads in flight).
-        splits: programs sharing one (row, kv head)'s older slots, whose parts o_proj's kernel
-            merges as it reads them, or else a second kernel (`partials`); 1 is the single
-            kernel (the default past 8 rows; up to 8 rows split in 4: `for_rows`).
+        splits: programs sharing one (row, kv head)'s older slots, merged by a second kernel;
+            1 is the single kernel (the default past 8 rows; up to 8 rows split in
+            4: `for_rows`).
         query_rows: the most query rows (tokens x G heads, before padding) one program holds;
             a row's tokens beyond it are shared out over several programs (token blocks).
             None: one program holds all of a (row, kv head)'s T G rows. 16, Triton's smallest
@@ -171,7 +171,7 @@ FEW_ROWS = Tiling(block_s=256, num_warps=8, splits=4)  # `Tiling.for_rows` up to
 def attend(qkv: jax.Array, positions: jax.Array, keys: jax.Array, values: jax.Array, *, num_heads: int,
            num_kv_heads: int, head_dim: int, inv_freq: np.ndarray, attend_length: int | None = None,
            implementation: str = "xla", interpret: bool | None = None, tiling: Tiling | None = None,
-           new_visible: jax.Array | None = None, merge: bool = True) -> tuple:
+           new_visible: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Rotary on q and k, the new keys and values written into the cache, then causal (or tree) attention.
 
     Args:
@@ -191,11 +191,8 @@ def attend(qkv: jax.Array, positions: jax.Array, keys: jax.Array, values: jax.Ar
             None: `Tiling.for_rows(B)`.
         new_visible: [B, T, T] bool, which new tokens each one sees (a tree's ancestors, itself
             included), in place of causal order; every older slot stays visible to every token.
-        merge: False: where the Pallas kernel splits the cache (tiling.splits > 1), return the
-            parts unmerged (`partials.Partials`) in attended's place, for a kernel that merges
-            them as it reads them; elsewhere attended as always.
     Returns:
-        (attended [B, T, N, H] in qkv's dtype or its `Partials`, updated keys, updated values).
+        (attended [B, T, N, H] in qkv's dtype, updated keys, updated values).
     """
     batch, length, width = qkv.shape
     cache_length = keys.shape[1]
@@ -223,10 +220,9 @@ def attend(qkv: jax.Array, positions: jax.Array, keys: jax.Array, values: jax.Ar
     if tiling.splits == 1:
         return results
     outputs, keys, values, maxima, sums = results
-    partials = partials_lib.Partials(outputs, maxima, sums)
-    if not merge:
-        return partials, keys, values
-    return partials_lib.combine(partials, qkv.dtype, interpret=interpret), keys, values
+    attended = _combine_call(outputs, maxima, sums, (batch, length), num_heads, num_kv_heads, head_dim, qkv.dtype,
+                             interpret, tiling)
+    return attended, keys, values
 
 
 def _reference(heads, positions, keys, values, num_heads: int, inv_freq: np.ndarray, read: int, new_visible=None):
@@ -311,10 +307,21 @@ def _store_attended(out_ref, row, tokens, query_heads, real, state: tuple) -> No
                 (out / total[:, None]).astype(out_ref.dtype), mask=mask)
 
 
+def _merge(state: tuple, partial: tuple) -> tuple:
+    """The online-softmax state of two disjoint sets of slots from theirs (log-sum-exp). A neutral
+    partial (MASK_VALUE, 0, 0) changes nothing: its weight is exp(MASK_VALUE - max) = 0, or 1
+    times a zero sum when both are neutral, so no step makes a NaN."""
+    (maximum, total, out), (other_maximum, other_total, other_out) = state, partial
+    new_maximum = jnp.maximum(maximum, other_maximum)
+    correction, other_correction = jnp.exp(maximum - new_maximum), jnp.exp(other_maximum - new_maximum)
+    return (new_maximum, total * correction + other_total * other_correction,
+            out * correction[:, None] + other_out * other_correction[:, None])
+
+
 def _attention_call(heads, positions, keys, values, num_heads: int, inv_freq: np.ndarray, read: int, tiling: Tiling,
                     interpret: bool, new_visible=None):
     """The attention kernel: (attended, keys, values) with splits 1, else (outputs, keys, values,
-    maxima, sums) with the float32 partials laid out as `partials.Partials`."""
+    maxima, sums) with the float32 partials laid out as the module docstring says."""
     batch, length, _, head_dim = heads.shape
     num_kv_heads = keys.shape[2]
     per_block, blocks = tiling.token_blocks(length, num_heads // num_kv_heads)
@@ -325,8 +332,9 @@ def _attention_call(heads, positions, keys, values, num_heads: int, inv_freq: np
         out_shape = (jax.ShapeDtypeStruct((batch, length, num_heads, head_dim), heads.dtype), *caches)
     else:
         grid = (batch, num_kv_heads * blocks, tiling.splits)
-        statistics = jax.ShapeDtypeStruct((tiling.splits, batch, length, num_heads), jnp.float32)
-        out_shape = (jax.ShapeDtypeStruct((*statistics.shape, head_dim), jnp.float32), *caches, statistics, statistics)
+        statistics = (*grid, _block(per_block * num_heads // num_kv_heads))  # [B, K Q, P, M']
+        out_shape = (jax.ShapeDtypeStruct((*statistics, _block(head_dim)), jnp.float32), *caches,
+                     jax.ShapeDtypeStruct(statistics, jnp.float32), jax.ShapeDtypeStruct(statistics, jnp.float32))
     tree = () if new_visible is None else (new_visible.astype(jnp.int32),)  # Triton loads no bools
     return pl.pallas_call(
         functools.partial(_kernel, num_heads=num_heads, read=read, tiling=tiling, per_block=per_block,
@@ -338,6 +346,22 @@ def _attention_call(heads, positions, keys, values, num_heads: int, inv_freq: np
         interpret=interpret,
         name="decode_attention",
     )(positions.astype(jnp.int32), frequencies, heads, keys, values, *tree)
+
+
+def _combine_call(outputs, maxima, sums, batch_length: tuple, num_heads: int, num_kv_heads: int, head_dim: int, dtype,
+                  interpret: bool, tiling: Tiling):
+    """attended [B, T, N, H] (batch_length: (B, T)) from the split kernel's partials: one program
+    per (row, kv head, token block)."""
+    group = num_heads // num_kv_heads
+    per_block, blocks = tiling.token_blocks(batch_length[1], group)
+    return pl.pallas_call(
+        functools.partial(_combine_kernel, group=group, per_block=per_block, blocks=blocks),
+        out_shape=jax.ShapeDtypeStruct((*batch_length, num_heads, head_dim), dtype),
+        grid=outputs.shape[:2],
+        compiler_params=plgpu.CompilerParams(),  # Triton's defaults: without them a GPU gets Mosaic GPU
+        interpret=interpret,
+        name="decode_attention_combine",
+    )(outputs, maxima, sums)
 
 
 def _kernel(positions_ref, frequencies_ref, heads_ref, keys_ref, values_ref, *refs, num_heads: int, read: int,
@@ -410,8 +434,26 @@ def _kernel(positions_ref, frequencies_ref, heads_ref, keys_ref, values_ref, *re
     state = lax.fori_loop(first, last, chunk, state)
     maximum, total, out = lax.cond(part == 0, new_tokens, lambda state: state, state)
     maxima_ref, sums_ref = statistics_refs
-    index = (part, row, tokens, query_heads)  # each real block row's (token, query head), as attended's
-    plgpu.store(maxima_ref.at[index], maximum, mask=real)
-    plgpu.store(sums_ref.at[index], total, mask=real)
-    plgpu.store(out_ref.at[part, row, tokens[:, None], query_heads[:, None], columns[None, :]], out,
-                mask=real[:, None] & in_head)
+    program = pl.program_id(1)  # kv head x token blocks
+    plgpu.store(maxima_ref.at[row, program, part, rows], maximum)
+    plgpu.store(sums_ref.at[row, program, part, rows], total)
+    plgpu.store(out_ref.at[row, program, part, rows[:, None], columns[None, :]], out)
+
+
+def _combine_kernel(outputs_ref, maxima_ref, sums_ref, out_ref, *, group: int, per_block: int, blocks: int):
+    """One (row, kv head, token block): its P partials (outputs [B, K Q, P, M', H'], maxima and
+    sums [B, K Q, P, M']) merged into out_ref [B, T, N, H]."""
+    row, program = pl.program_id(0), pl.program_id(1)
+    splits, block_rows, block_columns = outputs_ref.shape[2:]
+    rows, columns = jnp.arange(block_rows), jnp.arange(block_columns)
+
+    def partial(part: int) -> tuple:
+        part = jnp.int32(part)
+        return (plgpu.load(maxima_ref.at[row, program, part, rows]), plgpu.load(sums_ref.at[row, program, part, rows]),
+                plgpu.load(outputs_ref.at[row, program, part, rows[:, None], columns[None, :]]))
+
+    state = partial(0)
+    for part in range(1, splits):  # P is small and static: unrolled
+        state = _merge(state, partial(part))
+    _, tokens, query_heads, real = _query_rows(out_ref.shape[1], group, program // blocks, per_block, program % blocks)
+    _store_attended(out_ref, row, tokens, query_heads, real, state)

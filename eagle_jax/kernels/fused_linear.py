@@ -8,10 +8,6 @@ layer's projections take four kernels:
   norm_linear      rmsnorm(x) @ W                          input_layernorm + qkv_proj
   norm_gate_up     silu(n @ W_gate) * (n @ W_up), n = rmsnorm(x)   post_attention_layernorm + gate_up_proj
   linear_residual  residual + x @ W                        o_proj, down_proj
-  merged_linear_residual  residual + merge(partials) @ W   o_proj after a split attention
-
-The last reads the split attention's float32 partials (`partials.Partials`) and merges each tile
-as it loads it (`partials.merged_tile`), so the merge costs no launch of its own.
 
 `implementation="xla"` is the reference: plain jnp computing what `layers.RMSNorm` and a bias-free
 `nnx.Linear` compute. `"pallas"` is one Triton kernel per call (GPU); `interpret=None` runs it in
@@ -37,8 +33,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-
-from eagle_jax.kernels import partials as partials_lib
 
 IMPLEMENTATIONS = ("xla", "pallas")
 # The most rows the model sends to these kernels, in one block of rows: a decode step of up to 32
@@ -136,51 +130,9 @@ def linear_residual(x: jax.Array, weight: jax.Array, residual: jax.Array, *, imp
         raise ValueError(f"residual shape {residual.shape} does not fit x {x.shape} @ weight {weight.shape}")
     if implementation == "xla":
         return residual + _linear(x, weight)
+    kernel = _linear_residual_kernel
     rows = residual.reshape(-1, weight.shape[1])  # [M, N]
-    return _call(_linear_residual_kernel, "linear_residual", x, (weight, rows), weight.shape[1], interpret, tiling)
-
-
-def takes_partials(head_dim: int) -> bool:
-    """Whether `merged_linear_residual` runs at this head dim: its loop over input features steps
-    one head at a time, and Triton's dot takes power-of-two blocks of at least 16."""
-    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
-
-
-def merged_linear_residual(partials: partials_lib.Partials, weight: jax.Array, residual: jax.Array, *,
-                           implementation: str = "xla", interpret: bool | None = None,
-                           tiling: Tiling = Tiling()) -> jax.Array:
-    """residual + attended @ weight, attended [B, T, N, H] being the merge of a split attention's
-    partials (o_proj closing the attention branch), rounded to residual's dtype before the matmul
-    as `partials.combine` rounds it: the same result as `linear_residual` after `combine`. The
-    Pallas kernel steps through K one head at a time (block_k = H, whatever the tiling says; H a
-    power of two >= 16: `takes_partials`).
-
-    Args:
-        partials: `partials.Partials` of attended (`decode_attention.attend(..., merge=False)`).
-        weight: [N H, D].
-        residual: [B, T, D], the computation's dtype.
-        implementation, interpret, tiling: as `norm_linear`.
-    Returns:
-        [B, T, D] in residual's dtype.
-    """
-    _, batch, length, num_heads, head_dim = partials.outputs.shape
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"unknown implementation {implementation!r} ({', '.join(IMPLEMENTATIONS)})")
-    if weight.ndim != 2 or weight.shape[0] != num_heads * head_dim:
-        raise ValueError(f"weight shape {weight.shape} does not take {num_heads} heads of {head_dim}")
-    if residual.shape != (batch, length, weight.shape[1]):
-        raise ValueError(f"residual shape {residual.shape} does not fit {batch} x {length} rows @ weight {weight.shape}")
-    if implementation == "xla":
-        attended = partials_lib.merge_reference(partials, residual.dtype).reshape(batch, length, -1)
-        return linear_residual(attended, weight, residual)
-    if not takes_partials(head_dim):
-        raise ValueError(f"the kernel reads one head per step of its loop: head_dim must be a power of two >= 16, "
-                         f"got {head_dim}")
-    rows = residual.reshape(-1, weight.shape[1])  # [M, D]
-    tiling = dataclasses.replace(tiling, block_k=head_dim)
-    out = _launch(_merged_linear_residual_kernel, "merged_linear_residual",
-                  (*partials_lib.flat(partials), weight, rows), rows.shape, residual.dtype, interpret, tiling)
-    return out.reshape(residual.shape)
+    return _call(kernel, "linear_residual", x, (weight, rows), weight.shape[1], interpret, tiling)
 
 
 # ---- the XLA reference ---------------------------------------------------------------------
@@ -210,25 +162,19 @@ def _call(kernel, name: str, x: jax.Array, operands: tuple, width: int, interpre
           tiling: Tiling) -> jax.Array:
     """Runs `kernel(x [M, K], *operands, out [M, width], tiling=...)` over (row blocks, column blocks)."""
     rows = x.reshape(-1, x.shape[-1])  # [M, K]
-    out = _launch(kernel, name, (rows, *operands), (rows.shape[0], width), x.dtype, interpret, tiling)
-    return out.reshape(*x.shape[:-1], width)
-
-
-def _launch(kernel, name: str, operands: tuple, out_shape: tuple[int, int], dtype, interpret: bool | None,
-            tiling: Tiling) -> jax.Array:
-    """`kernel(*operands, out [M, width], tiling=...)` over (row blocks, column blocks) of out_shape (M, width)."""
     if tiling.block_m is None:
-        tiling = dataclasses.replace(tiling, block_m=row_block(out_shape[0]))
+        tiling = dataclasses.replace(tiling, block_m=row_block(rows.shape[0]))
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    return pl.pallas_call(
+    out = pl.pallas_call(
         functools.partial(kernel, tiling=tiling),
-        out_shape=jax.ShapeDtypeStruct(out_shape, dtype),
-        grid=(pl.cdiv(out_shape[0], tiling.block_m), pl.cdiv(out_shape[1], tiling.block_n)),
+        out_shape=jax.ShapeDtypeStruct((rows.shape[0], width), x.dtype),
+        grid=(pl.cdiv(rows.shape[0], tiling.block_m), pl.cdiv(width, tiling.block_n)),
         compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
         interpret=interpret,
         name=name,
-    )(*operands)
+    )(rows, *operands)
+    return out.reshape(*x.shape[:-1], width)
 
 
 def row_block(rows: int) -> int:
@@ -330,22 +276,7 @@ def _norm_gate_up_kernel(x_ref, norm_ref, w_ref, out_ref, *, eps: float, tiling:
 def _linear_residual_kernel(x_ref, w_ref, residual_ref, out_ref, *, tiling: Tiling):
     row, column = _origin(tiling)
     rows = lambda k: _tile(x_ref, (row, k), (tiling.block_m, tiling.block_k))
-    _add_residual(rows, w_ref, residual_ref, out_ref, tiling)
-
-
-def _merged_linear_residual_kernel(outputs_ref, maxima_ref, sums_ref, w_ref, residual_ref, out_ref, *,
-                                   tiling: Tiling):
-    row, _ = _origin(tiling)
-    # block_k is the head dim: step k of the loop reads head k / H.
-    rows = lambda k: partials_lib.merged_tile(outputs_ref, maxima_ref, sums_ref, row, k // tiling.block_k,
-                                              tiling.block_m, out_ref.dtype)
-    _add_residual(rows, w_ref, residual_ref, out_ref, tiling)
-
-
-def _add_residual(rows_at, w_ref, residual_ref, out_ref, tiling: Tiling) -> None:
-    """out = residual + rows @ w for this program's block, rows_at(k) as `_project` takes it."""
-    row, column = _origin(tiling)
-    [out] = _project(rows_at, w_ref, [(column, w_ref.shape[1])], tiling)
+    [out] = _project(rows, w_ref, [(column, w_ref.shape[1])], tiling)
     residual = _tile(residual_ref, (row, column), (tiling.block_m, tiling.block_n)).astype(jnp.float32)
     # Rounded to dtype before the add, as the unfused linear layer's output is.
     _store(out_ref, (row, column), (out.astype(out_ref.dtype).astype(jnp.float32) + residual).astype(out_ref.dtype))
