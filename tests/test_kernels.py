@@ -235,9 +235,35 @@ def test_kernel_bench_runs_without_model_files(tmp_path, tiny_hf_config):
         ("kernel_bench", "decoder_layer", "xla", None), ("kernel_bench", "decoder_layer", "pallas", None),
         ("kernel_bench", "decoder_layer", "pallas_linear", None)]
     assert all(r["kernels"] > 0 and r["busy_us"] > 0 and r["wall_us"] > 0 for r in rows)
+    # Each rival checked against the XLA row of its case, within float32 rounding.
+    assert all((r["max_error"] is None) == (r["implementation"] == "xla") for r in rows)
+    assert all(r["max_error"] <= 1e-5 for r in rows if r["max_error"] is not None)
     # No tiling asked for: the one `attend` runs at one row (`Tiling.for_rows`).
     attention = [r["tiling"] for r in rows if r["op"] == "decode_attention" and r["implementation"] == "pallas"]
     assert attention == [vars(decode_attention.Tiling.for_rows(1))] * 2
+
+
+def test_kernel_bench_check_fails_on_a_wrong_kernel(tmp_path, monkeypatch, capsys):
+    """--check: exit 0 while every kernel agrees with XLA; a Pallas kernel off by 1 in one output
+    value (of outputs of order 1-5) fails the run, naming the op, after the rows are written (the
+    XLA rows unchanged: the reference is never what is checked)."""
+    bench = load_kernel_bench()
+    out = tmp_path / "rows.json"
+    argv = ["--dtype", "bfloat16", "--ops", "o_proj_residual,down_proj_residual", "--rows", "1,7", "--check",
+            "--iterations", "1", "--trace-calls", "1", "--out", str(out)]
+    assert bench.main(argv) == 0
+    linear_residual = fused_linear.linear_residual
+
+    def wrong(x, weight, residual, *, implementation="xla", **kw):
+        out = linear_residual(x, weight, residual, implementation=implementation, **kw)
+        return out.at[..., 0, 0].add(1.0) if implementation == "pallas" else out
+
+    monkeypatch.setattr(fused_linear, "linear_residual", wrong)
+    assert bench.main(argv) == 1
+    failed = [line for line in capsys.readouterr().err.splitlines() if "CHECK FAILED" in line]
+    assert len(failed) == 4 and all(" pallas " in line for line in failed)
+    assert {line.split()[3] for line in failed} == {"o_proj_residual", "down_proj_residual"}
+    assert len(json.loads(out.read_text())) == 16  # both runs' rows written
 
 
 def test_kernel_bench_times_the_tree_ops(tmp_path):

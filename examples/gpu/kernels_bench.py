@@ -40,6 +40,13 @@ once per tiling in the product of --block-n, --block-k, --num-warps and --num-st
 --block-s, --splits, --query-rows, --num-warps and --num-stages, the Tiling defaults for those not
 given; with none of them, the tiling `attend` runs at that many rows, `Tiling.for_rows`). Every row
 is appended to --out (kind "kernel_bench") and a table is printed.
+Every row also checks its op's output against the XLA row's of the same case, on the same inputs:
+max_error is the largest absolute difference over the largest absolute XLA value (the first call's
+outputs, all of them). --check makes a row past `CHECK_TOLERANCE` for its dtype fail the run (exit
+1, after the rows are written): a lease's queue can open with a short --check run, so that a kernel
+new to the GPU that does not compile, or computes the wrong thing, stops the queue in seconds:
+
+    python examples/gpu/kernels_bench.py --check --rows 1,7,32 --tokens 1,7,32 --iterations 1 --trace-calls 1
 """
 
 from __future__ import annotations
@@ -128,6 +135,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--evict-mb", type=int_list, default=[0],
                         help="MB read by a kernel after each call (the L2 cache evicted), or a comma list; GPU only")
     parser.add_argument("--label", default="", help="free text saved in every row")
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 when an op's output is off the XLA row's by more than CHECK_TOLERANCE")
     parser.add_argument("--out", default="docs/results/kernels.json", help="JSON list the rows are appended to")
     args = parser.parse_args(argv)
     args.ops = [op.strip() for op in args.ops.split(",") if op.strip()]
@@ -152,6 +161,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                      "interpret mode on other backends does not keep")
     return args
 
+
+# --check's bound on max_error: a wrong kernel is off by the values' own size; a right one by
+# roundings (a decoder layer's bf16 compounds a few).
+CHECK_TOLERANCE = {"float32": 1e-3, "bfloat16": 5e-2}
 
 EVICT_WIDTH, EVICT_ROWS = 512, 32  # the evictor's block: 32 x 512 bf16 values (32 KB) a program
 
@@ -182,7 +195,8 @@ def evict_call(rows: int, interpret: bool = False):
 
 
 def measure(function, inputs: tuple, args, evict=None) -> dict:
-    """Wall median and traced kernels / busy time per call of `function(*inputs)`.
+    """Wall median and traced kernels / busy time per call of `function(*inputs)`, and the first
+    call's output (its leaves as float32 arrays, under "output": `add_errors` reads and drops it).
 
     `function` returns (output, inputs for the next call): a call that donates its cache
     passes on the updated one. `evict` (`l2_evictor`) runs after each call; the traced figures
@@ -196,7 +210,8 @@ def measure(function, inputs: tuple, args, evict=None) -> dict:
             evict()
         return out
 
-    for _ in range(5):
+    output = [np.asarray(leaf, np.float32) for leaf in jax.tree.leaves(call())]
+    for _ in range(4):
         jax.block_until_ready(call())
     times = []
     for _ in range(args.iterations):
@@ -212,7 +227,31 @@ def measure(function, inputs: tuple, args, evict=None) -> dict:
                                        exclude="evict_l2" if evict is not None else None)
     return dict(wall_us=round(1e6 * float(np.median(times)), 2), kernels=summary["kernels_per_step"],
                 busy_us=summary["busy_us_per_step"], kernel_us=summary["kernel_us_per_step"],
-                top_kernels=summary["top_kernels"][:4])
+                top_kernels=summary["top_kernels"][:4], output=output)
+
+
+def case_of(row: dict) -> tuple:
+    """The rows that run one op on the same inputs: the XLA row and its rivals."""
+    return row["op"], row["rows"], row.get("tokens"), row.get("attend_length"), row.get("evict_mb")
+
+
+def relative_error(got: list[np.ndarray], want: list[np.ndarray]) -> float:
+    """The largest |got - want| over the largest |want|, over all output leaves."""
+    scale = max(float(np.abs(leaf).max()) for leaf in want) or 1.0
+    return max(float(np.abs(g - w).max()) for g, w in zip(got, want, strict=True)) / scale
+
+
+def add_errors(rows: list[dict]) -> None:
+    """Each row's max_error against the XLA row of its case (None for that row); drops the outputs."""
+    reference = {case_of(r): r["output"] for r in rows if r["implementation"] == "xla"}
+    for row in rows:
+        output = row.pop("output")
+        row["max_error"] = None if row["implementation"] == "xla" else relative_error(output, reference[case_of(row)])
+
+
+def failed_checks(rows: list[dict], dtype: str) -> list[dict]:
+    """The rows whose max_error is past `CHECK_TOLERANCE[dtype]`."""
+    return [r for r in rows if r["max_error"] is not None and not r["max_error"] <= CHECK_TOLERANCE[dtype]]
 
 
 def linear_cases(cfg: config_lib.LlamaConfig, rows: int, dtype, seed: int = 0) -> dict:
@@ -323,6 +362,7 @@ def run(args) -> list[dict]:
     rows = []
     for megabytes in args.evict_mb:
         rows += run_cases(args, cfg, dtype, dict(common, evict_mb=megabytes), l2_evictor(megabytes))
+    add_errors(rows)
     for row in rows:
         row["gb_per_s"] = round(row["weight_bytes"] / row["busy_us"] / 1e3, 1)
     return rows
@@ -356,7 +396,8 @@ def run_cases(args, cfg: config_lib.LlamaConfig, dtype, common: dict, evict) -> 
                 start, sources = jnp.asarray([args.cache_length // 2], jnp.int32), 2 * jnp.arange(count)[None]
                 moved_bytes = 4 * SMOLLM2_LAYERS * count * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
                 for implementation in compact_cache.IMPLEMENTATIONS:
-                    buffers = tuple(jnp.zeros(shape, dtype) for _ in range(2 * SMOLLM2_LAYERS))  # donated below
+                    # random, so that a wrong move shows in max_error; donated below
+                    buffers = tuple(jax.random.normal(jax.random.key(i), shape, dtype) for i in range(2 * SMOLLM2_LAYERS))
                     jitted = jax.jit(lambda b, implementation=implementation: compact_cache.compact(
                         b, start, sources, implementation=implementation), donate_argnums=0)
                     measured = measure(lambda b, jitted=jitted: (lambda out: (out, (out,)))(jitted(b)), (buffers,),
@@ -387,15 +428,15 @@ def run_cases(args, cfg: config_lib.LlamaConfig, dtype, common: dict, evict) -> 
 
 def print_table(rows: list[dict]) -> None:
     header = (f"{'op':<20}{'evict':>6}{'impl':>8}{'rows':>6}{'tokens':>7}{'attend':>7}{'tiling m/n/k|s/warps/stages[/splits]':>34}"
-              f"{'kernels':>9}{'busy us':>9}{'vs xla':>8}{'wall us':>9}{'GB/s':>8}")
+              f"{'kernels':>9}{'busy us':>9}{'vs xla':>8}{'wall us':>9}{'GB/s':>8}{'error':>10}")
     print("\n" + header + "\n" + "-" * len(header))
-    case = lambda r: (r["op"], r["rows"], r.get("tokens"), r.get("attend_length"), r.get("evict_mb"))
-    xla = {case(r): r["busy_us"] for r in rows if r["implementation"] == "xla"}
+    xla = {case_of(r): r["busy_us"] for r in rows if r["implementation"] == "xla"}
     for r in rows:
         tiling = "/".join(map(str, r["tiling"].values())) if r.get("tiling") else "-"
         attend, tokens = r.get("attend_length") or "-", r.get("tokens") or "-"
+        error = "-" if r["max_error"] is None else f"{r['max_error']:.1e}"
         print(f"{r['op']:<20}{r.get('evict_mb') or '-':>6}{r['implementation']:>8}{r['rows']:>6}{tokens:>7}{attend:>7}{tiling:>34}{r['kernels']:>9}"
-              f"{r['busy_us']:>9.2f}{xla[case(r)] / r['busy_us']:>7.2f}x{r['wall_us']:>9.1f}{r['gb_per_s']:>8.0f}")
+              f"{r['busy_us']:>9.2f}{xla[case_of(r)] / r['busy_us']:>7.2f}x{r['wall_us']:>9.1f}{r['gb_per_s']:>8.0f}{error:>10}")
 
 
 def main(argv=None) -> int:
@@ -404,6 +445,12 @@ def main(argv=None) -> int:
     append_rows(args.out, rows)
     print_table(rows)
     print(f"[kernels_bench.py] {len(rows)} rows -> {args.out}", file=sys.stderr)
+    if args.check and (failed := failed_checks(rows, args.dtype)):
+        for r in failed:
+            print(f"[kernels_bench.py] CHECK FAILED: {r['op']} {r['implementation']} rows {r['rows']} tokens "
+                  f"{r.get('tokens')} tiling {r.get('tiling')}: max_error {r['max_error']:.2e} > "
+                  f"{CHECK_TOLERANCE[args.dtype]}", file=sys.stderr)
+        return 1
     return 0
 
 
