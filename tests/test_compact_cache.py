@@ -59,6 +59,18 @@ def test_every_layer_moves_in_one_triton_call():
     assert lowered.mlir_module().count("__gpu$xla.gpu.triton") == 1
 
 
+def test_every_store_waits_for_all_loads_of_its_buffer():
+    """The race lease 24's GPU check found (entries lost at 7 and 32 path entries): a warp storing
+    an entry onto a slot another warp has yet to read. Interpret mode runs in order and cannot show
+    it, so this checks the kernel the GPU gets: in each buffer, load, barrier, then store."""
+    count = 3
+    traced = jax.make_jaxpr(lambda b: compact_cache.compact(
+        b, jnp.asarray(START), jnp.asarray(SOURCES), implementation="pallas", interpret=False))(buffers(count, 64, jnp.float32))
+    kernel = next(e for e in traced.jaxpr.eqns if e.primitive.name == "pallas_call").params["jaxpr"]
+    memory = [e.primitive.name for e in kernel.eqns if e.primitive.name in ("masked_load", "debug_barrier_p", "masked_swap")]
+    assert memory == ["masked_load"] + ["masked_load", "debug_barrier_p", "masked_swap"] * count  # the sources first
+
+
 def test_unknown_implementation_is_refused():
     with pytest.raises(ValueError, match="implementation must be one of"):
         compact_cache.compact(buffers(1, 64, jnp.float32), jnp.asarray(START), jnp.asarray(SOURCES),
