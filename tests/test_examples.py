@@ -4,10 +4,12 @@ plots read only default-setting rows into the method comparison, draw the tree s
 newest serving-setting rows of each batch size and scheduler; the 8B-shaped timing runs several
 steps per call."""
 
+import io
 import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import jax
@@ -539,6 +541,36 @@ def test_gpu_poll_stops_at_a_done_line_and_fails_fast_without_a_log(tmp_path):
     missing = subprocess.run(["bash", str(poll), "600", str(tmp_path / "never.log")], capture_output=True, text=True,
                              timeout=60, env=dict(os.environ, POLL_GRACE_S="0"))
     assert missing.returncode == 1 and "was the job launched?" in missing.stderr
+
+
+def test_gpu_launch_runs_the_carried_queue_in_its_own_environment(tmp_path):
+    """examples/gpu/launch.sh: `start` runs the staged queue detached from a copy of the code, with
+    the model cache and the code on its paths whatever the caller exported; its console and
+    results come back packed in $OUT; a restart keeps the first console; no queue, exit 2."""
+    launch = REPO / "examples" / "gpu" / "launch.sh"
+    stage, work, out = tmp_path / "stage", tmp_path / "work", tmp_path / "out"
+    out.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("EAGLE_JAX_CACHE_DIR", "PYTHONPATH")}
+    env.update(STAGE_ROOT=str(stage), WORK_ROOT=str(work), OUT=str(out))
+    call = lambda *args: subprocess.run(["bash", str(launch), *args], cwd=REPO, env=env, capture_output=True,
+                                        text=True, timeout=120)
+    stage.mkdir()
+    missing = call("start", "30")
+    assert missing.returncode == 2 and "carry the queue as .stage/queue.sh" in missing.stderr
+    (stage / "queue.sh").write_text('echo "cache=$EAGLE_JAX_CACHE_DIR path=$PYTHONPATH cwd=$PWD" > $RESULTS/env.txt\n'
+                                     'test -f eagle_jax/__init__.py && echo "code here"\necho BENCH DONE\n')
+    for _ in range(2):
+        done = call("start", "60")
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.splitlines()[-2:-1] == ["BENCH DONE"] and "collect: 1 part(s)" in done.stdout
+    with tarfile.open(fileobj=io.BytesIO((out / "results.tar.part00").read_bytes())) as packed:
+        names = set(packed.getnames())
+        written = packed.extractfile("results/env.txt").read().decode()
+        console = packed.extractfile("results/bench_console.txt").read().decode()
+    assert written.split() == [f"cache={stage}/cache", f"path=/tmp/site:{work}", f"cwd={work}"]
+    assert console.splitlines() == ["code here", "BENCH DONE"]
+    assert len([n for n in names if n.startswith("results/bench_console.") and n != "results/bench_console.txt"]) == 1
+    assert call("poll", "30").returncode == 0
 
 
 @pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 devices (conftest forces 4 on a CPU)")
