@@ -76,7 +76,7 @@ def test_plain_decoding_is_the_default_only_where_it_measured_faster():
     assert (path, method, k, note) == (shipped, heads.DEFAULT_METHOD, heads.best_k(heads.DEFAULT_METHOD, "gpu"), None)
     assert k == 6  # defaults.json: the run-14 head (and run 10 before it) measured fastest at k = 6 of 1..7 on the H200
     # Leases 17-25 measured k at 2-64 rows: k = 4 won at 2, 8, 16, 32 and 64 rows, k = 3 at 4 rows
-    # (leases 21, 22 and 25, five of five pairs; docs/BENCHMARKS.md).
+    # (leases 21-23 and 25, six of six pairs; docs/BENCHMARKS.md).
     assert [heads.draft_plan(None, None, None, None, "gpu", batch_size=size)[2] for size in (2, 3, 4, 5, 8, 16, 64, 128)] \
         == [4, 4, 3, 4, 4, 4, 4, 4]
     path, method, k, note = heads.draft_plan(None, None, None, None, "cpu")
