@@ -15,8 +15,9 @@ program touches that (row, kv head). Overlapping moves (a path entry moving onto
 entry is read from) are therefore safe, as in the reference. The barrier is needed because the
 tile is spread over several warps: a store's data dependence orders it after its own thread's
 load only, and lease 24's GPU check found entries lost without it (max error 1.87 at 7 and 32
-entries; exact at 1, where nothing overlaps); with it, lease 25's was exact at 1 to 32. The caller keeps start + M within the cache
-(the engine's headroom); the kernel drops writes past its end where the reference would clamp.
+entries; exact at 1, where nothing overlaps); with it, lease 25's was exact at 1 to 32. The
+caller keeps start + M within the cache (the engine's headroom); the kernel drops writes past
+its end where the reference would clamp.
 `interpret=None` runs the kernel in interpret mode unless the backend is a GPU.
 """
 
