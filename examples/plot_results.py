@@ -714,7 +714,8 @@ def plot_k_at_batch(sweeps: dict[int, dict], setting: tuple[int, int], default_k
     ax.plot([], [], "*", color="lightgray", markeredgecolor="black", markersize=12,
             label="the k the CLI picks there (heads/defaults.json)")
     ax.set_xlabel("k, speculative tokens per step")
-    ax.set_ylabel("output tokens / s, relative to the best k of its batch size")
+    # Two lines: the legend below leaves the axes too short for the label on one.
+    ax.set_ylabel("output tokens / s, relative to\nthe best k of its batch size")
     ax.xaxis.get_major_locator().set_params(integer=True)
     rows = [r for sweep in sweeps.values() for r in sweep["rows"]]
     batch1 = f"batch 1 static ({kernels_of(sweeps[1]['rows'][0])} kernels), " if 1 in sweeps else ""
