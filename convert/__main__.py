@@ -20,10 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
-from eagle_jax import gguf_file
-from eagle_jax import hf_files
-from eagle_jax import int8_weights
-from eagle_jax import models
+from eagle_jax.io import gguf_file
+from eagle_jax.io import hf_files
+from eagle_jax.io import int8_weights
+from eagle_jax.io import models
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -24,12 +24,12 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from eagle_jax import checkpoint
-from eagle_jax import config as config_lib
-from eagle_jax import default_model
-from eagle_jax import eagle
-from eagle_jax import llama
-from eagle_jax import models
+from eagle_jax.io import checkpoint
+from eagle_jax.model import config as config_lib
+from eagle_jax.io import default_model
+from eagle_jax.model import eagle
+from eagle_jax.model import llama
+from eagle_jax.io import models
 
 # Tests marked slow need the real default model (a ~100 MB download on a fresh machine); they run
 # only with EAGLE_JAX_SLOW=1 (and `-m slow` to run nothing else). The default run makes no network
@@ -214,7 +214,7 @@ def export_head(head, directory, *, embeddings=None, torch_bin: bool = False):
         embeddings: optional [V, D] array added as `embed_tokens.weight` (as SafeAILab heads ship).
         torch_bin: write `pytorch_model.bin` instead of `model.safetensors` (older public heads).
     """
-    from eagle_jax import hf_files
+    from eagle_jax.io import hf_files
 
     # The head's layer config carries the target's vocabulary and special tokens (see head_config).
     directory = models.export_head(head, head.config.layer, directory, dtype="float32")

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from eagle_jax import attention_ops
+from eagle_jax.model import attention_ops
 
 IMPLEMENTATIONS = ("xla", "pallas")
 

@@ -65,7 +65,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from eagle_jax import attention_ops
+from eagle_jax.model import attention_ops
 
 IMPLEMENTATIONS = ("xla", "pallas")
 # The most tokens a row sends to the kernel: decode steps, chain verifies, and tree verifies of up

@@ -1,0 +1,246 @@
+"""`python -m eagle_jax.generate`: (speculative) generation from the command line.
+
+With no `--model` it runs the embedded default model, SmolLM2-135M-Instruct, with its shipped
+EAGLE head as the draft (on a CPU without one unless asked: speculation measured slower there).
+Text streams to the terminal; `--json` prints one object per prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import jax
+
+from eagle_jax.serve import compile_cache
+from eagle_jax.serve import engine as engine_lib
+from eagle_jax import heads
+from eagle_jax.io import hf_files
+from eagle_jax.model import layers
+from eagle_jax.io import models
+from eagle_jax.decode import sampling as sampling_lib
+from eagle_jax.serve import sharding
+from eagle_jax.decode import speculative
+from eagle_jax.io import tokenization
+from eagle_jax.decode import tree as tree_lib
+
+TREE_FLAGS = ("--speculative-eagle-topk", "--speculative-num-steps", "--speculative-num-draft-tokens")
+
+SCHEDULERS = ("continuous", "static")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m eagle_jax.generate", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="HF directory, converted directory or .gguf (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    parser.add_argument("--prompts-file", help="JSONL with a 'prompt' field or MT-Bench 'turns' (first turn used)")
+    parser.add_argument("--no-chat", action="store_true", help="feed raw text, without the chat template")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=sorted(models.DTYPES), default="float32")
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
+    parser.add_argument("--draft", help="EAGLE head directory; 'none' disables (default: the shipped head "
+                                        "when the model is the default one)")
+    parser.add_argument("--method", choices=["eagle", "eagle3"],
+                        help="which shipped head (default: eagle3; none on a CPU, where it measured slower)")
+    parser.add_argument("--num-speculative-tokens", type=int, help="k drafted tokens per step; 0 = plain decoding")
+    parser.add_argument("--speculative-eagle-topk", type=int, help="EAGLE-2 tree: children per expanded node, "
+                                                                   "and nodes expanded per depth (K)")
+    parser.add_argument("--speculative-num-steps", type=int, help="EAGLE-2 tree: its depth (D)")
+    parser.add_argument("--speculative-num-draft-tokens", type=int,
+                        help="EAGLE-2 tree: drafted nodes verified per step, the root excluded (N, D..K+(D-1)K^2)")
+    parser.add_argument("--speculative-disable-by-batch-size", type=int, metavar="N",
+                        help="decode without drafts in steps where more than N rows are active (default: always "
+                             "speculate)")
+    parser.add_argument("--eager", action="store_true", help="run op by op without jit (slow; for comparison)")
+    parser.add_argument("--decode-kernels", choices=("auto",) + layers.DECODE_KERNELS, default="auto",
+                        help="pallas: fused norm, projection and attention kernels in decode steps of up to 32 "
+                             "rows, the attention kernel alone in larger ones (Pallas on a GPU, interpreted "
+                             "elsewhere); pallas_linear: the fused norms and projections with XLA's attention; "
+                             "xla: as XLA compiles them; auto: "
+                             "pallas on one GPU, where it measured faster, xla on meshes and CPUs")
+    parser.add_argument("--batch-size", "--max-num-seqs", dest="batch_size", type=int, default=1,
+                        help="rows decoded together: a static batch, or the continuous scheduler's decode slots")
+    parser.add_argument("--scheduler", metavar="{continuous,static}",
+                        help="continuous: a finished row's slot takes the next prompt at once; static: each batch "
+                             "runs until its longest row ends (default: continuous with more than one prompt and "
+                             "a batch size above 1, else static)")
+    parser.add_argument("--max-length", type=int, default=2048,
+                        help="largest KV cache (the continuous scheduler fits its slots' cache to the prompts, up to this)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                        help="split the target over N devices (Megatron-style, XLA SPMD); the head is whole "
+                             "on each unless --draft-tensor-parallel-size N")
+    parser.add_argument("--draft-tensor-parallel-size", type=int, default=1, metavar="N",
+                        help="1: the draft head whole on every device; the tensor parallel size: its MLP and draft "
+                             "vocabulary split too")
+    parser.add_argument("--cache-dir", help=f"compilation cache root (default: ${compile_cache.ENV_VAR}/xla or "
+                                            "~/.cache/eagle_jax/xla)")
+    parser.add_argument("--no-compile-cache", action="store_true")
+    return parser.parse_args(argv)
+
+
+def check_flags(args) -> None:
+    """Rejects out-of-range flags before anything is loaded.
+
+    Raises:
+        engine_lib.InputError: naming the flag and the value given.
+    """
+    k, disable = args.num_speculative_tokens, args.speculative_disable_by_batch_size
+    # Each check states what is valid, so a NaN (false in every comparison) fails it too.
+    checks = [("--num-speculative-tokens", k, k is None or k >= 0, ">= 0"),
+              ("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 1, ">= 1"),
+              ("--max-length", args.max_length, args.max_length >= 1, ">= 1"),
+              ("--batch-size/--max-num-seqs", args.batch_size, args.batch_size >= 1, ">= 1"),
+              ("--tensor-parallel-size", args.tensor_parallel_size, args.tensor_parallel_size >= 1, ">= 1"),
+              ("--draft-tensor-parallel-size", args.draft_tensor_parallel_size,
+               args.draft_tensor_parallel_size in (1, args.tensor_parallel_size),
+               f"1 or the --tensor-parallel-size ({args.tensor_parallel_size})"),
+              ("--temperature", args.temperature, 0 <= args.temperature < math.inf, ">= 0 and finite"),
+              ("--top-p", args.top_p, 0 < args.top_p <= 1, "in (0, 1]"),
+              ("--speculative-disable-by-batch-size", disable, disable is None or disable >= 1, ">= 1"),
+              ("--scheduler", args.scheduler, args.scheduler in (None, *SCHEDULERS), " or ".join(SCHEDULERS))]
+    for flag, value, valid, expected in checks:
+        if not valid:
+            raise engine_lib.InputError(f"{flag} must be {expected}, got {value}")
+    tree = tree_settings(args)
+    if tree is None:
+        return
+    if k:
+        raise engine_lib.InputError("--num-speculative-tokens (a chain) and the tree flags exclude each other")
+    if None in tree:
+        raise engine_lib.InputError(f"a draft tree needs all of {', '.join(TREE_FLAGS)}")
+    problem = tree_lib.check(*tree, names=TREE_FLAGS)
+    if problem:
+        raise engine_lib.InputError(problem)
+
+
+def tree_settings(args) -> tuple[int | None, int | None, int | None] | None:
+    """(topk, num_steps, num_draft_tokens) when any tree flag is given, else None."""
+    tree = (args.speculative_eagle_topk, args.speculative_num_steps, args.speculative_num_draft_tokens)
+    return None if tree == (None, None, None) else tree
+
+
+def read_prompts(args) -> list[str]:
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        for number, line in enumerate(Path(args.prompts_file).read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                prompts.append(record["prompt"] if "prompt" in record else record["turns"][0])
+            except (json.JSONDecodeError, KeyError, IndexError, TypeError):
+                raise engine_lib.InputError(f"{args.prompts_file}:{number}: expected JSON with 'prompt' or 'turns'")
+    if not prompts:
+        prompts = ["Write a short poem about the sea."]
+    return prompts
+
+
+def choose_scheduler(args, num_prompts: int) -> str:
+    """--scheduler, or by default continuous where there is something to refill slots with."""
+    if args.scheduler is not None:
+        return args.scheduler
+    return "continuous" if num_prompts > 1 and args.batch_size > 1 else "static"
+
+
+def load(args, prompts: list[str]):
+    """(engine, tokenizer, method, the prompts' token ids) for the parsed arguments."""
+    mesh = sharding.make_mesh(args.tensor_parallel_size) if args.tensor_parallel_size > 1 else None
+    target, tokenizer_dir = models.load_target(args.model, args.dtype)
+    tokenizer = tokenization.load(tokenizer_dir)
+    token_ids = [tokenization.encode(tokenizer, text, not args.no_chat) for text in prompts]
+    platform = jax.devices()[0].platform
+    tree = tree_settings(args)
+    asked_k = args.num_speculative_tokens if tree is None else args.speculative_num_steps  # a tree always speculates
+    draft, method, k, note = heads.draft_plan(args.model, args.draft, args.method, asked_k, platform, args.batch_size)
+    if note:
+        print(f"eagle_jax: {note}", file=sys.stderr)
+    head = models.load_head(draft, target, args.dtype) if draft else None
+    cache_dir = None if args.no_compile_cache else (args.cache_dir or compile_cache.default_root())
+    tree = tree_lib.TreeOptions(*tree) if tree is not None and head is not None else None
+    drafting = dict(num_speculative_tokens=k) if tree is None else dict(tree=tree)
+    scheduler = choose_scheduler(args, len(prompts))
+    max_length = args.max_length
+    if scheduler == "continuous":  # every slot has one cache length: fit it to these prompts
+        headroom = speculative.Options(k=k, tree=tree).cache_headroom
+        max_length = engine_lib.fixed_max_length(max(len(ids) for ids in token_ids), args.max_new_tokens, headroom,
+                                                 args.max_length)
+    engine = engine_lib.Engine(target, head, max_length=max_length, batch_size=args.batch_size, eager=args.eager,
+                               cache_dir=cache_dir, scheduler=scheduler, decode_kernels=args.decode_kernels,
+                               speculative_disable_by_batch_size=args.speculative_disable_by_batch_size, mesh=mesh,
+                               draft_tensor_parallel_size=args.draft_tensor_parallel_size, **drafting)
+    return engine, tokenizer, method, token_ids
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        check_flags(args)
+        if sharding.initialize_distributed() and jax.process_index() > 0:
+            # Every process computes the same tokens: process 0 prints them (fd 1, for native libraries too).
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sampling = sampling_lib.Sampling(temperature=args.temperature, top_p=args.top_p)
+        prompts = read_prompts(args)
+        engine, tokenizer, method, token_ids = load(args, prompts)
+        engine.check_prompts(token_ids, args.max_new_tokens)  # all of them, before anything streams
+        stream = not args.json and args.batch_size == 1
+        streamed = {}
+
+        def on_tokens(index, new_ids):
+            previous = tokenizer.decode(streamed.get(index, []), skip_special_tokens=True)
+            streamed[index] = streamed.get(index, []) + new_ids
+            print(tokenizer.decode(streamed[index], skip_special_tokens=True)[len(previous):], end="", flush=True)
+
+        options = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, ignore_eos=args.ignore_eos)
+        if stream:  # one prompt at a time, so each streams as it is made
+            for index, ids in enumerate(token_ids):
+                print(f"\n>>> {prompts[index]}\n", flush=True)
+                [result] = engine.generate([ids], seed=args.seed + index, steps_per_call=8, on_tokens=on_tokens,
+                                           **options)
+                report(args, prompts[index], tokenizer, result, method, engine, stream)
+        else:  # batched (static batches or decode slots); results come back in input order
+            results = engine.generate(token_ids, seed=args.seed, steps_per_call=64, **options)
+            for prompt, result in zip(prompts, results):
+                report(args, prompt, tokenizer, result, method, engine, stream)
+    except (engine_lib.InputError, hf_files.CheckpointError, FileNotFoundError, ValueError, RuntimeError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def report(args, prompt, tokenizer, result, method, engine, streamed) -> None:
+    text = tokenizer.decode(result.token_ids, skip_special_tokens=True)
+    k, tree = engine.k, engine.tree
+    if args.json:
+        # A tree reports its three settings and no chain length; a chain or plain decoding, k and no tree.
+        record = dict(prompt=prompt, text=text, token_ids=result.token_ids, num_tokens=result.num_tokens,
+                      seconds=round(result.seconds, 4), tokens_per_second=round(result.tokens_per_second, 2),
+                      compile_seconds=round(result.compile_seconds, 3), method=method,
+                      num_speculative_tokens=None if tree else k,
+                      speculative_eagle_topk=tree and tree.topk, speculative_num_steps=tree and tree.num_steps,
+                      speculative_num_draft_tokens=tree and tree.num_draft_tokens,
+                      scheduler=engine.scheduler, batch_size=engine.batch_size, decode_kernels=engine.decode_kernels,
+                      tensor_parallel_size=engine.tensor_parallel_size,
+                      draft_tensor_parallel_size=engine.draft_tensor_parallel_size, **result.stats)
+        print(json.dumps(record), flush=True)
+        return
+    if not streamed:
+        print(f"\n>>> {prompt}\n{text}")
+    summary = f"{result.num_tokens} tokens in {result.seconds:.2f} s, {result.tokens_per_second:.1f} tokens/s"
+    if k:
+        drafting = (f"tree topk={tree.topk} steps={tree.num_steps} draft tokens={tree.num_draft_tokens}" if tree
+                    else f"k={k}")
+        summary += f", acceptance length {result.stats['acceptance_length']:.2f} ({method}, {drafting})"
+    print(f"\n[{summary}; compile {result.compile_seconds:.1f} s]", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    sys.exit(main())

@@ -1,0 +1,434 @@
+"""Llama building blocks: RMSNorm, rotary embeddings (incl. llama3 scaling), attention, MLP.
+
+Submodule and parameter names follow HF (`self_attn.o_proj`, `mlp.down_proj`, ...) so that
+weight conversion is a short table; HF's q/k/v and gate/up projections are stored fused
+(`self_attn.qkv_proj`, `mlp.gate_up_proj`), concatenated along the output axis.
+Einsum letters: B batch, T query, S key, D model, N query heads, K kv heads, G group,
+H head dim, F feed-forward.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from eagle_jax.model import attention_ops
+from eagle_jax.model import config as config_lib
+from eagle_jax.kernels import decode_attention
+from eagle_jax.kernels import fused_linear
+
+# Settings of `with_decode_kernels`: XLA alone; every fused Pallas kernel; or the fused linear
+# kernels around XLA's attention (in a whole step the attention kernel cost 24-27 us a layer on a
+# 6-token verify, where speculation with every kernel ran slower than with XLA's alone:
+# docs/BENCHMARKS.md, eighth session).
+DECODE_KERNELS = ("xla", "pallas", "pallas_linear")
+
+
+def fused_kernels(decode_kernels: str) -> str:
+    """The implementation ("xla" or "pallas") of the kernels a `decode_kernels` setting runs
+    besides attention: `kernels.fused_linear`, and `kernels.compact_cache` after a tree's verify."""
+    return "xla" if decode_kernels == "xla" else "pallas"
+
+
+class RMSNorm(nnx.Module):
+    """HF LlamaRMSNorm: normalise in float32, cast back, then scale."""
+
+    def __init__(self, size: int, eps: float, *, dtype=jnp.float32, param_dtype=jnp.float32):
+        self.weight = nnx.Param(jnp.ones((size,), param_dtype))
+        self.eps = eps
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...].astype(self.dtype) * x32.astype(self.dtype)
+
+
+@jax.custom_vjp
+def float32_logits(x: jax.Array, weight: jax.Array) -> jax.Array:
+    """x [..., D] @ weight [D, V] accumulated and returned in float32, its gradients in x's dtype.
+
+    The float32 logits feed softmaxes and cross-entropies. Their cotangent is float32 too, and
+    a plain einsum's backward would promote the bf16 operands to float32 and run both gradient
+    GEMMs in TF32 (on the H200, 19 ms of a 121 ms EAGLE-3 train step and 35 ms of an EAGLE-1
+    one). Here the cotangent is cast to x's dtype first, as mixed-precision training does, so
+    the backward GEMMs run in bf16 with float32 accumulation. Float32 inputs are unaffected.
+    """
+    return jnp.einsum("...d,dv->...v", x, weight.astype(x.dtype), preferred_element_type=jnp.float32)
+
+
+def _float32_logits_forward(x, weight):
+    return float32_logits(x, weight), (x, weight)
+
+
+def _float32_logits_backward(residuals, cotangent):
+    x, weight = residuals
+    cotangent = cotangent.astype(x.dtype)
+    grad_x = jnp.einsum("...v,dv->...d", cotangent, weight.astype(x.dtype), preferred_element_type=jnp.float32)
+    grad_w = jnp.einsum("...d,...v->dv", x, cotangent, preferred_element_type=jnp.float32)
+    return grad_x.astype(x.dtype), grad_w.astype(weight.dtype)
+
+
+float32_logits.defvjp(_float32_logits_forward, _float32_logits_backward)
+
+
+def rope_inverse_frequencies(head_dim: int, theta: float, scaling: config_lib.RopeScaling | None) -> np.ndarray:
+    """Rotary inverse frequencies [H/2], with the `llama3` long-context rescaling when given."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    if scaling is None:
+        return inv_freq.astype(np.float32)
+    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    interpolated = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    between = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(between, interpolated, scaled).astype(np.float32)
+
+
+class SlotMask(NamedTuple):
+    """A cache layout other than "position p lives in slot p, sees slots <= p": tree attention.
+
+    A tree's nodes share positions (siblings sit at the same depth), so a node's slot can no
+    longer be its position, nor can causality follow from slot order.
+
+    Attributes:
+        start: [B] int32 slot where the T new keys and values are written, consecutively.
+        visible: [B, T, S] bool: the cache slots each new query attends to (itself included).
+        among_new: optional [B, T, T] bool, visible's part among the T new slots, given where that
+            is all the mask changes from the contiguous layout: every query sees every slot before
+            start, and positions[:, 0] is start (a tree's verify: its root sits at its write slot).
+            With it the Pallas attention kernel can run the call (`uses_attention_kernel`).
+    """
+
+    start: jax.Array
+    visible: jax.Array
+    among_new: jax.Array | None = None
+
+
+def qkv_sizes(cfg: config_lib.LlamaConfig) -> tuple[int, int, int]:
+    """Output widths of q, k and v inside the fused `qkv_proj` (HF's q_proj, k_proj, v_proj)."""
+    return cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+
+
+def gate_up_sizes(cfg: config_lib.LlamaConfig) -> tuple[int, int]:
+    """Output widths of gate and up inside the fused `gate_up_proj` (HF's gate_proj, up_proj)."""
+    return cfg.intermediate_size, cfg.intermediate_size
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention over an explicit, statically shaped KV cache."""
+
+    def __init__(self, cfg: config_lib.LlamaConfig, *, input_size: int | None = None, rngs: nnx.Rngs,
+                 dtype=jnp.float32, param_dtype=jnp.float32):
+        input_size = input_size or cfg.hidden_size
+        linear = lambda i, o, bias: nnx.Linear(i, o, use_bias=bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        # q, k and v in one matrix: one matmul instead of three per layer (fewer, larger
+        # kernels; at batch 1 a decode step is a chain of small memory-bound matvecs).
+        self.qkv_proj = linear(input_size, sum(qkv_sizes(cfg)), cfg.attention_bias)
+        self.o_proj = linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.attention_bias)
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        # Blocks the fused output axis is laid out in: P under tensor parallelism, where block p
+        # holds device p's own q, k and v heads (`sharding.shard_target` reorders and sets it).
+        self.num_shards = 1
+        # Hashable rope settings, not an array: module attributes that are not Params are static.
+        self.rope = (cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+    def project(self, x: jax.Array, positions: jax.Array):
+        """Queries [B, T, N, H], keys and values [B, T, K, H] of the inputs, rotary applied."""
+        return self.split_heads(self.qkv_proj(x), positions)
+
+    def split_heads(self, qkv: jax.Array, positions: jax.Array):
+        """`project` from qkv_proj's output [B, T, (N + 2K) H]."""
+        batch, length, _ = qkv.shape
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        fused = qkv.reshape(batch, length, self.num_shards, -1)  # [B, T, P, (N + 2K) H / P]
+        q, k, v = jnp.split(fused, [q_size // self.num_shards, (q_size + kv_size) // self.num_shards], axis=-1)
+        q = q.reshape(batch, length, self.num_heads, self.head_dim)
+        k = k.reshape(batch, length, self.num_kv_heads, self.head_dim)
+        v = v.reshape(batch, length, self.num_kv_heads, self.head_dim)
+        inv_freq = rope_inverse_frequencies(*self.rope)
+        rotate = lambda x: attention_ops.apply_rotary(x, positions, inv_freq)
+        return rotate(q), rotate(k), v
+
+    def __call__(self, x: jax.Array, positions: jax.Array, keys: jax.Array | None, values: jax.Array | None,
+                 implementation: str = "xla", mask: SlotMask | None = None, attend_length: int | None = None):
+        """Attends T new tokens to the cache after writing their keys and values into it.
+
+        Args:
+            x: [B, T, input_size] inputs.
+            positions: [B, T] int32 positions, contiguous per row; they are also the cache slots.
+            keys, values: [B, S, K, H] this layer's cache, or None for cache-free causal
+                self-attention among the inputs (then None is returned for both).
+            implementation: of the cache-free attention (`causal_attention`).
+            mask: where to write and what to see when positions are not slots (a tree's nodes).
+            attend_length: read only cache slots [0, attend_length) (None: all S). The caller
+                guarantees that every visible slot lies below it; the writes may go anywhere.
+
+        Returns:
+            ([B, T, D] output, updated keys, updated values). Without a mask, slot s is visible
+            to a query at position p iff s <= p, so stale entries past a row's cursor are never read.
+        """
+        q, k, v = self.project(x, positions)
+        if keys is None:  # no cache: causal self-attention over the T inputs (training features)
+            return self.output(causal_attention(q, k, v, implementation)), None, None
+        attended, keys, values = self.attend(q, k, v, positions, keys, values, mask, attend_length)
+        return self.output(attended), keys, values
+
+    def attend(self, q, k, v, positions: jax.Array, keys: jax.Array, values: jax.Array, mask: SlotMask | None = None,
+               attend_length: int | None = None):
+        """Writes k and v [B, T, K, H] into the cache [B, S, K, H], then attends q [B, T, N, H] over
+        its first `attend_length` slots (all S if None).
+
+        Returns:
+            (attended values [B, T, N, H] before o_proj, updated keys, updated values).
+        """
+        start = positions[:, 0] if mask is None else mask.start
+        keys = attention_ops.write_rows(keys, k, start)
+        values = attention_ops.write_rows(values, v, start)
+        # Attention cost grows with the slots it reads: a cache sized for the longest request
+        # would otherwise be read whole at every step, filled or not.
+        read = keys.shape[1] if attend_length is None else attend_length
+        if mask is None:
+            slots = jnp.arange(read, dtype=jnp.int32)
+            visible = slots[None, None, :] <= positions[:, :, None]  # [B, T, read]
+        else:
+            visible = mask.visible[..., :read]
+        return attention_ops.grouped_attention(q, keys[:, :read], values[:, :read], visible), keys, values
+
+    def output(self, attended: jax.Array) -> jax.Array:
+        """o_proj of attended values [B, T, N, H]."""
+        batch, length = attended.shape[:2]
+        return self.o_proj(attended.reshape(batch, length, self.num_heads * self.head_dim))
+
+
+def causal_attention(q: jax.Array, keys: jax.Array, values: jax.Array, implementation: str = "xla",
+                     extra_keys: tuple[jax.Array, ...] = (), extra_values: tuple[jax.Array, ...] = ()) -> jax.Array:
+    """Causal self-attention of T queries over their own T keys, plus optional per-query extras.
+
+    Args:
+        q: [B, T, N, H]; keys, values: [B, T, K, H] (query t sees keys 0..t).
+        implementation: "xla" (`grouped_attention`, the reference) or "cudnn" (fused flash
+            attention; GPU, bf16/fp16 only).
+        extra_keys, extra_values: J arrays [B, T, K, H]: query t also sees extra_keys[j][:, t]
+            (the training-time test's "diagonal": a query's own earlier draft steps).
+    Returns:
+        [B, T, N, H] attended values.
+    """
+    batch, length = q.shape[:2]
+    causal = jnp.tril(jnp.ones((length, length), bool))
+    if implementation == "xla":
+        if not extra_keys:
+            return attention_ops.grouped_attention(q, keys, values, jnp.broadcast_to(causal, (batch, length, length)))
+        return _grouped_attention_with_extras(q, keys, values, causal, extra_keys, extra_values)
+    if implementation != "cudnn":
+        raise ValueError(f"unknown attention implementation {implementation!r} (xla, cudnn)")
+    if not extra_keys:  # causal, so no real query sees the pad
+        out = jax.nn.dot_product_attention(_even_length(q), _even_length(keys), _even_length(values), is_causal=True,
+                                           implementation="cudnn")
+        return out[:, :length]
+    return _masked_attention_with_extras(q, keys, values, extra_keys, extra_values, "cudnn")
+
+
+def _masked_attention_with_extras(q, keys, values, extra_keys, extra_values, implementation: str):
+    """One `jax.nn.dot_product_attention` call over [keys; extra_0; ...] with a static block mask.
+
+    The mask is causal in the first block and the diagonal in each extra block.
+    """
+    length = q.shape[1]
+    q, keys, values = _even_length(q), _even_length(keys), _even_length(values)
+    extra_keys, extra_values = tuple(map(_even_length, extra_keys)), tuple(map(_even_length, extra_values))
+    padded = q.shape[1]
+    causal = jnp.tril(jnp.ones((padded, padded), bool))
+    eye = jnp.eye(padded, dtype=bool)
+    mask = jnp.concatenate([causal] + [eye] * len(extra_keys), axis=1)[None, None]  # [1, 1, T, (1+J)T]
+    all_keys = jnp.concatenate((keys,) + extra_keys, axis=1)
+    all_values = jnp.concatenate((values,) + extra_values, axis=1)
+    out = jax.nn.dot_product_attention(q, all_keys, all_values, mask=mask, implementation=implementation)
+    return out[:, :length]
+
+
+def _even_length(x: jax.Array) -> jax.Array:
+    """x [B, T, ...] padded by one position at the end of T if T is odd (its output is dropped).
+
+    cuDNN's fused attention trains only on even lengths; the head sees T - 1 = 639 positions.
+    """
+    pad = [(0, 0)] * x.ndim
+    pad[1] = (0, x.shape[1] % 2)
+    return jnp.pad(x, pad)
+
+
+def _grouped_attention_with_extras(q, keys, values, causal, extra_keys, extra_values):
+    """XLA reference of `causal_attention` with extras: one softmax over the causal keys and the extras."""
+    batch, length, num_heads, head_dim = q.shape
+    num_kv_heads = keys.shape[2]
+    q = q.reshape(batch, length, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scale = 1.0 / math.sqrt(head_dim)
+    scores0 = jnp.einsum("btkgh,bskh->bkgts", q, keys, preferred_element_type=jnp.float32) * scale
+    scores0 = jnp.where(causal[None, None, None], scores0, attention_ops.MASK_VALUE)
+    extra_k = jnp.stack(extra_keys, axis=-2)  # [B, T, K, J, H]
+    extra_v = jnp.stack(extra_values, axis=-2)
+    scores_e = jnp.einsum("btkgh,btkjh->bkgtj", q, extra_k, preferred_element_type=jnp.float32) * scale
+    probs = jax.nn.softmax(jnp.concatenate([scores0, scores_e], axis=-1), axis=-1).astype(q.dtype)
+    probs0, probs_e = probs[..., :length], probs[..., length:]
+    out = jnp.einsum("bkgts,bskh->btkgh", probs0, values) + jnp.einsum("bkgtj,btkjh->btkgh", probs_e, extra_v)
+    return out.reshape(batch, length, num_heads, head_dim)
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: config_lib.LlamaConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        linear = lambda i, o: nnx.Linear(i, o, use_bias=cfg.mlp_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.gate_up_proj = linear(cfg.hidden_size, sum(gate_up_sizes(cfg)))  # gate and up, fused like q/k/v
+        self.down_proj = linear(cfg.intermediate_size, cfg.hidden_size)
+        self.num_shards = 1  # blocks [gate_p | up_p] of gate_up_proj's output, as in `Attention`
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        fused = self.gate_up_proj(x).reshape(*x.shape[:-1], self.num_shards, -1)  # [..., P, 2F / P]
+        gate, up = jnp.split(fused, 2, axis=-1)
+        return self.down_proj((jax.nn.silu(gate) * up).reshape(*x.shape[:-1], -1))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm Llama decoder layer."""
+
+    def __init__(self, cfg: config_lib.LlamaConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        kw = dict(dtype=dtype, param_dtype=param_dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.self_attn = Attention(cfg, rngs=rngs, **kw)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.mlp = MLP(cfg, rngs=rngs, **kw)
+        self.decode_kernels = "xla"  # static: see `with_decode_kernels`
+        self.attention_tiling = None  # static: the attention kernel's `Tiling`, None for its own choice
+
+    def __call__(self, x, positions, keys, values, implementation: str = "xla", mask: SlotMask | None = None,
+                 attend_length: int | None = None):
+        attention = self.self_attn
+        linears = (attention.qkv_proj, attention.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
+        # Cached calls only: cache-free calls compute training features, which need gradients
+        # (the Pallas kernels define none).
+        if keys is not None and uses_decode_kernels(self.decode_kernels, x, *linears):
+            return self._kernel_decode(x, positions, keys, values, mask, attend_length, fused_linears=True)
+        if keys is not None and uses_attention_kernel(self.decode_kernels, x, mask, attention):
+            return self._kernel_decode(x, positions, keys, values, mask, attend_length, fused_linears=False)
+        attended, keys, values = attention(self.input_layernorm(x), positions, keys, values, implementation, mask,
+                                           attend_length)
+        x = x + attended
+        return residual_mlp(x, self.post_attention_layernorm, self.mlp), keys, values
+
+    def _kernel_decode(self, x, positions, keys, values, mask: SlotMask | None, attend_length: int | None,
+                       fused_linears: bool):
+        """The cached call with the Pallas kernels. With fused_linears, five kernels: norm +
+        qkv_proj, attention (rotary, cache write and softmax attention; `kernels.decode_attention`),
+        o_proj + residual, norm + gate_up_proj + silu, down_proj + residual. Without (more rows than
+        the linear kernels take), only the attention kernel, between XLA's norms and matmuls: it reads
+        each row's filled slots only, where XLA's attention reads all attend_length of them. A tree's
+        verify takes the kernel too when its SlotMask carries `among_new` (the kernel then reads
+        which new tokens a query sees from it); other masks, and every call under "pallas_linear",
+        attend in XLA."""
+        attention, norm = self.self_attn, self.input_layernorm
+        if fused_linears:
+            qkv = fused_linear.norm_linear(x, norm.weight[...], norm.eps, attention.qkv_proj.kernel[...],
+                                           implementation=fused_kernels(self.decode_kernels))
+        else:
+            qkv = attention.qkv_proj(norm(x))
+        if uses_attention_kernel(self.decode_kernels, x, mask, attention):
+            attended, keys, values = kernel_attend(attention, qkv, positions, keys, values, mask, attend_length,
+                                                   self.attention_tiling)
+        else:
+            q, k, v = attention.split_heads(qkv, positions)
+            attended, keys, values = attention.attend(q, k, v, positions, keys, values, mask, attend_length)
+        if not fused_linears:
+            x = x + attention.output(attended)
+            return residual_mlp(x, self.post_attention_layernorm, self.mlp), keys, values
+        x = fused_linear.linear_residual(attended.reshape(*x.shape[:2], -1), attention.o_proj.kernel[...], x,
+                                         implementation=fused_kernels(self.decode_kernels))
+        return residual_mlp(x, self.post_attention_layernorm, self.mlp, self.decode_kernels), keys, values
+
+
+def residual_mlp(x: jax.Array, norm: RMSNorm, mlp: MLP, decode_kernels: str = "xla") -> jax.Array:
+    """x + mlp(norm(x)), in two fused kernels when `uses_decode_kernels` says so."""
+    if not uses_decode_kernels(decode_kernels, x, mlp.gate_up_proj, mlp.down_proj):
+        return x + mlp(norm(x))
+    implementation = fused_kernels(decode_kernels)
+    hidden = fused_linear.norm_gate_up(x, norm.weight[...], norm.eps, mlp.gate_up_proj.kernel[...],
+                                       implementation=implementation)
+    return fused_linear.linear_residual(hidden, mlp.down_proj.kernel[...], x, implementation=implementation)
+
+
+def uses_decode_kernels(decode_kernels: str, x: jax.Array, *linears: nnx.Linear) -> bool:
+    """Whether `decode_kernels` ("pallas" or "pallas_linear") replaces these linear layers on inputs x [..., D].
+
+    Only decode steps, at most `fused_linear.MAX_ROWS` rows: there the fused kernels save
+    launches, while longer inputs (prefill, training) are large matmuls XLA runs well. Layers
+    with biases, or computing in another dtype than x's, keep the XLA path: the kernels have
+    no bias and compute in x's dtype.
+    """
+    rows = math.prod(x.shape[:-1])
+    return (decode_kernels != "xla" and rows <= fused_linear.MAX_ROWS
+            and all(not l.use_bias and l.dtype == x.dtype for l in linears))
+
+
+def uses_attention_kernel(decode_kernels: str, x: jax.Array, mask: SlotMask | None, attention: Attention) -> bool:
+    """Whether a cached call on x [B, T, D] attends with the Pallas kernel (setting "pallas" only),
+    with or without the fused linear kernels around it: a decode step, a chain's verify or a tree's
+    (T <= its MAX_TOKENS; a mask only with `among_new`) at any batch, with the unsharded
+    [q | k | v] layout the kernel reads."""
+    return (decode_kernels == "pallas" and (mask is None or mask.among_new is not None)
+            and x.shape[1] <= decode_attention.MAX_TOKENS and attention.num_shards == 1)
+
+
+def kernel_attend(attention: Attention, qkv: jax.Array, positions: jax.Array, keys: jax.Array, values: jax.Array,
+                  mask: SlotMask | None, attend_length: int | None, tiling: decode_attention.Tiling | None):
+    """`attention`'s cached attention from qkv_proj's output in the Pallas kernel (where
+    `uses_attention_kernel`): (attended [B, T, N, H], keys, values), before o_proj."""
+    return decode_attention.attend(
+        qkv, positions, keys, values, num_heads=attention.num_heads, num_kv_heads=attention.num_kv_heads,
+        head_dim=attention.head_dim, inv_freq=rope_inverse_frequencies(*attention.rope), attend_length=attend_length,
+        implementation="pallas", tiling=tiling, new_visible=None if mask is None else mask.among_new)
+
+
+def with_decode_kernels(module: nnx.Module, decode_kernels: str,
+                        attention_tiling: decode_attention.Tiling | None = None) -> nnx.Module:
+    """A copy of a target or head (sharing its weights) whose decode steps use `decode_kernels`.
+
+    "xla" (default) runs norms, projections and cached attention as XLA compiles them. "pallas"
+    runs them as fused Pallas kernels (`kernels.fused_linear`, `kernels.decode_attention`) in
+    cached calls of up to `fused_linear.MAX_ROWS` rows (batch x tokens): five per target decoder
+    layer (a tree's verify included), two for a draft head's MLP, with the attention kernel
+    between a draft head's projections in its cached calls without a tree's mask;
+    in larger cached calls of up to `decode_attention.MAX_TOKENS` tokens a row (batched decode
+    steps and verifies) only the attention kernel (`uses_attention_kernel`). "pallas_linear" runs
+    the fused linear kernels where "pallas" does, with XLA's rotary, cache writes and attention
+    between them (six kernels or so in place of the attention kernel). Under either Pallas
+    setting a tree step moves its accepted path into place in one kernel (`kernels.compact_cache`)
+    rather than two per layer's keys and values. In Pallas interpret
+    mode unless the backend is a GPU (so CPU tests run the kernel code).
+    `attention_tiling` sets the attention kernel's block size and launch settings (None: the
+    kernel's own choice for the batch, `decode_attention.Tiling.for_rows`); it takes "pallas".
+    Both settings are static attributes, so they are part of the module's graph and of every
+    program compiled from it.
+    """
+    if decode_kernels not in DECODE_KERNELS:
+        raise ValueError(f"decode_kernels must be one of {DECODE_KERNELS}, got {decode_kernels!r}")
+    if attention_tiling is not None and decode_kernels != "pallas":
+        raise ValueError(f"an attention tiling sets the Pallas attention kernel, which decode_kernels="
+                         f"{decode_kernels!r} does not run")
+    graphdef, state = nnx.split(module)
+    module = nnx.merge(graphdef, state)  # new module objects over the same (immutable) arrays
+    for _, child in nnx.iter_graph(module):
+        if isinstance(child, nnx.Module) and hasattr(child, "decode_kernels"):
+            child.decode_kernels = decode_kernels
+        if isinstance(child, nnx.Module) and hasattr(child, "attention_tiling"):
+            child.attention_tiling = attention_tiling
+    return module

@@ -1,0 +1,272 @@
+"""A persistent compilation cache with one subdirectory per compiled module.
+
+JAX's own persistent cache is one flat directory for the whole process. vLLM found it needed a
+separate cache for the draft head; here every module (prefill, decode, speculative step, draft
+head) gets `<root>/<module>-<hash>/`, the hash covering what determines its program besides the
+program text: model configs, static options, argument shapes and dtypes, jax and jaxlib
+versions, the backend, and the device mesh (axes, sizes, device kind and ids; the executable
+is bound to those devices). Inside, each entry is named by the hash of the lowered program, so
+a stale entry can never be loaded for a changed program. Removing one module's directory
+recompiles only that module.
+
+Threat model: loading an entry runs it. `serialize_executable.deserialize_and_load` unpickles
+the entry and the executable inside is machine code, so whoever can write an entry that passes
+our check can run code in every later process using the cache. A checksum stops corruption but
+not an attacker, who simply recomputes it. So entries are `MAGIC + MAC + payload`, the MAC an
+HMAC-SHA256 over the entry's name and payload under a secret key kept in `<root>/key` (32
+random bytes, created with mode 0600, refused if another user owns it or others may read or
+write it). Nothing is unpickled before the MAC verifies. The root and every module directory
+are created with mode 0700 and refused (`CompileCacheError`) if another user owns them or
+others may write to them, unless the sticky bit protects our files (as in /tmp). This defends
+against other local users and against entries copied in from elsewhere; it cannot defend
+against code running as the same user, which can read the key. (JAX's own persistent cache
+avoids pickle but not this: its entries are unauthenticated executables too.)
+
+Entries are written to a temporary file then renamed, so two processes filling the same cache
+leave only complete entries; a corrupt or truncated entry (or one signed with another key)
+fails its MAC, is reported as a warning, and is rebuilt without being unpickled. Two processes
+creating the key at once agree on one: each writes a complete temporary file and hard-links it
+into place, which fails for all but the first, and the others read the first one's key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+import stat
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import jax
+import jaxlib
+from jax.experimental import serialize_executable
+
+MAGIC = b"EAGLEJAX-XLA-2\n"
+ENV_VAR = "EAGLE_JAX_CACHE_DIR"
+KEY_NAME = "key"
+KEY_BYTES = 32
+MAC_LENGTH = 64  # hex digits of HMAC-SHA256
+
+
+class CompileCacheError(ValueError):
+    """A cache directory or key file that others could have tampered with."""
+
+
+def default_root() -> Path:
+    """`$EAGLE_JAX_CACHE_DIR/xla`, else under the user's cache directory."""
+    from eagle_jax.io import default_model  # local: keeps this module free of model code at import
+
+    return default_model.cache_root() / "xla"
+
+
+def _digest(text: str | bytes) -> str:
+    return hashlib.sha256(text.encode() if isinstance(text, str) else text).hexdigest()
+
+
+def _mac(key: bytes, name: str, payload: bytes) -> bytes:
+    """HMAC-SHA256 (hex) binding the payload to its `<module dir>/<entry>` name."""
+    signed = hmac.new(key, MAGIC + name.encode() + b"\0", hashlib.sha256)
+    signed.update(payload)
+    return signed.hexdigest().encode()
+
+
+def _entry_name(entry: Path) -> str:
+    return f"{entry.parent.name}/{entry.name}"
+
+
+def _check_directory(directory: Path) -> None:
+    """Raises CompileCacheError unless only we can change what `directory` holds."""
+    info = directory.stat()
+    if not stat.S_ISDIR(info.st_mode):
+        raise CompileCacheError(f"compilation cache: {directory} is not a directory")
+    if info.st_uid != os.getuid():
+        raise CompileCacheError(f"compilation cache: {directory} is owned by uid {info.st_uid}, not by this user "
+                                f"(uid {os.getuid()}); refusing to load compiled code from it")
+    # Group- or world-writable is safe only with the sticky bit: then others may add files but
+    # not rename or replace ours, and anything they add is owned by them and so refused.
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not info.st_mode & stat.S_ISVTX:
+        raise CompileCacheError(f"compilation cache: {directory} is writable by other users "
+                                f"(mode {stat.S_IMODE(info.st_mode):o}); refusing to load compiled code from it. "
+                                f"Run `chmod go-w {directory}` or choose another --cache-dir")
+
+
+def _make_directory(directory: Path) -> None:
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _check_directory(directory)
+
+
+def _read_key(path: Path) -> bytes | None:
+    """The key in `path`, None if there is none; CompileCacheError if it is not ours alone."""
+    try:
+        handle = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    except OSError as error:  # ELOOP: a symbolic link
+        raise CompileCacheError(f"compilation cache: cannot open key file {path}: {error}") from error
+    with os.fdopen(handle, "rb") as file:
+        info = os.fstat(file.fileno())
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+            raise CompileCacheError(f"compilation cache: key file {path} is not a regular file owned by this user")
+        # A key others could read may be known to them; tightening the mode now would not
+        # undo that, so refuse rather than fix it.
+        if info.st_mode & 0o077:
+            raise CompileCacheError(f"compilation cache: key file {path} is accessible to other users "
+                                    f"(mode {stat.S_IMODE(info.st_mode):o}); delete it (the cache is then "
+                                    f"recompiled under a new key)")
+        key = file.read(KEY_BYTES + 1)
+    if len(key) != KEY_BYTES:
+        raise CompileCacheError(f"compilation cache: key file {path} holds {len(key)} bytes, not {KEY_BYTES}; "
+                                f"delete it (the cache is then recompiled under a new key)")
+    return key
+
+
+def _load_or_create_key(root: Path) -> bytes:
+    path = root / KEY_NAME
+    key = _read_key(path)
+    if key is not None:
+        return key
+    # mkstemp opens with O_CREAT | O_EXCL and mode 0600. The key is complete on disk before it
+    # is linked into place, so no reader can see a partial key, and link (unlike rename) fails
+    # if another process linked its key first: then we use theirs.
+    handle, temporary = tempfile.mkstemp(dir=root, prefix=".tmp-key-")
+    try:
+        with os.fdopen(handle, "wb") as file:
+            file.write(secrets.token_bytes(KEY_BYTES))
+            file.flush()
+            os.fsync(file.fileno())
+        try:
+            os.link(temporary, path)
+        except FileExistsError:
+            pass
+    finally:
+        os.unlink(temporary)
+    key = _read_key(path)
+    if key is None:
+        raise CompileCacheError(f"compilation cache: key file {path} vanished while it was being created")
+    return key
+
+
+def mesh_identity(mesh: jax.sharding.Mesh) -> str:
+    """The mesh as key text: axis names and sizes, device kind and ids."""
+    devices = list(mesh.devices.flat)
+    axes = ",".join(f"{name}={size}" for name, size in mesh.shape.items())
+    return f"mesh {axes} {devices[0].device_kind} {[device.id for device in devices]}"
+
+
+class CompileCache:
+    """Compiles lowered programs, reusing executables saved by earlier processes.
+
+    Args:
+        root: cache directory; None disables persistence (compile every time). It is created
+            (mode 0700) and checked on the first compilation, which raises CompileCacheError
+            if others could write to it or read its key.
+        mesh: the `jax.sharding.Mesh` the programs are partitioned over, None for one device.
+    """
+
+    def __init__(self, root: str | Path | None, mesh: jax.sharding.Mesh | None = None):
+        self.root = Path(root).expanduser() if root is not None else None
+        self.mesh = mesh
+        self.hits = 0
+        self.misses = 0
+        self._key: bytes | None = None
+
+    def module_dir(self, module: str, key: str) -> Path:
+        device = jax.devices()[0]
+        # XLA_FLAGS change the executable but not the program text, so they belong in the key.
+        parts = [key, jax.__version__, jaxlib.__version__, device.platform, device.device_kind,
+                 os.environ.get("XLA_FLAGS", "")]
+        if self.mesh is not None:  # one device keeps the keys it always had
+            parts.append(mesh_identity(self.mesh))
+        identity = "|".join(parts)
+        return self.root / f"{module}-{_digest(identity)[:16]}"
+
+    def entry_path(self, module: str, key: str, lowered) -> Path:
+        """Where the executable of `lowered` is stored (arguments as `compile`)."""
+        return self.module_dir(module, key) / f"{_digest(lowered.as_text())[:32]}.xla"
+
+    def secret_key(self) -> bytes:
+        """The root's HMAC key, creating the root and the key on first use."""
+        if self._key is None:
+            _make_directory(self.root)
+            self._key = _load_or_create_key(self.root)
+        return self._key
+
+    def compile(self, module: str, key: str, lowered) -> tuple[object, float]:
+        """Returns (compiled executable, seconds spent compiling or loading).
+
+        Args:
+            module: short module name, the directory prefix (e.g. "speculative-eagle3-k5").
+            key: text describing the settings the program depends on.
+            lowered: the `jax.stages.Lowered` program.
+
+        Raises:
+            CompileCacheError: the root or the module's directory is writable by others or
+                owned by another user, or the key file is not private to this user.
+        """
+        began = time.perf_counter()
+        if self.root is None:
+            self.misses += 1
+            return lowered.compile(), time.perf_counter() - began
+        secret = self.secret_key()
+        entry = self.entry_path(module, key, lowered)
+        compiled = self._load(entry, lowered, secret, self.devices())
+        if compiled is not None:
+            self.hits += 1
+            return compiled, time.perf_counter() - began
+        self.misses += 1
+        compiled = lowered.compile()
+        try:
+            payload = serialize_executable.serialize(compiled)[0]
+            self._write(entry, payload, secret)
+        except CompileCacheError:
+            raise
+        except Exception as error:  # a backend that cannot serialise still runs, uncached
+            warnings.warn(f"compilation cache: could not save {entry}: {error}")
+        return compiled, time.perf_counter() - began
+
+    def devices(self) -> list:
+        """The devices the programs run on, in the order they were compiled for.
+
+        A loaded executable is bound to exactly these: left to its default (every device of the
+        backend), a one-device program on a host of several fails at its first call.
+        """
+        return list(self.mesh.devices.flat) if self.mesh is not None else [jax.local_devices()[0]]
+
+    @staticmethod
+    def _load(entry: Path, lowered, secret: bytes, devices: list):
+        if not entry.parent.is_dir():
+            return None
+        _check_directory(entry.parent)
+        try:
+            blob = entry.read_bytes()
+        except FileNotFoundError:
+            return None
+        try:
+            if not blob.startswith(MAGIC):
+                raise ValueError("bad header")
+            mac, payload = blob[len(MAGIC):len(MAGIC) + MAC_LENGTH], blob[len(MAGIC) + MAC_LENGTH:]
+            # Authenticate before unpickling: unpickling an entry from anyone else runs their code.
+            if not hmac.compare_digest(mac, _mac(secret, _entry_name(entry), payload)):
+                raise ValueError("MAC mismatch (truncated, corrupt, or not written with this cache's key)")
+            return serialize_executable.deserialize_and_load(payload, lowered.in_tree, lowered.out_tree,
+                                                             execution_devices=devices)
+        except Exception as error:
+            warnings.warn(f"compilation cache: discarding unreadable entry {entry}: {error}; recompiling")
+            entry.unlink(missing_ok=True)
+            return None
+
+    @staticmethod
+    def _write(entry: Path, payload: bytes, secret: bytes) -> None:
+        _make_directory(entry.parent)
+        handle, temporary = tempfile.mkstemp(dir=entry.parent, prefix=".tmp-")
+        try:
+            with os.fdopen(handle, "wb") as file:
+                file.write(MAGIC + _mac(secret, _entry_name(entry), payload) + payload)
+            os.replace(temporary, entry)  # atomic: readers see the old entry or the whole new one
+        finally:
+            if os.path.exists(temporary):
+                os.unlink(temporary)

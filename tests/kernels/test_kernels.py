@@ -1,0 +1,307 @@
+"""Fused decode kernels (`kernels.fused_linear`): Pallas against the XLA reference, and in the model.
+
+On CPU the Pallas kernels run in interpret mode (the same kernel code, evaluated by XLA:CPU);
+lowering them for CUDA checks, without a GPU, that Triton accepts their shapes.
+"""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax import export
+
+from eagle_jax.serve import engine as engine_lib
+from eagle_jax.model import layers
+from eagle_jax.decode import tree as tree_lib
+from eagle_jax.kernels import decode_attention
+from eagle_jax.kernels import fused_linear
+
+EPS = 1e-5
+# SmolLM2-135M: hidden 576, qkv_proj 960 (9 + 2 x 3 heads of 64), intermediate 1536.
+REAL = dict(hidden=576, qkv=960, intermediate=1536)
+# Nothing divides the blocks: masked edges in K, N and (with 17 rows) a second block of rows.
+RAGGED = dict(hidden=40, qkv=24, intermediate=20)
+
+
+def operands(shape: dict, rows: int, dtype, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    hidden, qkv, intermediate = shape["hidden"], shape["qkv"], shape["intermediate"]
+    normal = lambda *s, scale=1.0: jnp.asarray(scale * rng.standard_normal(s), dtype)
+    return dict(x=normal(rows, hidden), norm=jnp.asarray(1 + 0.1 * rng.standard_normal(hidden), dtype),
+                qkv=normal(hidden, qkv, scale=hidden ** -0.5),
+                gate_up=normal(hidden, 2 * intermediate, scale=hidden ** -0.5),
+                down=normal(intermediate, hidden, scale=intermediate ** -0.5), hidden=normal(rows, intermediate))
+
+
+def all_kernels(o: dict, implementation: str, interpret=None) -> list[jax.Array]:
+    kw = dict(implementation=implementation, interpret=interpret)
+    return [fused_linear.norm_linear(o["x"], o["norm"], EPS, o["qkv"], **kw),
+            fused_linear.norm_gate_up(o["x"], o["norm"], EPS, o["gate_up"], **kw),
+            fused_linear.linear_residual(o["hidden"], o["down"], o["x"], **kw)]
+
+
+@pytest.mark.parametrize("shape,rows,dtype,tolerance", [
+    (REAL, 1, jnp.float32, 1e-5), (REAL, 3, jnp.float32, 1e-5), (REAL, 8, jnp.float32, 1e-5),
+    (REAL, 1, jnp.bfloat16, 2e-2), (REAL, 8, jnp.bfloat16, 2e-2),
+    (RAGGED, 3, jnp.float32, 1e-5), (RAGGED, 17, jnp.float32, 1e-5), (RAGGED, 40, jnp.float32, 1e-5),
+], ids=["real-1", "real-3", "real-8", "real-1-bf16", "real-8-bf16", "ragged-3", "ragged-17", "ragged-40"])
+def test_pallas_matches_xla(shape, rows, dtype, tolerance):
+    o = operands(shape, rows, dtype)
+    for expected, actual in zip(all_kernels(o, "xla"), all_kernels(o, "pallas")):
+        assert actual.shape == expected.shape and actual.dtype == dtype
+        expected, actual = np.asarray(expected, np.float32), np.asarray(actual, np.float32)
+        # bf16: one rounding step of the largest output (2^-8 relative) at most
+        assert np.abs(actual - expected).max() <= tolerance * np.abs(expected).max()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_xla_reference_is_what_the_layers_compute(dtype):
+    o = operands(RAGGED, 3, dtype)
+    norm = layers.RMSNorm(RAGGED["hidden"], EPS, dtype=dtype, param_dtype=dtype)
+    norm.weight[...] = o["norm"]
+    linear = lambda weight: nnx.Linear(*weight.shape, use_bias=False, dtype=dtype, param_dtype=dtype,
+                                       kernel_init=lambda *_: weight, rngs=nnx.Rngs(0))
+    gate, up = jnp.split(linear(o["gate_up"])(norm(o["x"])), 2, axis=-1)
+    expected = [linear(o["qkv"])(norm(o["x"])), jax.nn.silu(gate) * up, o["x"] + linear(o["down"])(o["hidden"])]
+    for want, got in zip(expected, all_kernels(o, "xla")):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("dtype,rows", [(jnp.float32, 1), (jnp.bfloat16, 1), (jnp.bfloat16, 17)])
+def test_pallas_kernels_lower_for_cuda(dtype, rows):
+    """Triton's rules (power-of-two tensors, dot operands >= 16) are checked while lowering."""
+    o = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), operands(REAL, rows, dtype))
+    lowered = export.export(jax.jit(lambda o: all_kernels(o, "pallas", interpret=False)), platforms=["cuda"],
+                            disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(o)
+    assert lowered.mlir_module().count("__gpu$xla.gpu.triton") == 3
+
+
+def test_tiling_needs_powers_of_two_of_at_least_16():
+    with pytest.raises(ValueError, match="block_n"):
+        fused_linear.Tiling(block_n=24)
+    with pytest.raises(ValueError, match="block_m"):
+        fused_linear.Tiling(block_m=8)
+    with pytest.raises(ValueError, match="implementation"):
+        fused_linear.norm_linear(jnp.ones((1, 4)), jnp.ones(4), EPS, jnp.ones((4, 2)), implementation="triton")
+
+
+def test_rows_take_one_block_up_to_max_rows():
+    assert [fused_linear.row_block(m) for m in (1, 16, 17, 32, 33, 100)] == [16, 16, 32, 32, 32, 32]
+
+
+def test_only_small_bias_free_inputs_use_the_kernels(random_target):
+    layer = random_target(num_layers=1).layers[0]
+    linears = (layer.self_attn.qkv_proj, layer.mlp.down_proj)
+    decode, prefill = jnp.ones((2, 16, 32)), jnp.ones((2, 17, 32))  # 32 and 34 rows
+    assert layers.uses_decode_kernels("pallas", decode, *linears)
+    assert layers.uses_decode_kernels("pallas_linear", decode, *linears)
+    assert not layers.uses_decode_kernels("xla", decode, *linears)
+    assert not layers.uses_decode_kernels("pallas", prefill, *linears)
+    assert not layers.uses_decode_kernels("pallas", decode.astype(jnp.bfloat16), *linears)
+    biased = random_target(num_layers=1, attention_bias=True).layers[0]
+    assert not layers.uses_decode_kernels("pallas", decode, biased.self_attn.qkv_proj)
+
+
+def test_with_decode_kernels_copies_and_shares_weights(random_target):
+    target = random_target(num_layers=2)
+    fused = layers.with_decode_kernels(target, "pallas")
+    assert [layer.decode_kernels for layer in fused.layers] == ["pallas"] * 2
+    assert [layer.decode_kernels for layer in target.layers] == ["xla"] * 2
+    assert fused.layers[1].mlp.down_proj.kernel[...] is target.layers[1].mlp.down_proj.kernel[...]
+    with pytest.raises(ValueError, match="decode_kernels"):
+        layers.with_decode_kernels(target, "triton")
+    with pytest.raises(engine_lib.InputError, match="decode_kernels"):
+        engine_lib.Engine(target, decode_kernels="cuda")
+
+
+def test_auto_picks_pallas_only_where_it_measured_faster(random_target):
+    choose = engine_lib.choose_decode_kernels
+    assert choose("gpu", mesh=None) == "pallas"  # plain, chains and trees (batch 1), as measured
+    assert choose("gpu", mesh=object()) == "xla"  # one device only
+    assert choose("cpu", mesh=None) == "xla"  # interpret mode is slow
+    target = random_target(num_layers=1)
+    assert engine_lib.Engine(target).decode_kernels == "xla"  # this CPU
+    assert engine_lib.Engine(target, decode_kernels="pallas").decode_kernels == "pallas"
+
+
+def test_decode_step_runs_the_kernels(random_target):
+    target = random_target(num_layers=1)
+    fused = layers.with_decode_kernels(target, "pallas")
+
+    def forward(model, batch, length, start=0):
+        cache = model.init_cache(batch, 64)
+        positions = jnp.broadcast_to(start + jnp.arange(length, dtype=jnp.int32), (batch, length))
+        tokens = jnp.asarray(np.random.default_rng(batch).integers(0, 100, (batch, length)), jnp.int32)
+        return lambda: model(tokens, positions, cache)[0], jax.make_jaxpr(lambda: model(tokens, positions, cache))()
+
+    # norm + qkv, attention (up to 8 rows split over the cache: two calls), o_proj, norm + gate_up, down_proj
+    assert str(forward(fused, 1, 4)[1]).count("pallas_call") == 6
+    assert str(forward(fused, 8, 4)[1]).count("pallas_call") == 6
+    assert str(forward(fused, 9, 1)[1]).count("pallas_call") == 5
+    assert "pallas_call" not in str(forward(fused, 1, 33)[1])
+    # More rows than the linear kernels take (a batched decode step): the attention kernel alone,
+    # between XLA's matmuls, computing what XLA's attention does.
+    run, jaxpr = forward(fused, 40, 1, start=5)
+    assert str(jaxpr).count("pallas_call") == 1
+    np.testing.assert_allclose(run(), forward(target, 40, 1, start=5)[0](), rtol=2e-5, atol=2e-5)
+    # "pallas_linear": the four fused linears around XLA's attention, none in a batched step.
+    linear_only = layers.with_decode_kernels(target, "pallas_linear")
+    run, jaxpr = forward(linear_only, 1, 4, start=3)
+    assert str(jaxpr).count("pallas_call") == 4
+    np.testing.assert_allclose(run(), forward(target, 1, 4, start=3)[0](), rtol=2e-5, atol=2e-5)
+    assert "pallas_call" not in str(forward(linear_only, 40, 1, start=5)[1])
+
+
+@pytest.fixture(scope="module")
+def tokens_by_setting(aligned_target, agreeing_head, random_head, tmp_path_factory):
+    """Greedy tokens and acceptance of plain and speculative decoding, per decode_kernels setting.
+
+    The settings share one compile cache; the Pallas engines run after the "xla" ones and count
+    their cache hits, which must be none: a setting never loads another's programs.
+    """
+    target = aligned_target(seed=14, num_layers=2)
+    cfg = target.config
+    heads = {"eagle": agreeing_head(cfg, 0.3, residual=1.0, seed=1),
+             "eagle3": random_head(cfg, "eagle3", seed=4, draft_vocab_size=64, feature_layers=(0, 1, 1))}
+    prompts = [np.random.default_rng(length).integers(0, 101, length).tolist() for length in (5, 9)]
+    cache_dir = tmp_path_factory.mktemp("compile-cache")
+    out = {}
+    tree = tree_lib.TreeOptions(2, 3, 6)  # its verify: 7 nodes a row, 14 rows, the attention kernel under its mask
+    # EAGLE-1's head runs in the tree (its chain adds nothing the tree and EAGLE-3's chain do not: CI time).
+    runs = (("none", None, 0), ("eagle3", heads["eagle3"], 2), ("eagle-tree", heads["eagle"], 0))
+    for setting in ("xla", "pallas", "pallas_linear"):
+        # "pallas_linear" differs from "pallas" in the target's attention only (the heads' MLP kernels
+        # are the same in both): plain and one head cover it.
+        for method, head, k in runs if setting != "pallas_linear" else runs[:2]:
+            engine = engine_lib.Engine(target, head, num_speculative_tokens=k, max_length=64, batch_size=2,
+                                       cache_dir=cache_dir, decode_kernels=setting,
+                                       tree=tree if method.endswith("tree") else None)
+            results = engine.generate(prompts, max_new_tokens=8, ignore_eos=True, steps_per_call=4)
+            out[setting, method] = ([r.token_ids for r in results], [r.stats["num_accepted_tokens"] for r in results],
+                                    engine.compile_cache.hits)
+    return out
+
+
+@pytest.mark.parametrize("setting, method", [("pallas", "none"), ("pallas", "eagle3"), ("pallas", "eagle-tree"),
+                                             ("pallas_linear", "none"), ("pallas_linear", "eagle3")])
+def test_pallas_decode_gives_the_same_tokens(tokens_by_setting, method, setting):
+    xla_tokens, xla_accepted, _ = tokens_by_setting["xla", method]
+    pallas_tokens, pallas_accepted, pallas_hits = tokens_by_setting[setting, method]
+    assert pallas_tokens == xla_tokens and pallas_accepted == xla_accepted
+    assert pallas_hits == 0
+
+
+def load_kernel_bench():
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels_bench.py"
+    spec = importlib.util.spec_from_file_location("kernels_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_kernel_bench_l2_evictor_is_one_named_triton_kernel():
+    """--evict-mb's probe: one Triton kernel named evict_l2 (the traced figures leave it out by that
+    name), reading the megabytes asked for; asked for on a CPU, a clear error."""
+    bench = load_kernel_bench()
+    assert bench.l2_evictor(0) is None
+    read = bench.l2_evictor(1, interpret=True)
+    assert read().shape == (32, bench.EVICT_WIDTH) and float(read().sum()) == 2**20 / 2  # ones: 1 MB of bf16
+    buffer = jax.ShapeDtypeStruct((64, bench.EVICT_WIDTH), jnp.bfloat16)
+    text = export.export(jax.jit(bench.evict_call(64)), platforms=["cuda"], disabled_checks=[
+        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(buffer).mlir_module()
+    assert text.count("__gpu$xla.gpu.triton") == 1 and "evict_l2" in text
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--evict-mb", "64"])
+
+
+def test_kernel_bench_runs_without_model_files(tmp_path, tiny_hf_config):
+    """benchmarks/kernels_bench.py on CPU (interpret mode): rows for both implementations of each op."""
+    bench = load_kernel_bench()
+    (tmp_path / "config.json").write_text(json.dumps(tiny_hf_config()))
+    out = tmp_path / "rows.json"
+    assert bench.main(["--config", str(tmp_path / "config.json"), "--dtype", "float32", "--ops",
+                       "norm_gate_up,decode_attention,decoder_layer", "--cache-length", "64", "--iterations", "1",
+                       "--trace-calls", "1", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["kind"], r["op"], r["implementation"], r.get("attend_length")) for r in rows] == [
+        ("kernel_bench", "norm_gate_up", "xla", None), ("kernel_bench", "norm_gate_up", "pallas", None),
+        ("kernel_bench", "decode_attention", "xla", None), ("kernel_bench", "decode_attention", "pallas", None),
+        ("kernel_bench", "decode_attention", "xla", 32), ("kernel_bench", "decode_attention", "pallas", 32),
+        ("kernel_bench", "decoder_layer", "xla", None), ("kernel_bench", "decoder_layer", "pallas", None),
+        ("kernel_bench", "decoder_layer", "pallas_linear", None)]
+    assert all(r["kernels"] > 0 and r["busy_us"] > 0 and r["wall_us"] > 0 for r in rows)
+    # Each rival checked against the XLA row of its case, within float32 rounding.
+    assert all((r["max_error"] is None) == (r["implementation"] == "xla") for r in rows)
+    assert all(r["max_error"] <= 1e-5 for r in rows if r["max_error"] is not None)
+    # No tiling asked for: the one `attend` runs at one row (`Tiling.for_rows`).
+    attention = [r["tiling"] for r in rows if r["op"] == "decode_attention" and r["implementation"] == "pallas"]
+    assert attention == [vars(decode_attention.Tiling.for_rows(1))] * 2
+
+
+def test_kernel_bench_check_fails_on_a_wrong_kernel(tmp_path, monkeypatch, capsys):
+    """--check: exit 0 while every kernel agrees with XLA; a Pallas kernel off by 1 in one output
+    value (of outputs of order 1-5) fails the run, naming the op, after the rows are written (the
+    XLA rows unchanged: the reference is never what is checked)."""
+    bench = load_kernel_bench()
+    out = tmp_path / "rows.json"
+    argv = ["--dtype", "bfloat16", "--ops", "o_proj_residual,down_proj_residual", "--rows", "1,7", "--check",
+            "--iterations", "1", "--trace-calls", "1", "--out", str(out)]
+    assert bench.main(argv) == 0
+    linear_residual = fused_linear.linear_residual
+
+    def wrong(x, weight, residual, *, implementation="xla", **kw):
+        out = linear_residual(x, weight, residual, implementation=implementation, **kw)
+        return out.at[..., 0, 0].add(1.0) if implementation == "pallas" else out
+
+    monkeypatch.setattr(fused_linear, "linear_residual", wrong)
+    assert bench.main(argv) == 1
+    failed = [line for line in capsys.readouterr().err.splitlines() if "CHECK FAILED" in line]
+    assert len(failed) == 4 and all(" pallas " in line for line in failed)
+    assert {line.split()[3] for line in failed} == {"o_proj_residual", "down_proj_residual"}
+    assert len(json.loads(out.read_text())) == 16  # both runs' rows written
+
+
+def test_kernel_bench_times_the_tree_ops(tmp_path):
+    """draft_top_k (one lax.top_k vs two stages) and compact_cache (XLA vs one kernel), on CPU."""
+    out = tmp_path / "rows.json"
+    assert load_kernel_bench().main(["--dtype", "float32", "--ops", "draft_top_k,compact_cache", "--rows", "4",
+                                     "--draft-vocab", "4096", "--cache-length", "32", "--iterations", "1",
+                                     "--trace-calls", "1", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["op"], r["implementation"], r["rows"]) for r in rows] == [
+        ("draft_top_k", "xla", 4), ("draft_top_k", "two_stage", 4), ("compact_cache", "xla", 4),
+        ("compact_cache", "pallas", 4)]
+    assert all(r["kernels"] > 0 and r["busy_us"] > 0 for r in rows)
+
+
+def test_kernel_bench_sweeps_query_rows(tmp_path, tiny_hf_config):
+    """--query-rows 16,none: a decode_attention row per bound (None: one program per kv head), on CPU;
+    a bound below 1 is refused."""
+    bench = load_kernel_bench()
+    (tmp_path / "config.json").write_text(json.dumps(tiny_hf_config()))
+    out = tmp_path / "rows.json"
+    assert bench.main(["--config", str(tmp_path / "config.json"), "--dtype", "float32", "--ops", "decode_attention",
+                       "--tokens", "6", "--query-rows", "4,none", "--cache-length", "64", "--iterations", "1",
+                       "--trace-calls", "1", "--out", str(out)]) == 0
+    rows = [r for r in json.loads(out.read_text()) if r["implementation"] == "pallas"]
+    assert [(r["tokens"], r["tiling"]["query_rows"], r["attend_length"]) for r in rows] == [
+        (6, 4, None), (6, None, None), (6, 4, 32), (6, None, 32)]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--query-rows", "0"])
+    # --tree: the same op over a tree verify's nodes (17: SGLang's 4/5/16), both implementations.
+    assert bench.main(["--config", str(tmp_path / "config.json"), "--dtype", "float32", "--ops", "decode_attention",
+                       "--tokens", "17", "--tree", "--cache-length", "64", "--iterations", "1", "--trace-calls", "1",
+                       "--out", str(out)]) == 0
+    trees = [r for r in json.loads(out.read_text()) if r.get("tree")]
+    assert [(r["implementation"], r["tokens"]) for r in trees] == [("xla", 17), ("pallas", 17)] * 2
+    depths, ancestors = bench.heap_tree(7)
+    assert depths.tolist() == [0, 1, 1, 2, 2, 2, 2] and ancestors[6].tolist() == [True, False, True] + [False] * 3 + [True]
+    # 64 rows: the attention kernel takes them (lease 18's sweep was refused); the fused linears do not.
+    assert bench.parse_args(["--ops", "decode_attention", "--rows", "16,64"]).rows == [16, 64]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--ops", "decode_attention,norm_linear", "--rows", "64"])
