@@ -1,15 +1,18 @@
 """Plots the benchmark results in docs/results/ as PNGs in docs/.
 
-    python benchmarks/plot_results.py [--results docs/results/mtbench.json] [--profile docs/results/profile.json]
-                                    [--out-dir docs]
+    python benchmarks/plot_results.py [--results docs/results/mtbench_h200.json]
+                                    [--profile docs/results/profile_h200.json] [--out-dir docs]
 
-From mtbench.json (benchmarks/eagle.py and benchmarks/hf_peers.py rows), each written only when its
-data exists:
+Rows measured within an hour of one another form one measurement window (one machine, one commit:
+figures move by a few percent from window to window, so a curve is drawn from one window).
+
+From mtbench_h200.json (benchmarks/eagle.py and benchmarks/hf_peers.py rows), each written only when
+its data exists:
   * acceptance_vs_k.png: acceptance length vs k per method (compiled, batch 1, greedy), with
-    vLLM's Llama-3.1-8B figures as dashed references; each method's curve from one lease (the one
-    that measured the most k values with its newest head: `one_lease_sweeps`);
+    vLLM's Llama-3.1-8B figures as dashed references; each method's curve from one window (the one
+    that measured the most k values with its newest head: `one_window_sweeps`);
   * otps_vs_k.png: output tokens/s vs k, the fastest plain decoding (any decode kernels; of the
-    lease nearest the EAGLE-3 curve's: `of_lease`) and HF peers as horizontal lines;
+    window nearest the EAGLE-3 curve's: `of_nearest_window`) and HF peers as horizontal lines;
   * per_position_acceptance.png: acceptance rate at each draft position, best k per method;
   All three from static batches with speculation never disabled (rows with a `scheduler` of
   continuous or a `speculative_disable_by_batch_size` are left out), XLA decode kernels;
@@ -23,10 +26,12 @@ data exists:
     device, an exit test every step, no XLA_FLAGS, speculation never disabled, no tree and the
     scheduler's default refill_at (`batch_rows`); an unshipped head's row only where no shipped
     head's has its setting, and its bars say so.
-From docs/results/training/*_metrics.json (`eagle_jax.train`): training_curves.png.
-From scaling.json (heads_pipeline.sh's SCALING_TOKENS runs, with `train_tokens` and `scheduled_steps`):
+From docs/results/training/*_metrics.json (`eagle_jax.train`, METHOD_stageN_DATE_metrics.json: the
+successive trainings of the shipped heads): training_curves.png.
+From data_scaling_h200_2026-12-01.json (heads_pipeline.sh's SCALING_TOKENS runs, with `train_tokens`
+and `scheduled_steps`):
   * data_scaling.png: MT-Bench acceptance length vs tokens trained on, one line per step count.
-From profile.json (benchmarks/profile_step.py and benchmarks/scale_8b.py rows), when present:
+From profile_h200.json (benchmarks/profile_step.py and benchmarks/scale_8b.py rows), when present:
   * step_breakdown.png: draft / verify / rest of a speculative step;
   * scale_8b.png: 8B-shaped step times against their HBM floors, from one run: the latest of those
     that compared the most tensor parallel sizes.
@@ -42,6 +47,7 @@ import collections
 import datetime
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -78,19 +84,21 @@ KEY = ("method", "k", "mode", "batch_size", "temperature", "max_new_tokens", "nu
 KEY_DEFAULTS = {"scheduler": "static", "decode_kernels": "xla", "tensor_parallel_size": 1, "steps_per_check": 1,
                 "xla_flags": None, "refill_at": None, "attention_tiling": None}
 SCHEDULERS = ("static", "continuous")
-BATCH_KERNELS = "pallas"  # the batch benchmarks' decode kernels since the eleventh session
-# Batch-1 chain sweeps: XLA's kernels until `auto` chose Pallas for chains (nineteenth session), Pallas
-# since. A sweep is one lease's on one set of kernels (`kernel_runs`); the widest, newest on ties, is drawn.
+BATCH_KERNELS = "pallas"  # the batch benchmarks' decode kernels since 2026-12-01 (commit 017afed)
+# Batch-1 chain sweeps: XLA's kernels until `auto` chose Pallas for chains (2026-12-02, commit 80c3849),
+# Pallas since. A sweep is one window's on one set of kernels (`windows_by_kernels`); the widest, newest on
+# ties, is drawn.
 SWEEP_KERNELS = ("xla", "pallas")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--results", default="docs/results/mtbench.json")
-    parser.add_argument("--profile", default="docs/results/profile.json")
+    parser.add_argument("--results", default="docs/results/mtbench_h200.json")
+    parser.add_argument("--profile", default="docs/results/profile_h200.json")
     parser.add_argument("--training", default="docs/results/training", help="folder of train metrics.json files")
-    parser.add_argument("--scaling", default="docs/results/scaling.json", help="data-scaling rows (train_tokens)")
+    parser.add_argument("--scaling", default="docs/results/data_scaling_h200_2026-12-01.json",
+                        help="data-scaling rows (train_tokens)")
     parser.add_argument("--out-dir", default="docs")
     parser.add_argument("--num-prompts", type=int, help="plot rows of this many prompts (default: the most common)")
     parser.add_argument("--max-new-tokens", type=int, help="plot rows of this budget (default: the most common)")
@@ -128,18 +136,28 @@ def seconds_apart(a: str | None, b: str | None) -> float:
     return abs((a - b).total_seconds())
 
 
-def head_rank(row: dict) -> int:
-    """N of the row's `head` ("run N"); 0 for rows older than the field; -1 for a head that was not
-    shipped (`"shipped": false`): its rows are shown only where no other row has the setting."""
+TRAINED = re.compile(r"\d{4}-\d{2}-\d{2} \d{2}:\d{2}")  # the `head` field's training time, UTC
+
+
+def head_rank(row: dict) -> tuple[int, str]:
+    """The row's head in training order: the time its `head` field names ("EAGLE-3 trained
+    2026-12-02 00:36 UTC, commit 5a2b1b4"); rows older than the field rank below any named head; a
+    head that was not shipped (`"shipped": false`) below all: its rows are shown only where no
+    other row has the setting."""
     if row.get("shipped") is False:
-        return -1
-    return int(row["head"].split()[-1]) if "head" in row else 0
+        return (0, "")
+    found = TRAINED.search(row.get("head") or "")
+    return (1, found.group(0) if found else "")
+
+
+def is_shipped(row: dict) -> bool:
+    return row.get("shipped") is not False
 
 
 def latest_of_newest_head(rows: list[dict]) -> list[dict]:
-    """`latest`, except that a row measured with an older head (the `head` field, "run N"; none:
-    older than any) never replaces one with a newer head, so the plots show the shipped heads even
-    where an older head was measured later (a second GPU of the same lease)."""
+    """`latest`, except that a row measured with an older head (the `head` field; none: older than
+    any) never replaces one with a newer head, so the plots show the shipped heads even where an
+    older head was measured later (on a second GPU in the same window)."""
     by_key = {}
     for row in rows:
         key = setting_key(row)
@@ -148,27 +166,27 @@ def latest_of_newest_head(rows: list[dict]) -> list[dict]:
     return list(by_key.values())
 
 
-LEASE_GAP_SECONDS = 3600.0  # a lease lasts 30 minutes and leases are hours apart
+WINDOW_GAP_SECONDS = 3600.0  # rows less than an hour apart were measured together (one machine, one commit)
 
 
-def leases(rows: list[dict]) -> list[list[dict]]:
-    """`rows` in runs measured close together in time (one lease each), oldest first."""
-    runs = []
+def measurement_windows(rows: list[dict]) -> list[list[dict]]:
+    """`rows` in groups measured close together in time (one machine and commit each), oldest first."""
+    windows = []
     for row in sorted(rows, key=lambda r: r.get("date", "")):
-        if runs and seconds_apart(runs[-1][-1].get("date"), row.get("date")) <= LEASE_GAP_SECONDS:
-            runs[-1].append(row)
+        if windows and seconds_apart(windows[-1][-1].get("date"), row.get("date")) <= WINDOW_GAP_SECONDS:
+            windows[-1].append(row)
         else:
-            runs.append([row])
-    return runs
+            windows.append([row])
+    return windows
 
 
-def of_lease(rows: list[dict], anchors: list[dict]) -> list[dict]:
-    """The `rows` of the lease nearest in time to `anchors` (the lease of one of them where it has
-    some): a plain-decoding line beside one lease's curve then compares figures measured together
-    (kernels and tilings change between leases). All of `rows` where no dates tell."""
-    distance = lambda run: min((seconds_apart(r.get("date"), a.get("date")) for r in run for a in anchors),
-                               default=math.inf)
-    nearest = min(leases(rows), key=distance, default=[])
+def of_nearest_window(rows: list[dict], anchors: list[dict]) -> list[dict]:
+    """The `rows` of the measurement window nearest in time to `anchors` (the window of one of them
+    where it has some): a plain-decoding line beside one window's curve then compares figures
+    measured together (kernels and tilings change between commits). All of `rows` where no dates tell."""
+    distance = lambda window: min((seconds_apart(r.get("date"), a.get("date")) for r in window for a in anchors),
+                                  default=math.inf)
+    nearest = min(measurement_windows(rows), key=distance, default=[])
     return nearest if distance(nearest) < math.inf else rows
 
 
@@ -176,34 +194,35 @@ def kernels_of(row: dict) -> str:
     return row.get("decode_kernels", KEY_DEFAULTS["decode_kernels"])
 
 
-def kernel_runs(rows: list[dict]) -> list[list[dict]]:
-    """`leases`, each split by decode kernels (a lease that ran both has one run of each), oldest first."""
-    return [[r for r in lease if kernels_of(r) == kernels] for lease in leases(rows)
-            for kernels in dict.fromkeys(kernels_of(r) for r in lease)]
+def windows_by_kernels(rows: list[dict]) -> list[list[dict]]:
+    """`measurement_windows`, each split by decode kernels (a window that ran both gives one group of
+    each), oldest first."""
+    return [[r for r in window if kernels_of(r) == kernels] for window in measurement_windows(rows)
+            for kernels in dict.fromkeys(kernels_of(r) for r in window)]
 
 
 def tree_shape(row: dict) -> tuple:
     return row["speculative_eagle_topk"], row["speculative_num_steps"], row["speculative_num_draft_tokens"]
 
 
-def widest_lease(rows: list[dict], swept=lambda row: row["k"]) -> list[dict]:
-    """The rows of the run (`kernel_runs`: one lease, one set of decode kernels) that measured the
-    most values of `swept` (k; a tree's shape with `tree_shape`); the newest on ties."""
-    return max(reversed(kernel_runs(rows)), key=lambda run: len({swept(r) for r in run}))
+def widest_window(rows: list[dict], swept=lambda row: row["k"]) -> list[dict]:
+    """The rows of the group (`windows_by_kernels`: one window, one set of decode kernels) that
+    measured the most values of `swept` (k; a tree's shape with `tree_shape`); the newest on ties."""
+    return max(reversed(windows_by_kernels(rows)), key=lambda group: len({swept(r) for r in group}))
 
 
-def one_lease_sweeps(shown: list[dict], pool: list[dict]) -> list[dict]:
-    """`shown` (one row per setting) with each EAGLE method's k sweep replaced by one lease's: the
-    lease that measured the most k values with the newest head shown (the latest on ties), from
-    `pool`. Acceptance moves by up to ~0.1 from lease to lease (greedy bf16 trajectories differ),
-    so a curve stitched from two leases would draw steps that no run measured."""
+def one_window_sweeps(shown: list[dict], pool: list[dict]) -> list[dict]:
+    """`shown` (one row per setting) with each EAGLE method's k sweep replaced by one window's: the
+    window that measured the most k values with the newest head shown (the latest on ties), from
+    `pool`. Acceptance moves by up to ~0.1 from window to window (greedy bf16 trajectories differ),
+    so a curve stitched from two windows would draw steps that no measurement ran."""
     result = [r for r in shown if r["method"] not in EAGLE_METHODS]
     for method in EAGLE_METHODS:
         mine = [r for r in shown if r["method"] == method]
         if not mine:
             continue
         head = max(mine, key=head_rank).get("head")
-        chosen = widest_lease([r for r in pool if r["method"] == method and r.get("head") == head])
+        chosen = widest_window([r for r in pool if r["method"] == method and r.get("head") == head])
         result += latest(chosen)
     return result
 
@@ -402,7 +421,7 @@ def batch_rows(rows: list[dict], setting: tuple[int, int], default_k=None) -> li
     chosen = []
     for batch, method in sorted({(r["batch_size"], r["method"]) for r in rows}):
         mine = [r for r in rows if (r["batch_size"], r["method"]) == (batch, method)]
-        shipped = [r for r in mine if head_rank(r) >= 0] or mine
+        shipped = [r for r in mine if is_shipped(r)] or mine
         k = max(shipped, key=lambda r: r.get("date", ""))["k"]
         if method != "none" and default_k and any(r["k"] == default_k(batch) for r in shipped):
             k = default_k(batch)
@@ -417,27 +436,26 @@ def head_label(row: dict) -> str:
     """k and the drafting head of an EAGLE bar ("" for plain decoding)."""
     if row["method"] == "none":
         return ""
-    head = row.get("head", "head of its date")
+    trained = TRAINED.search(row.get("head") or "")
+    head = f"head of {trained.group(0)[:10]}" if trained else row.get("head", "head of its date")  # fits in a bar
     shipped = {False: "\nnot shipped", True: " (shipped)"}.get(row.get("shipped"), "")
     return f"k={row['k']}, {head}{shipped}"
 
 
-def lease_names(rows: list[dict]) -> list[str]:
-    """The leases the rows were measured in (their `note`'s "lease N"), in order."""
-    return sorted({r["note"].split()[1].rstrip(",:(") for r in rows if r.get("note", "").startswith("lease ")},
-                  key=lambda name: (len(name), name))
+def commit_names(rows: list[dict]) -> list[str]:
+    """The commits the rows were measured on (their `commit` field), oldest first."""
+    return list(dict.fromkeys(r["commit"] for r in sorted(rows, key=lambda r: r.get("date", "")) if r.get("commit")))
 
 
-def lease_range(rows: list[dict]) -> str:
-    """When the rows were measured: their first and last date (UTC), and their leases (the
-    `note`'s "lease N")."""
+def measured_range(rows: list[dict]) -> str:
+    """When the rows were measured: their first and last date (UTC), and on which commits."""
     dates = sorted(r["date"] for r in rows if r.get("date"))
     if not dates:
         return "dates unknown"
     first, last = dates[0][:16].replace("T", " "), dates[-1][:16].replace("T", " ")
     span = first if first == last else (f"{first}-{last[11:]}" if first[:10] == last[:10] else f"{first} to {last}")
-    leases = lease_names(rows)
-    return f"measured {span} UTC" + (f" (lease{'s' * (len(leases) > 1)} {', '.join(leases)})" if leases else "")
+    commits = commit_names(rows)
+    return f"measured {span} UTC" + (f" (commit{'s' * (len(commits) > 1)} {', '.join(commits)})" if commits else "")
 
 
 def plot_batch_scaling(rows: list[dict], setting: tuple[int, int], out: Path) -> None:
@@ -490,33 +508,44 @@ def plot_batch_scaling(rows: list[dict], setting: tuple[int, int], out: Path) ->
     ax.set_ylim(0, 1.2 * top)
     ax.yaxis.set_major_formatter(matplotlib.ticker.StrMethodFormatter("{x:,.0f}"))
     ax.set_axisbelow(True)
-    sub = f"{subtitle(rows, setting)}\n{kernels_of(rows[0])} decode kernels; {lease_range(rows)}"
+    sub = f"{subtitle(rows, setting)}\n{kernels_of(rows[0])} decode kernels; {measured_range(rows)}"
     finish(fig, ax, out / "batch_scaling.png", "Throughput by batch size and scheduler (greedy, one GPU)", sub,
            legend_below=True, grid="y")
 
 
+STAGE = re.compile(r"^(?P<method>[a-z0-9]+)_stage(?P<stage>\d+)_(?P<date>[0-9-]+)_metrics$")
+
+
 def plot_training(directory: Path, out: Path) -> None:
-    """training_curves.png: each run's top-1 agreement with the target at unrolled step 0 vs train
-    step, from `eagle_jax.train`'s metrics.json files (NAME_runN_metrics.json; no run tag: run 1)."""
-    runs = sorted(directory.glob("*_metrics.json")) if directory.is_dir() else []
-    if not runs:
+    """training_curves.png: the shipped heads' top-1 agreement with the target at unrolled step 0
+    through their successive trainings, from `eagle_jax.train`'s metrics.json files named
+    METHOD_stageN_DATE_metrics.json (stage N continued stage N - 1's head): one line per stage,
+    each drawn after the steps of the stages before it."""
+    stages = {path: STAGE.match(path.stem) for path in directory.glob("*_metrics.json")} if directory.is_dir() else {}
+    stages = {path: found for path, found in stages.items() if found}
+    if not stages:
         return
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    run_number = {path: int(path.stem.removesuffix("_metrics").partition("_run")[2] or 1) for path in runs}
-    for path in sorted(runs, key=lambda path: (path.name.partition("_")[0], run_number[path])):  # legend: run 2 before 10
+    steps_before = collections.Counter()
+    last = {method: max(int(f["stage"]) for f in stages.values() if f["method"] == method)
+            for method in {f["method"] for f in stages.values()}}
+    for path, found in sorted(stages.items(), key=lambda item: (item[1]["method"], int(item[1]["stage"]))):
+        method, stage = found["method"], int(found["stage"])
         record = json.loads(path.read_text())
         log = [entry for entry in record.get("log", []) if "accuracy_0" in entry]
         if len(log) < 2:
             continue
         window = min(5, len(log))  # the logged values are single batches: a short running mean
         smooth = np.convolve([e["accuracy_0"] for e in log], np.ones(window) / window, mode="valid")
-        ax.plot([e["step"] for e in log][window - 1:], smooth, linewidth=2, color=COLORS.get(record["method"]),
-                alpha=0.35 + 0.65 * run_number[path] / max(run_number.values()), label=f"{LABELS[record['method']]}, run {run_number[path]}")
-    ax.set_xlabel("train step (batch 64 x 640 from run 2 on, 32 x 512 in run 1)")
+        steps = [steps_before[method] + e["step"] for e in log][window - 1:]
+        ax.plot(steps, smooth, linewidth=2, color=COLORS.get(record["method"]), alpha=0.35 + 0.65 * stage / last[method],
+                label=f"{LABELS[record['method']]} stage {stage} ({found['date']}, {record['steps']:,} steps)")
+        steps_before[method] += record["steps"]
+    ax.set_xlabel("train steps of the shipped head, all stages (batch 64 x 640)")
     ax.set_ylabel("top-1 agreement with the target, first draft")
-    finish(fig, ax, out / "training_curves.png", "Draft-head training curves (the training mix, per batch)",
-           "running mean of 5 logged batches; a run that starts high continued an earlier run's head "
-           "(docs/TRAINING.md)")
+    finish(fig, ax, out / "training_curves.png", "How the shipped heads trained (the training mix, per batch)",
+           "running mean of 5 logged batches; each stage continues the head of the stage before "
+           "(docs/training.md)", legend_below=True)
 
 
 def plot_data_scaling(rows: list[dict], out: Path) -> None:
@@ -592,13 +621,13 @@ def plot_scale(profile, out: Path) -> None:
     ax.set_xticks(list(positions), names, rotation=35, ha="right", fontsize=8.5)
     ax.set_ylabel("milliseconds (median)")
     sub = (f"{rows[0]['model_shape']} shapes, random bf16 weights, batch 1, cache {rows[0]['cache_length']} "
-           f"({rows[0]['filled']} filled), {rows[0]['device']}\n{lease_range(rows)}")
+           f"({rows[0]['filled']} filled), {rows[0]['device']}\n{measured_range(rows)}")
     finish(fig, ax, out / "scale_8b.png", "Llama-3.1-8B-shaped step times vs their HBM floor", sub)
 
 
 def plot_trees(trees, chains, plain, sub, out: Path) -> None:
     """EAGLE-2 trees: acceptance length and tokens/s vs verified nodes N, a line per (top-k, depth).
-    Left, the chain at k = 5 and issue 12's goal (1.4x its acceptance); right, the fastest chain
+    Left, the chain at k = 5 and the goal of 1.4x its acceptance; right, the fastest chain
     and the fastest plain decoding (`plain`: batch-1 rows of any decode kernels, a test every step)."""
     if not trees:
         return
@@ -649,9 +678,9 @@ def plot_trees(trees, chains, plain, sub, out: Path) -> None:
 def k_sweeps_by_batch(rows: list[dict], setting: tuple[int, int], method: str = "eagle3") -> dict[int, dict]:
     """The k sweep of `method` at each batch size, as the CLI runs it there: batch 1 on static batches
     at the default settings (`default_settings`), larger batches continuous at the serving setting
-    (`serving_setting`). Each size's sweep is one lease's (the one that measured the most k values
-    with the newest head there; the newest on ties), a k's repeats in it averaged; a k that lease
-    did not measure comes from the newest lease that did (lease-to-lease spread is a few percent,
+    (`serving_setting`). Each size's sweep is one window's (the one that measured the most k values
+    with the newest head there; the newest on ties), a k's repeats in it averaged; a k that window
+    did not measure comes from the newest window that did (the spread between windows is a few percent,
     less than the k = 4 -> 5 steps the sweeps are read for):
     {batch: {"tokens_per_s": {k: mean}, "runs": {k: count}, "rows": [...]}}."""
     batch1 = [r for r in static_greedy(default_settings(rows, SWEEP_KERNELS), setting) if r["batch_size"] == 1]
@@ -662,11 +691,11 @@ def k_sweeps_by_batch(rows: list[dict], setting: tuple[int, int], method: str = 
         at_batch = [r for r in mine if r["batch_size"] == batch]
         newest = max(head_rank(r) for r in at_batch)
         newest_head = [r for r in at_batch if head_rank(r) == newest]
-        run = list(widest_lease(newest_head))
-        kernels = kernels_of(run[0])  # a missing k comes from the same kernels' leases only
-        for lease in reversed(leases([r for r in newest_head if kernels_of(r) == kernels])):
+        run = list(widest_window(newest_head))
+        kernels = kernels_of(run[0])  # a missing k comes from the same kernels' windows only
+        for window in reversed(measurement_windows([r for r in newest_head if kernels_of(r) == kernels])):
             measured = {r["k"] for r in run}
-            run += [r for r in lease if r["k"] not in measured]
+            run += [r for r in window if r["k"] not in measured]
         by_k = collections.defaultdict(list)
         for row in run:
             by_k[row["k"]].append(row["output_tokens_per_second"])
@@ -693,20 +722,20 @@ def plot_k_at_batch(sweeps: dict[int, dict], setting: tuple[int, int], default_k
     lines = {(batch, setting[0]): sweep for batch, sweep in sweeps.items()} | (longer or {})
     if not any(len(sweep["tokens_per_s"]) > 1 for sweep in lines.values()):
         return
-    fig, ax = plt.subplots(figsize=(8.6, 5.4))  # wide enough for two legend columns of long labels
+    fig, ax = plt.subplots(figsize=(9.6, 5.4))  # wide enough for two legend columns of long labels
     batches = sorted({batch for batch, _ in lines})
     colors = dict(zip(batches, plt.get_cmap("viridis")(np.linspace(0, 0.85, len(batches)))))
     for (batch, prompts), sweep in sorted(lines.items()):
         speed = sweep["tokens_per_s"]
         best = max(speed, key=speed.get)
         ks = list(speed)
-        names = lease_names(sweep["rows"])
-        leases = f"lease{'s' * (len(names) > 1)} {', '.join(names)}" if names else ""
+        names = commit_names(sweep["rows"])
+        commits = f"commit{'s' * (len(names) > 1)} {', '.join(names)}" if names else ""
         more = prompts != setting[0]
         ax.plot(ks, [speed[k] / speed[best] for k in ks], "o--" if more else "o-", color=colors[batch], linewidth=2,
                 label=f"{batch} row{'s' * (batch > 1)}{f', {prompts} prompts' if more else ''}: "
                       f"{'best' if len(ks) > 1 else 'only'} k = {best}, {speed[best]:,.0f} tok/s"
-                      + (f" ({leases})" if leases else ""))
+                      + (f" ({commits})" if commits else ""))
         chosen = default_k(batch)
         if chosen in speed:
             ax.plot([chosen], [speed[chosen] / speed[best]], "*", color=colors[batch], markersize=16,
@@ -736,7 +765,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    # Rows from two GPUs of one lease land in the file out of time order: "latest" goes by date.
+    # Rows from two GPUs measured together land in the file out of time order: "latest" goes by date.
     all_rows = sorted(load_rows(Path(args.results)), key=lambda r: r.get("date", ""))
     rows = default_settings(latest_of_newest_head(all_rows), SWEEP_KERNELS)
     setting = reference_setting(rows, args)
@@ -745,19 +774,19 @@ def main(argv=None) -> int:
     else:
         ours = static_greedy(rows, setting)
         pool = [r for r in static_greedy(default_settings(all_rows, SWEEP_KERNELS), setting) if r["batch_size"] == 1]
-        batch1 = one_lease_sweeps([r for r in ours if r["batch_size"] == 1], pool)
+        batch1 = one_window_sweeps([r for r in ours if r["batch_size"] == 1], pool)
         # HF peers are slow, so they may be run on fewer prompts: the latest of each, whatever its setting.
         peers = list({r["method"]: r for r in rows if r["method"].startswith("hf-") and r["batch_size"] == 1}.values())
         sub = subtitle(batch1 or ours, setting)
-        # Each k sweep is one lease's on one set of kernels (`widest_lease`); beside them, the fastest plain
-        # decoding of the nearest lease (`of_lease`) on one device, any decode kernels, a test every step,
+        # Each k sweep is one window's on one set of kernels (`widest_window`); beside them, the fastest plain
+        # decoding of the nearest window (`of_nearest_window`) on one device, any decode kernels, a test every step,
         # no flags, the attention kernel's own tiling.
         plain = [r for r in static_greedy(all_rows, setting) if r["batch_size"] == 1 and r["method"] == "none"
                  and r.get("tensor_parallel_size", 1) == 1 and not r.get("xla_flags")
                  and r.get("steps_per_check", 1) == 1 and not r.get("attention_tiling")]
         plot_acceptance(batch1, sub, out)
         eagle_curve = [r for r in batch1 if r["method"] == "eagle3"] or [r for r in batch1 if r["method"] != "none"]
-        plot_otps(batch1, of_lease(plain, eagle_curve), peers, sub, out)
+        plot_otps(batch1, of_nearest_window(plain, eagle_curve), peers, sub, out)
         plot_per_position(batch1, sub, out)
         cli_k = lambda batch: heads.best_k("eagle3", "gpu", batch)
         plot_batch_scaling(batch_rows(all_rows, setting, cli_k), setting, out)
@@ -765,25 +794,25 @@ def main(argv=None) -> int:
         trees = [r for r in all_rows if r.get("speculative_eagle_topk") and r["batch_size"] == 1
                  and (r["num_prompts"], r["max_new_tokens"]) == setting and float(r.get("temperature", 0)) == 0
                  and kernels_of(r) == KEY_DEFAULTS["decode_kernels"]]
-        # (trees on other decode kernels are another setting, compared in docs/BENCHMARKS.md's tables)
-        newest = max((head_rank(r) for r in trees), default=0)
+        # (trees on other decode kernels are another setting, compared in docs/benchmarks.md's tables)
+        newest = max((head_rank(r) for r in trees), default=(0, ""))
         trees = [r for r in trees if head_rank(r) == newest]  # one head's trees: older heads' rows would mix in
-        # One lease's sweep, the one that measured the most tree shapes (as the k sweeps): a later
-        # lease's repeat of one shape would otherwise draw a curve no run measured.
-        trees = latest(widest_lease(trees, tree_shape)) if trees else []
+        # One window's sweep, the one that measured the most tree shapes (as the k sweeps): a later
+        # window's repeat of one shape would otherwise draw a curve nothing measured.
+        trees = latest(widest_window(trees, tree_shape)) if trees else []
         # The chain beside the trees is the one drafted by the trees' own head (a newer head may have
-        # been measured since), and plain decoding of the lease nearest the trees'. A head is named by
-        # its `head` field ("run N"), else by its path: every lease exports its head to the same path.
+        # been measured since), and plain decoding of the window nearest the trees'. A head is named by
+        # its `head` field, else by its path (older rows; a training exports its head to the same path).
         drafted_by = lambda row: row.get("head") or row.get("draft")
         tree_heads = {drafted_by(r) for r in trees}
         same_head = [r for r in all_rows if r["method"] == "none" or drafted_by(r) in tree_heads]
-        # Of that head's chains, the one measured nearest the trees (their lease): figures move by a
-        # few percent from lease to lease, so a later lease's chain would skew the comparison.
+        # Of that head's chains, the one measured nearest the trees (their window): figures move by a
+        # few percent from window to window, so a later window's chain would skew the comparison.
         trees_date = max((r.get("date", "") for r in trees), default="")
         same_head.sort(key=lambda r: -seconds_apart(r.get("date"), trees_date))
         chains = [r for r in static_greedy(default_settings(latest(same_head)), setting)
                   if r["batch_size"] == 1 and r["method"] != "none"]
-        plot_trees(trees, chains, of_lease(plain, trees), sub, out)
+        plot_trees(trees, chains, of_nearest_window(plain, trees), sub, out)
     plot_training(Path(args.training), out)
     plot_data_scaling(load_rows(Path(args.scaling)), out)
     profile = load_rows(Path(args.profile))

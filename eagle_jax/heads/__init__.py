@@ -1,8 +1,9 @@
 """The EAGLE heads shipped for the default model, SmolLM2-135M-Instruct, and how the CLI picks one.
 
 Each head is a directory in the public HF layout (config.json + model.safetensors), loadable by
-vLLM and SGLang too. `defaults.json` records the measured best k per head and platform, and the
-platforms where plain decoding measured faster than any speculative setting (docs/BENCHMARKS.md).
+vLLM and SGLang too. `defaults.json` holds numbers only: the measured best k per head and platform,
+and, for the platforms where plain decoding measured faster than any speculative setting, the two
+rates measured (where they come from: docs/benchmarks.md).
 
 A platform's k is one number, or one per batch size where they were measured apart, keyed by the
 batch size as a string: {"gpu": {"1": 5, "16": 3}} gives k = 5 below batch 16 and 3 from 16 on.
@@ -48,9 +49,15 @@ def plain_by_default(platform: str) -> str | None:
     """Why the CLI decodes without a draft on `platform` unless asked to speculate, or None.
 
     On a small CPU, verifying k+1 tokens costs several decode steps, so speculating is slower
-    (measured; see defaults.json); accelerators, where a step is bound by memory, speculate.
+    (measured; the rates are in defaults.json); accelerators, where a step is bound by memory,
+    speculate.
     """
-    return _defaults().get("plain_decoding_by_default_on", {}).get(platform)
+    measured = _defaults().get("plain_decoding_by_default_on", {}).get(platform)
+    if not measured:
+        return None
+    speculative, plain = measured["best_speculative_tokens_per_second"], measured["plain_tokens_per_second"]
+    return (f"plain decoding measured faster here ({plain} tokens/s against {speculative} for the best "
+            f"speculative setting: verifying k+1 tokens costs several one-token steps)")
 
 
 def draft_plan(model: str | None, draft: str | None, method: str | None, k: int | None,
@@ -78,7 +85,9 @@ def choose_draft(model: str | None, draft: str | None, method: str | None) -> tu
     if draft is not None:
         path = Path(draft).expanduser()
         if not path.exists():
-            raise FileNotFoundError(f"draft path {path} does not exist")
+            from eagle_jax.io import models  # a hub id (org/name) resolves to its download
+
+            path = models.resolve_head_dir(draft)
         return path, method or ("eagle3" if _is_eagle3(path) else "eagle")
     if model is not None:  # shipped heads only fit the default model
         return None, "none"
