@@ -1,4 +1,6 @@
-"""Verification rules: greedy prefix matching, and rejection sampling that preserves the target distribution."""
+"""Verification rules: greedy prefix matching, and rejection sampling that preserves the target
+distribution, raw or processed (top-k, min-p, top-p, penalties that count the drafts before each
+position), with greedy rows exact under penalties and seeded rows independent of their batch."""
 
 import jax
 import jax.numpy as jnp
@@ -161,3 +163,158 @@ def test_the_check_catches_wrong_rules(chi_square, rule, wrong_at):
         assert position_p_value(chi_square, outcome, wrong_at) < 1e-12
     except AssertionError as error:  # or it emitted a token the target gives no mass
         assert "probability is 0" in str(error)
+
+
+# Rejection sampling under processors: the target's processed distribution is what comes out.
+
+from eagle_jax.decode import processors  # noqa: E402
+from eagle_jax.decode import sampling  # noqa: E402
+from tests.decode import test_processors as references  # noqa: E402  (the NumPy references)
+
+PROMPT, HISTORY = [0, 4], [1, 1, 3]  # every row's prompt and its output before this step
+
+
+def processed_reference(logits: np.ndarray, prefix: tuple, settings: sampling.Sampling,
+                        history: list = HISTORY) -> np.ndarray:
+    """The target's processed distribution [V] after history + prefix, by the NumPy references."""
+    z = references.penalised_reference(np.pad(logits, (0, references.V - V), constant_values=-1e9),
+                                       list(history) + list(prefix), PROMPT, settings.repetition_penalty,
+                                       settings.presence_penalty, settings.frequency_penalty)[:V]
+    if settings.greedy:
+        return np.eye(V)[np.argmax(z)]
+    z = references.masked_reference(z, settings.temperature, settings.min_p, settings.top_k, settings.top_p)
+    probs = np.exp(z - z.max())
+    return probs / probs.sum()
+
+
+def processed_step(seed: int, settings: list[sampling.Sampling], histories: np.ndarray | None = None):
+    """One speculative step per row under per-row settings: drafts drawn from the draft's processed q,
+    verified against the target's processed p (both counting the row's history, HISTORY unless
+    `histories` [rows, n] says otherwise, and the drafts before each position).
+
+    Target and draft logits depend on the position and the previous token ([K+1, V, V] and
+    [K, V, V], different draws); the penalties make p depend on the whole prefix.
+    Returns (num_accepted, next_token, drafts, target logits [K+1, V, V]).
+    """
+    rng = np.random.default_rng(seed)
+    target_logits = (rng.standard_normal((K + 1, V, V)) * 1.5).astype(np.float32)
+    draft_logits = (0.5 * target_logits[:K] + rng.standard_normal((K, V, V))).astype(np.float32)
+    rows = len(settings)
+    params, mode = sampling.SamplingParams.stack(settings), sampling.SamplingMode.of(settings)
+    counts = processors.TokenCounts.create(jnp.asarray([PROMPT] * rows, jnp.int32), jnp.full((rows,), 2, jnp.int32), V)
+    counts = counts.add(jnp.asarray([HISTORY] * rows if histories is None else histories, jnp.int32))
+
+    @jax.jit
+    def step(key, params, counts):  # arguments, not constants: [rows] arrays stay out of the program
+        draft_key, accept_key = jax.random.split(key)
+        drafts = jnp.full((rows, K), processors.NO_TOKEN, jnp.int32)
+        previous, draft_probs = jnp.zeros((rows,), jnp.int32), []
+        for j, step_key in enumerate(jax.random.split(draft_key, K)):
+            logits = processors.process(jnp.asarray(draft_logits)[j, previous][:, None], params, mode, counts,
+                                        prefix=drafts[:, None])  # [rows, 1, V]
+            draft_probs.append(sampling.distribution(logits, params)[:, 0])
+            previous = sampling.sample(logits, params, step_key)[:, 0]
+            drafts = drafts.at[:, j].set(previous)
+        before = jnp.concatenate([jnp.zeros((rows, 1), jnp.int32), drafts], axis=1)  # [rows, K+1]
+        logits = jnp.asarray(target_logits)[jnp.arange(K + 1), before]  # [rows, K+1, V]
+        processed = processors.process(logits, params, mode, counts, prefix=processors.chain_prefix(drafts))
+        draft_probs = jnp.stack(draft_probs, axis=1) if mode.sample else None
+        return drafts, acceptance.verify(drafts, draft_probs, processed, params, mode, accept_key)
+
+    drafts, (num_accepted, next_token) = step(jax.random.key(seed), params, counts)
+    return np.asarray(num_accepted), np.asarray(next_token), np.asarray(drafts), target_logits
+
+
+PROCESSED_CASES = {
+    "top_k": sampling.Sampling(temperature=1.0, top_k=3),
+    "min_p": sampling.Sampling(temperature=0.8, min_p=0.15),
+    "penalties": sampling.Sampling(temperature=1.0, repetition_penalty=1.5, presence_penalty=0.5,
+                                   frequency_penalty=0.4),
+    "all": sampling.Sampling(temperature=1.2, top_k=4, top_p=0.9, min_p=0.05, repetition_penalty=0.8,
+                             frequency_penalty=0.3),
+}
+PROCESSED_ROWS = 60_000
+
+
+@pytest.mark.parametrize("case", list(PROCESSED_CASES))
+def test_rejection_emits_the_processed_target_at_every_position(chi_square, case):
+    settings = PROCESSED_CASES[case]
+    num_accepted, next_token, drafts, target_logits = processed_step(5, [settings] * PROCESSED_ROWS)
+    for position in range(K + 1):
+        reached = num_accepted >= position
+        if position < K:  # both branches ran at this position
+            assert np.sum(num_accepted > position) > 2000 and np.sum(num_accepted == position) > 2000, position
+        token = next_token[reached]
+        if position < K:
+            token = np.where(num_accepted[reached] > position, drafts[reached, position], token)
+        # One multinomial per prefix of drafts (the penalties make p depend on all of it).
+        group = (drafts[reached, :position] * V ** np.arange(position)).sum(1)
+        observed = np.zeros((V ** position, V))
+        np.add.at(observed, (group, token), 1)
+        expected = np.zeros_like(observed)
+        for g in np.unique(group):
+            prefix = tuple(int(g) // V ** i % V for i in range(position))
+            previous = prefix[-1] if prefix else 0
+            expected[g] = processed_reference(target_logits[position, previous], prefix, settings)
+        used = observed.sum(1) > 0
+        assert chi_square(observed[used], expected[used]) > ALPHA, position
+
+
+def test_greedy_rows_with_penalties_emit_the_sequential_processed_argmax():
+    """Greedy rows (alone, or among sampled rows) emit exactly what one-token-at-a-time argmax
+    over the penalised target gives, however many drafts they accept."""
+    greedy = sampling.Sampling(repetition_penalty=1.6, presence_penalty=0.7, frequency_penalty=0.5)
+    sampled = sampling.Sampling(temperature=1.0, frequency_penalty=0.5)
+    histories = np.random.default_rng(7).integers(0, V, (256, 4))  # rows differ by their output so far
+    for settings in ([greedy] * 256, [greedy, sampled] * 128):
+        num_accepted, next_token, drafts, target_logits = processed_step(6, settings, histories)
+        greedy_rows = [row for row, s in enumerate(settings) if s.greedy]
+        accepted_counts = np.bincount(num_accepted[greedy_rows], minlength=K + 1)
+        assert (accepted_counts[:K] > 0).all(), accepted_counts  # rejections at every depth
+        for row in greedy_rows:
+            emitted = list(drafts[row, :num_accepted[row]]) + [next_token[row]]
+            prefix = []
+            for position, token in enumerate(emitted):
+                previous = prefix[-1] if prefix else 0
+                want = np.argmax(processed_reference(target_logits[position, previous], tuple(prefix), greedy,
+                                                     histories[row]))
+                assert token == want, (row, position, emitted)
+                prefix.append(int(token))
+
+
+def test_one_hot_drafts_need_no_draft_probabilities():
+    """draft_probs=None is the same rule as passing one-hot q."""
+    rng = np.random.default_rng(4)
+    drafts = jnp.asarray(rng.integers(0, V, (512, K)), jnp.int32)
+    target = jnp.asarray(rng.dirichlet(np.ones(V), (512, K + 1)), jnp.float32)
+    key = jax.random.key(3)
+    implicit = acceptance.rejection(drafts, None, target, key)
+    explicit = acceptance.rejection(drafts, jax.nn.one_hot(drafts, V), target, key)
+    for a, b in zip(implicit, explicit):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert len(set(np.asarray(implicit[0]).tolist())) == K + 1  # every acceptance length happened
+
+
+def test_a_seeded_row_verifies_the_same_whatever_shares_its_batch():
+    rng = np.random.default_rng(5)
+    drafts = jnp.asarray(rng.integers(0, V, (4, K)), jnp.int32)
+    draft_probs = jnp.asarray(rng.dirichlet(np.ones(V), (4, K)), jnp.float32)
+    target = jnp.asarray(rng.dirichlet(np.ones(V), (4, K + 1)), jnp.float32)
+    seeded = sampling.Sampling(temperature=1.0, seed=1234)
+
+    def row_zero(others: list[sampling.Sampling], batch_key: int):
+        params = sampling.SamplingParams.stack([seeded] + others)
+        keys = sampling.row_keys(params, jax.random.key(batch_key), jnp.full((4,), 7, jnp.int32))
+        outcomes = [acceptance.rejection(drafts, draft_probs, target, keys) for _ in range(2)]
+        return [(int(n[0]), int(t[0])) for n, t in outcomes]
+
+    first = row_zero([sampling.Sampling(temperature=0.5)] * 3, batch_key=0)
+    assert row_zero([sampling.Sampling(temperature=1.0, seed=9)] * 3, batch_key=1) == first
+    # Different seeds give different draws (over many seeds, not all equal).
+    results = set()
+    for seed in range(20):
+        params = sampling.SamplingParams.stack([sampling.Sampling(temperature=1.0, seed=seed)] * 4)
+        keys = sampling.row_keys(params, jax.random.key(0), jnp.zeros((4,), jnp.int32))
+        n, t = acceptance.rejection(drafts, draft_probs, target, keys)
+        results.add((int(n[0]), int(t[0])))
+    assert len(results) > 3

@@ -1,5 +1,7 @@
 """Token selection: temperature and top-p against a brute-force numpy reference, and sampling
-that follows it (never a filtered-out token, and the right frequencies by chi-square)."""
+that follows it (never a filtered-out token, and the right frequencies by chi-square); the
+OpenAI/vLLM settings' validation, their per-row arrays and static mode, per-row draws and keys,
+and logprobs."""
 
 import itertools
 
@@ -8,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from eagle_jax.decode import processors
 from eagle_jax.decode import sampling
 
 V = 10
@@ -127,3 +130,124 @@ def test_the_check_catches_a_wrong_temperature(chi_square):
     counts = sampled_counts(logits, sampling.Sampling(1.15, 0.6))
     assert not counts[want == 0].any()  # same nuclei: only the frequencies are off
     assert chi_square(counts, want) < 1e-12
+
+
+# The OpenAI/vLLM settings: validation, per-row arrays, the static mode, per-row draws, logprobs.
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=-0.1), "temperature"),
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_p=float("nan")), "top_p"),
+    (dict(top_k=-1), "top_k"),
+    (dict(top_k=2.5), "top_k"),
+    (dict(min_p=-0.1), "min_p"),
+    (dict(min_p=1.1), "min_p"),
+    (dict(min_p=float("nan")), "min_p"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(repetition_penalty=-1.0), "repetition_penalty"),
+    (dict(repetition_penalty=float("nan")), "repetition_penalty"),
+    (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(presence_penalty=float("nan")), "presence_penalty"),
+    (dict(frequency_penalty=-2.01), "frequency_penalty"),
+    (dict(logprobs=-1), "logprobs"),
+    (dict(logprobs=sampling.MAX_LOGPROBS + 1), "logprobs"),
+    (dict(seed=1.5), "seed"),
+])
+def test_invalid_settings_are_refused(settings, message):
+    with pytest.raises(ValueError, match=message):
+        sampling.Sampling(**settings)
+
+
+def test_valid_settings_at_their_limits_are_hashable():
+    edge = sampling.Sampling(temperature=0.0, top_p=1.0, top_k=0, min_p=1.0, repetition_penalty=1e-3,
+                             presence_penalty=-2.0, frequency_penalty=2.0, seed=2 ** 40, logprobs=sampling.MAX_LOGPROBS)
+    assert hash(edge) == hash(sampling.Sampling(**vars(edge)))
+    assert sampling.Sampling(temperature=0.5).greedy is False and sampling.Sampling().greedy is True
+
+
+def test_mode_of_a_batch_and_what_it_covers():
+    greedy_only = sampling.SamplingMode.of([sampling.Sampling(), sampling.Sampling(top_k=5)])
+    assert greedy_only == sampling.SamplingMode()  # the plain argmax program
+    rows = [sampling.Sampling(), sampling.Sampling(temperature=1.0, top_k=8),
+            sampling.Sampling(temperature=0.5, min_p=0.1, logprobs=3), sampling.Sampling(presence_penalty=0.5)]
+    mode = sampling.SamplingMode.of(rows)
+    assert mode == sampling.SamplingMode(sample=True, penalties=True, min_p=True, top_k=8, top_p=False, logprobs=3)
+    assert all(mode.covers(row) for row in rows)
+    assert not mode.covers(sampling.Sampling(temperature=1.0, top_p=0.9))
+    assert not mode.covers(sampling.Sampling(temperature=1.0, top_k=9))
+    with pytest.raises(ValueError, match="rows \\[1\\]"):
+        sampling.SamplingParams.stack([rows[0], sampling.Sampling(temperature=1.0, top_p=0.5)], mode)
+
+
+def test_params_stack_the_rows_in_order():
+    rows = [sampling.Sampling(temperature=0.7, top_k=4, seed=3), sampling.Sampling(top_k=9, repetition_penalty=1.2)]
+    params = sampling.SamplingParams.stack(rows)
+    np.testing.assert_allclose(np.asarray(params.temperature), [0.7, 0.0])
+    assert np.asarray(params.top_k).tolist() == [4, 0]  # a greedy row's top-k does not apply
+    np.testing.assert_allclose(np.asarray(params.repetition_penalty), [1.0, 1.2])
+    assert np.asarray(params.seeded).tolist() == [True, False]
+    assert np.asarray(params.greedy).tolist() == [False, True]
+
+
+def test_static_probabilities_apply_top_k_and_min_p():
+    logits = random_logits(3, seed=3)
+    for settings in (sampling.Sampling(temperature=0.8, top_k=3), sampling.Sampling(temperature=1.2, min_p=0.2)):
+        got = np.asarray(sampling.probabilities(jnp.asarray(logits), settings))
+        for row, probs in zip(logits, got):
+            want = softmax(row, settings.temperature)
+            keep = (want >= np.sort(want)[-settings.top_k]) if settings.top_k else (want >= settings.min_p * want.max())
+            want = np.where(keep, want, 0) / want[keep].sum()
+            np.testing.assert_allclose(probs, want, atol=1e-6)
+    with pytest.raises(ValueError, match="penalties"):
+        sampling.probabilities(jnp.asarray(logits), sampling.Sampling(temperature=1.0, frequency_penalty=0.1))
+
+
+def test_per_row_draws_follow_each_rows_distribution(chi_square):
+    """One call, rows with different settings: sampled rows at their processed rates, greedy rows argmax."""
+    rows = [sampling.Sampling(temperature=1.0, top_k=3), sampling.Sampling(temperature=0.6, min_p=0.1),
+            sampling.Sampling(temperature=1.5, top_p=0.7), sampling.Sampling()]
+    logits = np.broadcast_to(random_logits(len(rows), seed=4)[:, None], (len(rows), SAMPLES, V))
+    params, mode = sampling.SamplingParams.stack(rows), sampling.SamplingMode.of(rows)
+    processed = processors.process(jnp.asarray(logits), params, mode)
+    tokens = np.asarray(jax.jit(sampling.sample)(processed, params, jax.random.key(8)))  # [rows, SAMPLES]
+    assert tokens.dtype == np.int32
+    want = np.asarray(sampling.distribution(processed[:, :1], params))[:, 0]  # [rows, V]
+    assert (tokens[3] == np.argmax(logits[3, 0])).all()
+    counts = np.stack([np.bincount(row, minlength=V) for row in tokens[:3]])
+    assert not counts[want[:3] == 0].any() and (want[:3] == 0).any(axis=1).all()  # every row masks something
+    assert chi_square(counts, want[:3]) > ALPHA, (counts, (want[:3] * SAMPLES).round(1))
+
+
+def test_row_keys_of_seeded_rows_ignore_the_batch():
+    rows = [sampling.Sampling(temperature=1.0, seed=5), sampling.Sampling(temperature=1.0)]
+    params = sampling.SamplingParams.stack(rows)
+    counters = jnp.array([2, 2], jnp.int32)
+    draw = lambda keys: np.asarray(jax.vmap(lambda key: jax.random.uniform(key))(keys))
+    a = draw(sampling.row_keys(params, jax.random.key(0), counters))
+    b = draw(sampling.row_keys(params, jax.random.key(1), counters))
+    assert a[0] == b[0] and a[1] != b[1]  # the seeded row's key depends on its seed alone
+    c = draw(sampling.row_keys(params, jax.random.key(0), counters + 1))
+    assert c[0] != a[0]  # and moves on with the counter
+
+
+def test_logprobs_match_numpy():
+    logits = np.random.default_rng(5).standard_normal((2, 3, V)).astype(np.float32)
+    logits[1, 2, 4] = -np.inf  # a masked token: -inf log-probability, never a top alternative ahead of others
+    tokens = np.array([[0, 3, 9], [1, 1, 2]], np.int32)
+    result = sampling.logprobs(jnp.asarray(logits), jnp.asarray(tokens), 4)
+    unused = sampling.logprobs(jnp.asarray(logits), jnp.asarray([[0, 3, processors.NO_TOKEN]] * 2, jnp.int32), 0)
+    assert np.asarray(unused.token)[:, 2].tolist() == [0.0, 0.0] and np.asarray(unused.rank)[:, 2].tolist() == [0, 0]
+    assert np.asarray(unused.top_ids).shape == (2, 3, 0)
+    z = logits.astype(np.float64)
+    top = z.max(-1, keepdims=True)
+    reference = z - top - np.log(np.exp(z - top).sum(-1, keepdims=True))
+    chosen = np.take_along_axis(reference, tokens[..., None], -1)[..., 0]
+    np.testing.assert_allclose(np.asarray(result.token), chosen, atol=1e-5)
+    order = np.argsort(-reference, axis=-1, kind="stable")[..., :4]
+    np.testing.assert_array_equal(np.asarray(result.top_ids), order)
+    np.testing.assert_allclose(np.asarray(result.top), np.take_along_axis(reference, order, -1), atol=1e-5)
+    rank = (reference >= np.take_along_axis(reference, tokens[..., None], -1)).sum(-1)
+    np.testing.assert_array_equal(np.asarray(result.rank), rank)
