@@ -8,6 +8,10 @@ SRC is one of:
     pytorch_model.bin head becomes safetensors and stays loadable by vLLM and SGLang. `--int8
     lm_head.weight` stores those weights as int8 with a scale per row (`eagle_jax.int8_weights`:
     eagle_jax reads it, vLLM does not); a head stored so is written back widened to its dtype.
+
+DST appears only when complete: everything is written into a locked `.DST.tmp-*` beside it and
+renamed into place last, so an interrupted or failed conversion (a full disk included) leaves
+nothing at DST, and what a killed one left is removed by the next.
 """
 
 from __future__ import annotations
@@ -15,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +27,7 @@ from eagle_jax.io import gguf_file
 from eagle_jax.io import hf_files
 from eagle_jax.io import int8_weights
 from eagle_jax.io import models
+from eagle_jax.io import staging
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -50,11 +54,18 @@ def is_head(src: Path) -> bool:
 
 
 def convert_target(src: Path, dst: Path, dtype: str) -> None:
-    with tempfile.TemporaryDirectory(prefix="eagle-jax-convert-") as scratch:
-        if src.is_file() and src.suffix == ".gguf":
-            src = gguf_file.gguf_to_hf_dir(src, Path(scratch) / "hf")
-        model, source_dir = models.load_target(src, dtype)
-        models.save_converted(model, source_dir, dst, dtype)
+    """Writes the converted format of an HF directory or a GGUF to `dst`, which appears only when complete."""
+    if src.is_file() and src.suffix == ".gguf":
+        # The GGUF's HF form is an intermediate: kept beside dst (not in /tmp, nor the cache) and
+        # removed with it, or by the next run if this one is killed.
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        with staging.temporary_directory(dst.parent, f"{dst.name}.gguf-source") as scratch:
+            hf_dir = gguf_file.gguf_to_hf_dir(src, scratch / "hf")
+            model, source_dir = models.load_target(hf_dir, dtype)
+            models.save_converted(model, source_dir, dst, dtype)
+        return
+    model, source_dir = models.load_target(src, dtype)
+    models.save_converted(model, source_dir, dst, dtype)
 
 
 def convert_head(src: Path, dst: Path, target_path: str | None, dtype: str | None, int8: tuple[str, ...] = ()) -> None:
@@ -72,9 +83,9 @@ def convert_head(src: Path, dst: Path, target_path: str | None, dtype: str | Non
         tensors = {name: array if array.dtype.kind in "biu" else array.astype(cast) for name, array in stored.items()}
         config["torch_dtype"] = dtype
     tensors = int8_weights.quantize(tensors, list(int8))  # after the widening: a stored head can be re-stored
-    dst.mkdir(parents=True, exist_ok=True)
-    hf_files.save_tensors(tensors, dst / "model.safetensors", metadata={"format": "pt"})
-    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    with staging.staged_directory(dst) as staged:
+        hf_files.save_tensors(tensors, staged / "model.safetensors", metadata={"format": "pt"})
+        (staged / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def main(argv=None) -> int:
@@ -85,6 +96,7 @@ def main(argv=None) -> int:
             raise FileNotFoundError(f"{src} does not exist")
         if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
             raise FileExistsError(f"{dst} already exists and is not an empty directory")
+        staging.remove_stale(dst.parent, f".{dst.name}.")  # what killed conversions to dst left
         if is_head(src):
             convert_head(src, dst, args.target, args.dtype, tuple(name for name in args.int8.split(",") if name))
             kind = "EAGLE head"
@@ -96,8 +108,8 @@ def main(argv=None) -> int:
     except (hf_files.CheckpointError, FileNotFoundError, FileExistsError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    except KeyError as error:  # a config.json without a field the model needs
-        print(f"error: {src}: config.json lacks {error}", file=sys.stderr)
+    except OSError as error:  # reading the source failed (writes fail as CheckpointError, leaving nothing)
+        print(f"error: {error}", file=sys.stderr)
         return 2
     print(f"wrote {kind} to {dst}", file=sys.stderr)
     return 0

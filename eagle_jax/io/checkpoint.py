@@ -4,6 +4,11 @@ Conversion is data: a table of HF key patterns to Flax paths. `map_tensors` appl
 with shape checks; unmapped, missing or duplicate keys and shape mismatches are errors that
 name the key. Flax paths are the NNX state paths joined by '/', e.g.
 `layers/3/self_attn/qkv_proj/kernel`; that is also the key layout of the converted format.
+
+Values are checked too: a floating parameter must come from a floating tensor (an int8 or
+bool tensor there is refused, not cast) holding no NaN or Inf, and a config.json is checked
+(every size a positive integer, the layer count the checkpoint's) before a model is built
+from it, so a config claiming 200,000 layers fails at once instead of building them.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from eagle_jax.io import hf_files
+from eagle_jax.model import config as config_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +116,7 @@ def map_tensors(tensors: dict[str, np.ndarray], rules: list[Rule], expected: dic
         if rule.part in parts:
             raise hf_files.CheckpointError(f"tensors {parts[rule.part][0]!r} and {name!r} both map to {target!r}")
         array = np.asarray(array)
+        check_values(name, array, expected[target].dtype)
         parts[rule.part] = (name, array.T if rule.transpose else array)
         rule_of[target] = (rule, match.groupdict())
     missing = sorted(set(expected) - set(found))
@@ -155,6 +162,87 @@ def _join_parts(target: str, parts: dict, found_rule: tuple[Rule, dict], rules: 
     return np.concatenate([a for _, a in named], axis=-1)
 
 
+def check_values(name: str, array: np.ndarray, expected_dtype) -> None:
+    """Refuses a tensor that cannot hold what the model expects there.
+
+    A floating parameter needs a floating tensor (int8 weights stored with a `_scale`
+    companion are widened before this, by `int8_weights.dequantize`), with no NaN or Inf in
+    it; an integer one (EAGLE-3's d2t) needs an integer tensor.
+
+    Raises:
+        hf_files.CheckpointError: naming the tensor.
+    """
+    floating = jnp.issubdtype(expected_dtype, jnp.floating)
+    if floating and not jnp.issubdtype(array.dtype, jnp.floating):
+        hint = " (an int8 weight needs its '_scale' companion)" if array.dtype == np.int8 else ""
+        raise hf_files.CheckpointError(f"tensor {name!r} has dtype {array.dtype}, where the model expects "
+                                       f"floating weights{hint}")
+    if not floating and not jnp.issubdtype(array.dtype, jnp.integer):
+        raise hf_files.CheckpointError(f"tensor {name!r} has dtype {array.dtype}, where the model expects integers")
+    if floating and not np.isfinite(array).all():
+        index = tuple(int(i) for i in np.argwhere(~np.isfinite(array))[0])
+        raise hf_files.CheckpointError(f"tensor {name!r} holds {array[index]} at index {list(index)}: "
+                                       "NaN or Inf weights are refused")
+
+
+_SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+_OPTIONAL_SIZE_FIELDS = ("num_key_value_heads", "head_dim", "max_position_embeddings")
+_OPTIONAL_POSITIVE_NUMBERS = ("rms_norm_eps", "rope_theta")
+
+
+def llama_config(hf_config: dict, where: str = "config.json") -> config_lib.LlamaConfig:
+    """`LlamaConfig.from_hf_config` for a config.json from anywhere, with clear errors.
+
+    Args:
+        hf_config: the parsed config.json.
+        where: the file, for messages.
+
+    Raises:
+        hf_files.CheckpointError: a size field is missing, or is not a positive integer, or
+            the config is otherwise one the model cannot take.
+    """
+    missing = [field for field in _SIZE_FIELDS if hf_config.get(field) is None]
+    if missing:
+        raise hf_files.CheckpointError(f"{where}: lacks {', '.join(missing)}")
+    for field in _SIZE_FIELDS + _OPTIONAL_SIZE_FIELDS:
+        value = hf_config.get(field)
+        if value is not None and (type(value) is not int or value <= 0):
+            raise hf_files.CheckpointError(f"{where}: {field} is {value!r}, expected a positive integer")
+    for field in _OPTIONAL_POSITIVE_NUMBERS:
+        value = hf_config.get(field)
+        if value is not None and (type(value) not in (int, float) or not value > 0):
+            raise hf_files.CheckpointError(f"{where}: {field} is {value!r}, expected a positive number")
+    if hf_config.get("head_dim") is None and hf_config["hidden_size"] < hf_config["num_attention_heads"]:
+        raise hf_files.CheckpointError(f"{where}: hidden_size={hf_config['hidden_size']} is smaller than "
+                                       f"num_attention_heads={hf_config['num_attention_heads']} and no head_dim is given")
+    try:
+        return config_lib.LlamaConfig.from_hf_config(hf_config)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as error:
+        raise hf_files.CheckpointError(f"{where}: {error}") from None
+
+
+def check_layer_count(names, num_layers: int, pattern: str, where: str, offset: int = 0) -> None:
+    """Checks that tensors `names` hold exactly layers `offset..num_layers-1` (by `pattern`'s group 1).
+
+    Run before a model is built: building one costs time per layer, so a config.json that
+    claims more layers than its checkpoint holds is refused here, from names alone.
+
+    Raises:
+        hf_files.CheckpointError: naming both counts.
+    """
+    regex = re.compile(pattern)
+    found = {int(match.group(1)) for name in names if (match := regex.match(name))}
+    if found != set(range(offset, num_layers)):
+        if offset or not found:  # the first layers have other names (EAGLE-3's midlayer): count them
+            held = f"{offset + len(found)} layers"
+        elif len(found) == max(found) - min(found) + 1:
+            held = f"layers {min(found)}..{max(found)}"
+        else:
+            held = f"{len(found)} layers, numbered {sorted(found)[:5]}..."
+        raise hf_files.CheckpointError(f"{where}: config.json says num_hidden_layers={num_layers}, but the "
+                                       f"checkpoint holds {held}")
+
+
 def split_parts(array: np.ndarray, sizes: tuple[int, ...]) -> list[np.ndarray]:
     """The inverse of joining: a fused parameter cut back into its HF tensors along the last axis."""
     if sum(sizes) != array.shape[-1]:
@@ -196,13 +284,18 @@ def param_shapes(abstract: nnx.Module) -> dict[str, Any]:
     return flat_state(nnx.split(abstract)[1])
 
 
-def build_model(abstract: nnx.Module, params: dict[str, np.ndarray], dtype) -> nnx.Module:
+def build_model(abstract: nnx.Module, params: dict[str, np.ndarray], dtype, check: bool = True) -> nnx.Module:
     """Fills an abstract module (`abstract_model`) from Flax-path arrays.
 
     Args:
         abstract: the module's shapes, from `abstract_model`.
         params: Flax path -> array, covering every parameter.
         dtype: the parameter dtype on device.
+        check: run `check_values` on each array (`map_tensors` has, under the HF names).
+
+    Raises:
+        hf_files.CheckpointError: a parameter is missing, extra, or of the wrong shape or kind,
+            or holds NaN or Inf.
     """
     graphdef, state = nnx.split(abstract)
     expected = flat_state(state)
@@ -220,6 +313,8 @@ def build_model(abstract: nnx.Module, params: dict[str, np.ndarray], dtype) -> n
             else:
                 if tuple(params[path].shape) != tuple(value.shape):
                     raise hf_files.CheckpointError(f"{path!r} has shape {params[path].shape}, model expects {value.shape}")
+                if check:
+                    check_values(path, np.asarray(params[path]), value.dtype)
                 # Only floating parameters take the model dtype; integer tables (EAGLE-3 d2t) stay exact.
                 floating = jnp.issubdtype(value.dtype, jnp.floating)
                 node[key] = jnp.asarray(params[path], dtype=dtype if floating else value.dtype)

@@ -4,21 +4,25 @@ A GGUF holds quantized weights under llama.cpp names, with the q/k rows
 permuted for llama.cpp's interleaved rotary. This module dequantizes to
 float32, renames to Hugging Face keys, undoes the permutation and rebuilds a
 `config.json`, so the rest of eagle_jax sees an ordinary HF checkpoint.
+
+Before gguf's reader sees a file, every count, string length and tensor extent in its header
+is checked against the file's size (`gguf_layout`).
 """
 
 import json
-import os
 import pathlib
 import re
-import shutil
+import struct
 
 import gguf
 import ml_dtypes
 import numpy as np
 import tqdm
 
+from eagle_jax.io import gguf_layout
 from eagle_jax.io import gguf_tokenizer
 from eagle_jax.io import hf_files
+from eagle_jax.io import staging
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -86,30 +90,25 @@ def gguf_to_hf_dir(gguf_path, out_dir, dtype="float32", progress=True):
     config["torch_dtype"] = dtype
     if dtype == "bfloat16":
         tensors = {name: array.astype(ml_dtypes.bfloat16) for name, array in tensors.items()}
-    staging = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    try:
+    with staging.staged_directory(out_dir) as staged:
         # "format": "pt" lets transformers' from_pretrained read the file too.
-        hf_files.save_tensors(tensors, staging / "model.safetensors", metadata={"format": "pt"})
-        _write_json(staging / "config.json", config)
+        hf_files.save_tensors(tensors, staged / "model.safetensors", metadata={"format": "pt"})
+        _write_json(staged / "config.json", config)
         generation = {key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")
                       if key in config}
-        _write_json(staging / "generation_config.json", generation)
-        _save_tokenizer(reader, staging, config["max_position_embeddings"])
-        if out_dir.exists():
-            out_dir.rmdir()
-        staging.rename(out_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        _write_json(staged / "generation_config.json", generation)
+        _save_tokenizer(reader, staged, config["max_position_embeddings"])
     return out_dir
 
 
 def _open(path):
     """Opens a GGUF file, turning parse failures into CheckpointError."""
     try:
+        gguf_layout.check(pathlib.Path(path))
         return gguf.GGUFReader(path)
-    except (OSError, ValueError, KeyError) as error:
+    except (OSError, ValueError, KeyError, IndexError, struct.error) as error:
+        if isinstance(error, hf_files.CheckpointError):
+            raise
         raise hf_files.CheckpointError(f"{path}: not a readable GGUF file ({error})") from None
 
 
@@ -129,6 +128,23 @@ def _integer(reader, key, default=None):
     return value
 
 
+def _size(reader, key, default=None):
+    """Returns a positive integer metadata value; required when no default."""
+    value = _integer(reader, key, default)
+    if value <= 0:
+        raise hf_files.CheckpointError(f"{reader.data.filename}: metadata {key!r} is {value}, not a positive size")
+    return value
+
+
+def _check_layer_count(reader, num_layers):
+    """Tensors must cover blocks 0..num_layers-1 exactly; checked from names, before any data is read."""
+    found = {int(match.group(1)) for tensor in reader.tensors if (match := _LAYER_PATTERN.fullmatch(tensor.name))}
+    if found != set(range(num_layers)):
+        held = f"blocks {min(found)}..{max(found)}" if found else "no blocks"
+        raise hf_files.CheckpointError(f"{reader.data.filename}: metadata llama.block_count is {num_layers}, "
+                                       f"but the file holds tensors for {held}")
+
+
 def _float32(reader, key, default=None):
     """Returns a float metadata value, shortest float32 form (1e-05, not 9.99999974e-06)."""
     value = _field(reader, key, default)
@@ -143,11 +159,12 @@ def _convert(reader, progress):
     architecture = _field(reader, "general.architecture")
     if architecture != "llama":
         raise hf_files.CheckpointError(f"{filename}: architecture {architecture!r} is not 'llama'")
-    num_heads = _integer(reader, "llama.attention.head_count")
-    num_kv_heads = _integer(reader, "llama.attention.head_count_kv", num_heads)
-    hidden_size = _integer(reader, "llama.embedding_length")
-    head_dim = _integer(reader, "llama.attention.key_length",
-                        _integer(reader, "llama.rope.dimension_count", hidden_size // num_heads))
+    num_heads = _size(reader, "llama.attention.head_count")
+    num_kv_heads = _size(reader, "llama.attention.head_count_kv", num_heads)
+    hidden_size = _size(reader, "llama.embedding_length")
+    head_dim = _size(reader, "llama.attention.key_length",
+                     _size(reader, "llama.rope.dimension_count", max(hidden_size // num_heads, 1)))
+    _check_layer_count(reader, _size(reader, "llama.block_count"))
     tensors, rope_freqs = {}, None
     for tensor in tqdm.tqdm(reader.tensors, desc="Dequantizing", unit="tensor", disable=not progress):
         # GGUF lists dimensions fastest-first; numpy (and HF) order is the reverse.
@@ -157,6 +174,8 @@ def _convert(reader, progress):
         except (NotImplementedError, ValueError) as error:
             raise hf_files.CheckpointError(f"{filename}: cannot dequantize {tensor.name} ({error})") from None
         array = np.array(array, dtype=np.float32)  # own the memory; the reader is a memmap
+        if not np.isfinite(array).all():
+            raise hf_files.CheckpointError(f"{filename}: tensor {tensor.name} holds NaN or Inf values")
         if tensor.name == _ROPE_FREQS:
             rope_freqs = array
             continue
@@ -171,12 +190,12 @@ def _convert(reader, progress):
         "model_type": "llama",
         "hidden_act": "silu",
         "hidden_size": hidden_size,
-        "intermediate_size": _integer(reader, "llama.feed_forward_length"),
-        "num_hidden_layers": _integer(reader, "llama.block_count"),
+        "intermediate_size": _size(reader, "llama.feed_forward_length"),
+        "num_hidden_layers": _size(reader, "llama.block_count"),
         "num_attention_heads": num_heads,
         "num_key_value_heads": num_kv_heads,
         "head_dim": head_dim,
-        "max_position_embeddings": _integer(reader, "llama.context_length"),
+        "max_position_embeddings": _size(reader, "llama.context_length"),
         "rms_norm_eps": _float32(reader, "llama.attention.layer_norm_rms_epsilon"),
         "rope_theta": _float32(reader, "llama.rope.freq_base", 10000.0),
         "attention_bias": False,

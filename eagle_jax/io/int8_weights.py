@@ -4,7 +4,9 @@ Why: the shipped EAGLE-3 head's lm_head (32,768 x 576) is 38 MB in bfloat16, mor
 of the head together, and the package carries its heads. Stored as int8 it is half that. The
 head runs the same program (the weights are widened back to the load dtype at load); only each
 value moves, by at most half its row's step (absmax / 127). On MT-Bench that moved the replayed
-acceptance length by +0.005, far less than the H200's lease-to-lease spread (docs/TRAINING.md, run 14).
+acceptance length by +0.005 (the CPU replay of 2026-12-02,
+docs/results/replay_int8_lm_head_cpu_2026-12-02.json), far less than repeated H200 measurements
+of one head spread.
 
 Layout, as compressed-tensors names it: `NAME` int8 [out, in] beside `NAME_scale` float32
 [out, 1]. eagle_jax reads it; vLLM and SGLang do not (`eagle-jax-convert SRC DST --target T`

@@ -1,7 +1,11 @@
 """Loading targets and EAGLE heads from any supported source, and saving the converted format.
 
-Target sources: an HF Llama directory, a llama `.gguf`, or the converted format. Heads: the
-public EAGLE-1 and EAGLE-3 HF layouts (safetensors or pytorch_model.bin).
+Target sources: an HF Llama directory, a llama `.gguf`, the converted format, or a Hugging
+Face hub id (`org/name`, downloaded through huggingface_hub). Heads: the public EAGLE-1 and
+EAGLE-3 HF layouts (safetensors or pytorch_model.bin), from a path or a hub id.
+
+Every config.json is checked against its checkpoint's tensor names and shapes (read from
+headers) before a model is built, and every error names the directory it is about.
 
 The converted format is a directory holding the HF `config.json`, the tokenizer files, and
 `params.safetensors` whose keys are Flax parameter paths (`layers/0/self_attn/qkv_proj/kernel`,
@@ -21,11 +25,13 @@ import numpy as np
 from flax import nnx
 
 from eagle_jax.io import checkpoint
-from eagle_jax.model import config as config_lib
 from eagle_jax.io import default_model
-from eagle_jax.model import eagle
 from eagle_jax.io import hf_files
+from eagle_jax.io import hub
 from eagle_jax.io import int8_weights
+from eagle_jax.io import staging
+from eagle_jax.model import config as config_lib
+from eagle_jax.model import eagle
 from eagle_jax.model import layers
 from eagle_jax.model import llama
 
@@ -36,17 +42,34 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 
 
 def resolve_target_dir(path: str | Path | None) -> Path:
-    """A directory with config.json and tokenizer for any target source (a GGUF is converted once)."""
+    """A directory with config.json and tokenizer for any target source (a GGUF is converted once).
+
+    Raises:
+        FileNotFoundError: `path` does not exist and is not a hub id.
+        hf_files.CheckpointError: a hub id that cannot be fetched, or a path that is no model.
+    """
     if path is None:
         return default_model.default_model_dir()
-    path = Path(path).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(f"model path {path} does not exist")
+    path = _local_or_hub(path, "model")
     if path.suffix == ".gguf":
         return default_model.converted_gguf_dir(path)
     if not (path / "config.json").is_file():
         raise hf_files.CheckpointError(f"{path}: not a .gguf file nor a directory with config.json")
     return path
+
+
+def resolve_head_dir(path: str | Path) -> Path:
+    """A head's directory (or weight file) from a path or a hub id (see `resolve_target_dir`)."""
+    return _local_or_hub(path, "draft head")
+
+
+def _local_or_hub(path: str | Path, what: str) -> Path:
+    local = Path(path).expanduser()
+    if local.exists():
+        return local
+    if hub.looks_like_repo_id(str(path)):
+        return hub.snapshot(str(path), what)
+    raise FileNotFoundError(f"{'draft' if what == 'draft head' else what} path {local} does not exist")
 
 
 def target_factory(cfg: config_lib.LlamaConfig, dtype):
@@ -55,7 +78,7 @@ def target_factory(cfg: config_lib.LlamaConfig, dtype):
 
 def random_target(config_json: str | Path, dtype: str = "float32") -> llama.Llama:
     """A target shaped by an HF config.json, with random weights: for timing, which weights do not change."""
-    cfg = config_lib.LlamaConfig.from_hf_config(json.loads(Path(config_json).read_text()))
+    cfg = checkpoint.llama_config(json.loads(Path(config_json).read_text()), str(config_json))
     return target_factory(cfg, DTYPES[dtype])()
 
 
@@ -64,37 +87,63 @@ def load_target(path: str | Path | None = None, dtype: str = "float32") -> tuple
 
     Returns:
         (model, directory holding its tokenizer files).
+
+    Raises:
+        hf_files.CheckpointError: the config or weights are malformed, unsafe or do not fit,
+            naming the directory.
     """
     directory = resolve_target_dir(path)
-    hf_config = hf_files.load_config(directory)
-    cfg = config_lib.LlamaConfig.from_hf_config(hf_config)
-    abstract = checkpoint.abstract_model(target_factory(cfg, DTYPES[dtype]))
-    if (directory / PARAMS_FILE).is_file():
-        params = hf_files.load_tensors(directory / PARAMS_FILE)
-        if any(name.endswith("self_attn/q_proj/kernel") for name in params):
-            raise hf_files.CheckpointError(
-                f"{directory} was converted by an older eagle_jax (separate q/k/v projections); "
-                "convert its source again with eagle-jax-convert")
-    else:
+    try:
+        cfg = checkpoint.llama_config(hf_files.load_config(directory), "config.json")
+        converted = (directory / PARAMS_FILE).is_file()
+        weights = directory / PARAMS_FILE if converted else directory
+        _check_target_layout(hf_files.tensor_shapes(weights), cfg, converted)
+        abstract = checkpoint.abstract_model(target_factory(cfg, DTYPES[dtype]))
+        if converted:
+            return checkpoint.build_model(abstract, hf_files.load_tensors(weights), DTYPES[dtype]), directory
         params = checkpoint.map_tensors(hf_files.load_tensors(directory), checkpoint.LLAMA_RULES,
                                         checkpoint.param_shapes(abstract),
                                         ignored=checkpoint.LLAMA_IGNORED, optional=(r"lm_head\.weight",))
-    return checkpoint.build_model(abstract, params, DTYPES[dtype]), directory
+        return checkpoint.build_model(abstract, params, DTYPES[dtype], check=False), directory  # map_tensors checked
+    except hf_files.CheckpointError as error:
+        raise _naming(error, directory) from None
+
+
+def _naming(error: hf_files.CheckpointError, directory: Path) -> hf_files.CheckpointError:
+    """`error`, its message led by `directory` unless it names a path there already."""
+    return error if str(directory) in str(error) else type(error)(f"{directory}: {error}")
+
+
+def _check_target_layout(shapes: dict, cfg: config_lib.LlamaConfig, converted: bool) -> None:
+    """The config's layer count and embedding against the checkpoint's headers, before anything is built."""
+    if converted and any(name.endswith("self_attn/q_proj/kernel") for name in shapes):
+        raise hf_files.CheckpointError("converted by an older eagle_jax (separate q/k/v projections); "
+                                       "convert its source again with eagle-jax-convert")
+    layer_pattern, embedding = (r"layers/(\d+)/", "embed_tokens/embedding") if converted else \
+        (r"model\.layers\.(\d+)\.", "model.embed_tokens.weight")
+    checkpoint.check_layer_count(shapes, cfg.num_layers, layer_pattern, "config.json")
+    if embedding in shapes and shapes[embedding][0] != (cfg.vocab_size, cfg.hidden_size):
+        raise hf_files.CheckpointError(
+            f"config.json says vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size}, but tensor {embedding!r} "
+            f"has shape {shapes[embedding][0]}")
 
 
 def save_converted(model: llama.Llama, source_dir: Path, out_dir: str | Path, dtype: str = "float32") -> Path:
-    """Writes the converted format: config.json, params.safetensors (Flax paths), tokenizer files."""
+    """Writes the converted format: config.json, params.safetensors (Flax paths), tokenizer files.
+
+    `out_dir` must not exist or be empty; it appears, complete, only when everything is written.
+    """
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     params = checkpoint.model_params(model)
     params = {name: array.astype(np.dtype(DTYPES[dtype])) for name, array in params.items()}
-    hf_files.save_tensors(params, out_dir / PARAMS_FILE, metadata={"format": "eagle_jax"})
     config = hf_files.load_config(source_dir)
     config["torch_dtype"] = dtype
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-    for name in _TOKENIZER_FILES:
-        if (source_dir / name).is_file():
-            shutil.copy2(source_dir / name, out_dir / name)
+    with staging.staged_directory(out_dir) as staged:
+        hf_files.save_tensors(params, staged / PARAMS_FILE, metadata={"format": "eagle_jax"})
+        (staged / "config.json").write_text(json.dumps(config, indent=2))
+        for name in _TOKENIZER_FILES:
+            if (source_dir / name).is_file():
+                shutil.copy2(source_dir / name, staged / name)
     return out_dir
 
 
@@ -140,7 +189,11 @@ def head_config(hf_config: dict, tensor_names: set[str], target: config_lib.Llam
         raise hf_files.CheckpointError("not an EAGLE head: no fc.weight and no midlayer.* tensors")
     layer_hf = dict(hf_config, num_hidden_layers=1)
     layer_hf.setdefault("max_position_embeddings", target.max_position_embeddings)
-    layer = config_lib.LlamaConfig.from_hf_config(layer_hf)
+    layer = checkpoint.llama_config(layer_hf, "config.json")
+    for field in ("draft_vocab_size", "target_hidden_size"):
+        value = hf_config.get(field)
+        if value is not None and (type(value) is not int or value <= 0):
+            raise hf_files.CheckpointError(f"config.json: {field} is {value!r}, expected a positive integer")
     checks = [("hidden_size", layer.hidden_size, target.hidden_size), ("vocab_size", layer.vocab_size, target.vocab_size)]
     if is_eagle3:
         if hf_config.get("norm_before_residual"):
@@ -190,10 +243,13 @@ def load_head(path: str | Path, target: llama.Llama, dtype: str = "float32", par
     `dtype` is the compute dtype; parameters are stored in `param_dtype` (default: the same).
     Training from a head keeps float32 parameters under bf16 compute, as `train.new_head` does.
     """
-    path = Path(path).expanduser()
-    tensors = int8_weights.dequantize(hf_files.load_tensors(path))
-    return head_from_tensors(tensors, hf_files.load_config(path if path.is_dir() else path.parent), target, dtype,
-                             param_dtype)
+    path = resolve_head_dir(path)
+    try:
+        tensors = int8_weights.dequantize(hf_files.load_tensors(path))
+        return head_from_tensors(tensors, hf_files.load_config(path if path.is_dir() else path.parent), target, dtype,
+                                 param_dtype)
+    except hf_files.CheckpointError as error:
+        raise _naming(error, path) from None
 
 
 def head_from_tensors(tensors: dict, config: dict, target: llama.Llama, dtype: str = "float32",
@@ -204,6 +260,8 @@ def head_from_tensors(tensors: dict, config: dict, target: llama.Llama, dtype: s
         hf_files.CheckpointError: the head does not fit `target`.
     """
     cfg = head_config(config, set(tensors), target.config)
+    if cfg.method == "eagle3":  # before building: a config may claim any number of layers
+        checkpoint.check_layer_count(tensors, cfg.num_layers, r"layers\.(\d+)\.", "config.json", offset=1)
     if "embed_tokens.weight" in tensors:
         _check_embeddings(np.asarray(tensors["embed_tokens.weight"], np.float32), target)
     if cfg.method == "eagle3":
@@ -212,7 +270,7 @@ def head_from_tensors(tensors: dict, config: dict, target: llama.Llama, dtype: s
     factory = lambda: eagle.make_head(cfg, rngs=nnx.Rngs(0), dtype=DTYPES[dtype], param_dtype=stored)
     abstract = checkpoint.abstract_model(factory)
     params = checkpoint.map_tensors(tensors, head_rules(cfg), checkpoint.param_shapes(abstract), ignored=HEAD_IGNORED)
-    return checkpoint.build_model(abstract, params, stored)
+    return checkpoint.build_model(abstract, params, stored, check=False)  # map_tensors checked the values
 
 
 def _check_embeddings(embeddings: np.ndarray, target: llama.Llama) -> None:
@@ -308,5 +366,6 @@ def export_head(head, target_config: config_lib.LlamaConfig, out_dir: str | Path
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     hf_files.save_tensors(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    with staging.staged_file(out_dir / "config.json") as temporary:
+        temporary.write_text(json.dumps(config, indent=2) + "\n")
     return out_dir

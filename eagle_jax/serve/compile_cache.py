@@ -16,17 +16,20 @@ not an attacker, who simply recomputes it. So entries are `MAGIC + MAC + payload
 HMAC-SHA256 over the entry's name and payload under a secret key kept in `<root>/key` (32
 random bytes, created with mode 0600, refused if another user owns it or others may read or
 write it). Nothing is unpickled before the MAC verifies. The root and every module directory
-are created with mode 0700 and refused (`CompileCacheError`) if another user owns them or
-others may write to them, unless the sticky bit protects our files (as in /tmp). This defends
-against other local users and against entries copied in from elsewhere; it cannot defend
-against code running as the same user, which can read the key. (JAX's own persistent cache
-avoids pickle but not this: its entries are unauthenticated executables too.)
+pass the checks every part of the cache root passes (`eagle_jax.io.cache_dirs`: mode 0700,
+refused with `CompileCacheError` if another user owns them or others may write to them,
+unless the sticky bit protects our files, as in /tmp). This defends against other local users
+and against entries copied in from elsewhere; it cannot defend against code running as the
+same user, which can read the key. (JAX's own persistent cache avoids pickle but not this:
+its entries are unauthenticated executables too.)
 
-Entries are written to a temporary file then renamed, so two processes filling the same cache
-leave only complete entries; a corrupt or truncated entry (or one signed with another key)
-fails its MAC, is reported as a warning, and is rebuilt without being unpickled. Two processes
-creating the key at once agree on one: each writes a complete temporary file and hard-links it
-into place, which fails for all but the first, and the others read the first one's key.
+Entries are written to a locked temporary file then renamed, so two processes filling the same
+cache leave only complete entries, and the temporaries of killed processes (no longer locked)
+are removed when a cache is first used (`eagle_jax.io.staging`). A corrupt or truncated entry
+(or one signed with another key) fails its MAC, is reported as a warning, and is rebuilt
+without being unpickled. Two processes creating the key at once agree on one: each writes a
+complete temporary file and hard-links it into place, which fails for all but the first, and
+the others read the first one's key.
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ import jax
 import jaxlib
 from jax.experimental import serialize_executable
 
+from eagle_jax.io import cache_dirs
+from eagle_jax.io import staging
+
 MAGIC = b"EAGLEJAX-XLA-2\n"
 ENV_VAR = "EAGLE_JAX_CACHE_DIR"
 KEY_NAME = "key"
@@ -52,15 +58,17 @@ KEY_BYTES = 32
 MAC_LENGTH = 64  # hex digits of HMAC-SHA256
 
 
-class CompileCacheError(ValueError):
-    """A cache directory or key file that others could have tampered with."""
+LABEL = "compilation cache"
+TEMPORARY_PREFIX = ".tmp-"
+
+
+class CompileCacheError(cache_dirs.CacheDirectoryError):
+    """A cache directory or key file that others could have tampered with, or that cannot be used."""
 
 
 def default_root() -> Path:
     """`$EAGLE_JAX_CACHE_DIR/xla`, else under the user's cache directory."""
-    from eagle_jax.io import default_model  # local: keeps this module free of model code at import
-
-    return default_model.cache_root() / "xla"
+    return cache_dirs.cache_root() / "xla"
 
 
 def _digest(text: str | bytes) -> str:
@@ -80,23 +88,29 @@ def _entry_name(entry: Path) -> str:
 
 def _check_directory(directory: Path) -> None:
     """Raises CompileCacheError unless only we can change what `directory` holds."""
-    info = directory.stat()
-    if not stat.S_ISDIR(info.st_mode):
-        raise CompileCacheError(f"compilation cache: {directory} is not a directory")
-    if info.st_uid != os.getuid():
-        raise CompileCacheError(f"compilation cache: {directory} is owned by uid {info.st_uid}, not by this user "
-                                f"(uid {os.getuid()}); refusing to load compiled code from it")
-    # Group- or world-writable is safe only with the sticky bit: then others may add files but
-    # not rename or replace ours, and anything they add is owned by them and so refused.
-    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not info.st_mode & stat.S_ISVTX:
-        raise CompileCacheError(f"compilation cache: {directory} is writable by other users "
-                                f"(mode {stat.S_IMODE(info.st_mode):o}); refusing to load compiled code from it. "
-                                f"Run `chmod go-w {directory}` or choose another --cache-dir")
+    try:
+        cache_dirs.check_private(directory, LABEL, "compiled code")
+    except cache_dirs.CacheDirectoryError as error:
+        raise CompileCacheError(str(error)) from None
 
 
 def _make_directory(directory: Path) -> None:
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    _check_directory(directory)
+    try:
+        cache_dirs.make_private(directory, LABEL, "compiled code")
+    except cache_dirs.CacheDirectoryError as error:
+        raise CompileCacheError(f"{error} (or pass --no-compile-cache)") from None
+
+
+def remove_stale_temporaries(root: Path) -> list[Path]:
+    """Removes the temporary entries and keys that killed processes left under `root`."""
+    removed = staging.remove_stale(root, TEMPORARY_PREFIX)
+    try:
+        module_dirs = [path for path in root.iterdir() if path.is_dir() and not path.is_symlink()]
+    except OSError:  # unreadable: then nothing is loaded from it either
+        return removed
+    for module_dir in module_dirs:
+        removed += staging.remove_stale(module_dir, TEMPORARY_PREFIX)
+    return removed
 
 
 def _read_key(path: Path) -> bytes | None:
@@ -132,7 +146,11 @@ def _load_or_create_key(root: Path) -> bytes:
     # mkstemp opens with O_CREAT | O_EXCL and mode 0600. The key is complete on disk before it
     # is linked into place, so no reader can see a partial key, and link (unlike rename) fails
     # if another process linked its key first: then we use theirs.
-    handle, temporary = tempfile.mkstemp(dir=root, prefix=".tmp-key-")
+    try:
+        handle, temporary = tempfile.mkstemp(dir=root, prefix=TEMPORARY_PREFIX + "key-")
+    except OSError as error:
+        raise CompileCacheError(f"{LABEL}: cannot create the key file in {root} ({error.strerror}); choose a "
+                                "writable --cache-dir or pass --no-compile-cache") from None
     try:
         with os.fdopen(handle, "wb") as file:
             file.write(secrets.token_bytes(KEY_BYTES))
@@ -193,6 +211,7 @@ class CompileCache:
         if self._key is None:
             _make_directory(self.root)
             self._key = _load_or_create_key(self.root)
+            remove_stale_temporaries(self.root)
         return self._key
 
     def compile(self, module: str, key: str, lowered) -> tuple[object, float]:
@@ -261,9 +280,11 @@ class CompileCache:
 
     @staticmethod
     def _write(entry: Path, payload: bytes, secret: bytes) -> None:
-        _make_directory(entry.parent)
-        handle, temporary = tempfile.mkstemp(dir=entry.parent, prefix=".tmp-")
+        entry.parent.mkdir(mode=0o700, exist_ok=True)  # an OSError here (read-only cache) is only a warning
+        _check_directory(entry.parent)
+        handle, temporary = tempfile.mkstemp(dir=entry.parent, prefix=TEMPORARY_PREFIX)
         try:
+            staging.lock(handle)  # held until the file is complete: until then no cleaner removes it
             with os.fdopen(handle, "wb") as file:
                 file.write(MAGIC + _mac(secret, _entry_name(entry), payload) + payload)
             os.replace(temporary, entry)  # atomic: readers see the old entry or the whole new one

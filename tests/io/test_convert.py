@@ -1,6 +1,7 @@
 """`eagle-jax-convert`: HF directories, GGUF files and EAGLE heads, and its error reporting."""
 
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -137,3 +138,77 @@ def test_errors_exit_2_without_traceback(tmp_path, capsys, hf_llama):
     code, err = run(capsys, source, tmp_path / "empty")  # a non-empty destination is not overwritten
     assert code == 2 and "already exists" in err
     assert "Traceback" not in capsys.readouterr().err
+
+
+# ---- outputs appear whole or not at all ----
+
+def beside(path):
+    """What lies in the directory of `path` (its temporaries included)."""
+    return sorted(entry.name for entry in path.parent.iterdir())
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf", "head"])
+def test_a_full_disk_is_a_clear_error_and_leaves_no_output(hf_llama, random_head, save_head, tmp_path, capsys,
+                                                          monkeypatch, source):
+    import errno
+
+    _, target_dir, target = hf_llama(seed=16)
+    if source == "hf":
+        src, extra = target_dir, []
+    elif source == "gguf":
+        src, extra = write_gguf(tmp_path / "tiny.gguf", hf_reference(), tokenizer=True), []
+    else:
+        src, extra = save_head(random_head(target.config, "eagle"), tmp_path / "head"), ["--target", target_dir]
+    real_save = hf_files.save_tensors
+
+    def disk_full(tensors, path, metadata=None):
+        if path.name in (models.PARAMS_FILE, "model.safetensors") and "hf" not in path.parent.name:
+            real_save(tensors, path, metadata)  # half of it written, then the disk fills
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real_save(tensors, path, metadata)
+
+    monkeypatch.setattr(hf_files, "save_tensors", disk_full)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "earlier").mkdir()  # an earlier output beside it stays untouched
+    code, err = run(capsys, src, tmp_path / "out" / "new", *extra)
+    assert code == 2 and "no space left on the device" in err and "nothing was written" in err, err
+    assert "Traceback" not in err
+    assert beside(tmp_path / "out" / "new") == ["earlier"]  # no output, no temporaries
+    monkeypatch.undo()
+    code, err = run(capsys, src, tmp_path / "out" / "new", *extra)  # with space again, it converts
+    assert code == 0, err
+
+
+def test_an_interrupted_conversion_leaves_no_output_and_nothing_in_tmp(hf_llama, tmp_path, capsys, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    path = write_gguf(tmp_path / "tiny.gguf", hf_reference(), tokenizer=True)
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(models, "save_converted", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        convert_cli.main([str(path), str(tmp_path / "out")])
+    assert beside(tmp_path / "out") == ["tiny.gguf", "tmp"] and os.listdir(tmp_path / "tmp") == []
+    monkeypatch.undo()
+    code, err = run(capsys, path, tmp_path / "out")
+    assert code == 0, err
+    models.load_target(tmp_path / "out")
+
+
+def test_what_a_killed_conversion_left_beside_the_output_is_removed(hf_llama, tmp_path, capsys):
+    import time
+
+    _, source, _ = hf_llama(seed=17)
+    for name in (".out.tmp-killed", ".out.gguf-source.tmp-killed"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes(b"half")
+        then = time.time() - 3600
+        os.utime(tmp_path / name, (then, then))
+    code, err = run(capsys, source, tmp_path / "out")
+    assert code == 0, err
+    assert not [name for name in beside(tmp_path / "out") if name.startswith(".out.")]
+    models.load_target(tmp_path / "out")

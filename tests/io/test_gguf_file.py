@@ -377,3 +377,76 @@ def test_default_model_converts():
     tensors = hf_files.load_tensors(out_dir, progress=False)
     assert tensors["model.layers.0.self_attn.k_proj.weight"].shape == (192, 576)
     assert tensors["model.layers.29.mlp.down_proj.weight"].shape == (576, 1536)
+
+
+# ---- GGUFs whose header lies: each says what exceeds the file ----
+
+def _patched(tmp_path, offset, layout, value, name="bad.gguf"):
+    import struct
+
+    data = bytearray(write_gguf(tmp_path / "m.gguf", hf_reference()).read_bytes())
+    struct.pack_into(layout, data, offset, value)
+    (tmp_path / name).write_bytes(bytes(data))
+    return tmp_path / name
+
+
+@pytest.mark.parametrize("offset, value, message", [
+    (8, 10**9, r"claims 1000000000 tensors and \d+ metadata entries, more than a file of \d+ bytes can describe"),
+    (16, 10**6, r"claims \d+ tensors and 1000000 metadata entries, more than a file"),
+    (24, 10**12, r"metadata entry 0's key \(a string of length 1000000000000\) needs 1000000000000 bytes at offset 32, "
+                 r"which exceeds the file"),
+])
+def test_counts_and_string_lengths_that_exceed_the_file_are_named(tmp_path, offset, value, message):
+    path = _patched(tmp_path, offset, "<Q", value)
+    with pytest.raises(hf_files.CheckpointError, match=message):
+        gguf_file.read_gguf(path, progress=False)
+
+
+def test_a_truncated_gguf_names_the_tensor_past_its_end(tmp_path):
+    path = write_gguf(tmp_path / "m.gguf", hf_reference())
+    (tmp_path / "cut.gguf").write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(hf_files.CheckpointError, match=r"cut.gguf: tensor '[\w.]+' \(\d+ bytes at offset \d+\) extends "
+                                                       r"past the end of the file"):
+        gguf_file.read_gguf(tmp_path / "cut.gguf", progress=False)
+    (tmp_path / "tiny.gguf").write_bytes(b"GGUF")
+    with pytest.raises(hf_files.CheckpointError, match="not a GGUF file"):
+        gguf_file.read_gguf(tmp_path / "tiny.gguf", progress=False)
+
+
+def test_a_block_count_beyond_the_tensors_fails_before_dequantizing(tmp_path, monkeypatch):
+    reference = hf_reference()
+    path = write_gguf(tmp_path / "m.gguf", reference)
+    reader = gguf.GGUFReader(path)
+    field = reader.get_field("llama.block_count")
+    data = bytearray(path.read_bytes())
+    offset = int(field.parts[field.data[0]].ctypes.data - reader.data.ctypes.data)  # where its value lies
+    data[offset:offset + 4] = (200_000).to_bytes(4, "little")
+    del reader, field
+    (tmp_path / "many.gguf").write_bytes(bytes(data))
+    monkeypatch.setattr(gguf.quants, "dequantize", lambda *args: pytest.fail("dequantized before checking"))
+    with pytest.raises(hf_files.CheckpointError, match="llama.block_count is 200000, but the file holds tensors for "
+                                                       "blocks 0..1"):
+        gguf_file.read_gguf(tmp_path / "many.gguf", progress=False)
+
+
+def test_a_zero_head_count_is_a_clear_error(tmp_path):
+    reference = hf_reference()
+    writer_path = tmp_path / "m.gguf"
+    write_gguf(writer_path, reference)
+    reader = gguf.GGUFReader(writer_path)
+    field = reader.get_field("llama.attention.head_count")
+    offset = int(field.parts[field.data[0]].ctypes.data - reader.data.ctypes.data)
+    data = bytearray(writer_path.read_bytes())
+    data[offset:offset + 4] = (0).to_bytes(4, "little")
+    del reader, field
+    (tmp_path / "zero.gguf").write_bytes(bytes(data))
+    with pytest.raises(hf_files.CheckpointError, match="'llama.attention.head_count' is 0, not a positive size"):
+        gguf_file.read_gguf(tmp_path / "zero.gguf", progress=False)
+
+
+def test_a_nan_weight_in_a_gguf_is_refused_by_name(tmp_path):
+    reference = hf_reference()
+    name, weight = reference["model.layers.0.self_attn.q_proj.weight"]
+    weight[0, 0] = np.nan
+    with pytest.raises(hf_files.CheckpointError, match="tensor blk.0.attn_q.weight holds NaN or Inf values"):
+        gguf_file.read_gguf(write_gguf(tmp_path / "m.gguf", reference), progress=False)

@@ -26,11 +26,10 @@ PROMPTS = [
 # Floors on the acceptance length (k=5, 128 new tokens, greedy, float32, these prompts), well
 # below what the shipped heads measure and well above what a head that does not work gives.
 # Measured on a 2-core CPU (XLA opt level 0, as the tests run):
-#   shipped EAGLE-1 head  1.636 (run-6 head; run 3 gave 1.497, run 1 1.415)
-#   shipped EAGLE-3 head  2.144 (run-14 head, lm_head stored int8; run 10 gave 2.194, run 9 2.066,
-#                         run 8 2.128, run 7 1.965, run 6 2.007, run 5 1.862, run 3 1.608, run 1
-#                         1.538; runs 7, 9 and 14 beat the head before them on the H200's 80
-#                         MT-Bench prompts and run 14 on their CPU replay too: these 3 are noisy)
+#   shipped EAGLE-1 head  1.636 (earlier, less trained heads: 1.415-1.497)
+#   shipped EAGLE-3 head  2.144 (lm_head stored int8; earlier heads: 1.538-2.194, and heads that
+#                         beat their predecessor on the H200's 80 MT-Bench prompts did not always
+#                         here: 3 prompts are a noisy measure)
 #   random heads of the same shapes (seeds 0, 1; EAGLE-3 with the shipped d2t)  1.000: 0 of 283
 # Floors, not targets: a better head passes; one that loads wrongly or drafts garbage fails.
 MIN_ACCEPTANCE_LENGTH = {"eagle": 1.25, "eagle3": 1.3}
@@ -55,8 +54,9 @@ def test_shipped_head_drafts_are_accepted(default_target, method):
 
 
 def test_shipped_heads_fit_the_package():
-    # The package carries its heads, and a GPU lease carries the working tree (64 MiB in all with
-    # the staged model parts): the EAGLE-3 head's 32,768-row lm_head travels as int8 (38 MB in bf16).
+    # The package carries its heads, and the copy of the working tree sent to a GPU machine is
+    # limited to 64 MiB with the staged model parts: the EAGLE-3 head's 32,768-row lm_head travels
+    # as int8 (38 MB in bf16).
     sizes = {path.name: path.stat().st_size for path in heads.HEADS_DIR.rglob("*.safetensors")}
     assert sum(sizes.values()) < 45e6, sizes
     stored = hf_files.load_tensors(heads.shipped_head("eagle3"), progress=False)
@@ -74,9 +74,9 @@ def test_plain_decoding_is_the_default_only_where_it_measured_faster():
     shipped = heads.shipped_head(heads.DEFAULT_METHOD)
     path, method, k, note = heads.draft_plan(None, None, None, None, "gpu")
     assert (path, method, k, note) == (shipped, heads.DEFAULT_METHOD, heads.best_k(heads.DEFAULT_METHOD, "gpu"), None)
-    assert k == 6  # defaults.json: the run-14 head (and run 10 before it) measured fastest at k = 6 of 1..7 on the H200
-    # Leases 17-25 measured k at 2-64 rows: k = 4 won at 2, 8, 16, 32 and 64 rows, k = 3 at 4 rows
-    # (leases 21-23 and 25, six of six pairs; docs/BENCHMARKS.md).
+    assert k == 6  # defaults.json: the shipped head measured fastest at k = 6 of 1..7 on the H200
+    # The H200 measurements at 2-64 rows: k = 4 won at 2, 8, 16, 32 and 64 rows, k = 3 at 4 rows
+    # (six of six pairs; docs/benchmarks.md).
     assert [heads.draft_plan(None, None, None, None, "gpu", batch_size=size)[2] for size in (2, 3, 4, 5, 8, 16, 64, 128)] \
         == [4, 4, 3, 4, 4, 4, 4, 4]
     path, method, k, note = heads.draft_plan(None, None, None, None, "cpu")

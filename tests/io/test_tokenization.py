@@ -5,6 +5,7 @@ import json
 import pytest
 import transformers
 
+from eagle_jax.io import hf_files
 from eagle_jax.io import tokenization
 
 # A word-level tokenizer with a chat template (tests/ is on sys.path under pytest's default import mode).
@@ -45,3 +46,70 @@ def test_encode_applies_the_chat_template_only_when_asked(tmp_path, chat):
     tokenizer = tokenization.load(tmp_path)
     ids = tokenization.encode(tokenizer, "the sea", chat)
     assert (tokenizer.convert_tokens_to_ids("<|assistant|>") in ids) == chat
+
+
+# ---- no code from a model directory ever runs, and nothing is asked ----
+
+EVIL_MODULE = """
+import pathlib
+pathlib.Path({marker!r}).write_text("code from the model directory ran")
+from transformers import PreTrainedTokenizerFast
+
+
+class EvilTokenizer(PreTrainedTokenizerFast):
+    pass
+"""
+
+
+class NoStdin:
+    def read(self, *args):
+        raise AssertionError("asked a question on stdin")
+
+    readline = read
+
+
+@pytest.mark.parametrize("where", ["tokenizer_config.json", "config.json"])
+def test_a_tokenizer_that_needs_the_directorys_code_is_refused_without_asking(tmp_path, monkeypatch, capsys, where):
+    save_tokenizer(tmp_path, 101)
+    marker = tmp_path / "ran"
+    (tmp_path / "evil_tokenizer.py").write_text(EVIL_MODULE.format(marker=str(marker)))
+    auto_map = {"AutoTokenizer": [None, "evil_tokenizer.EvilTokenizer"]}
+    config_path = tmp_path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps(dict(config, tokenizer_class="EvilTokenizer",
+                                           **({"auto_map": auto_map} if where == "tokenizer_config.json" else {}))))
+    if where == "config.json":
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "auto_map": auto_map}))
+    monkeypatch.setattr("sys.stdin", NoStdin())
+    with pytest.raises(hf_files.CheckpointError, match=rf"{where}: the tokenizer needs code from the model directory "
+                                                       r"\(auto_map names evil_tokenizer.EvilTokenizer, in "
+                                                       r"evil_tokenizer.py\); eagle_jax never runs code"):
+        tokenization.load(tmp_path)
+    assert not marker.exists()
+    assert capsys.readouterr().out == ""  # no question on stdout (where --json output goes)
+
+
+def test_transformers_is_always_told_not_to_trust_remote_code(tmp_path, monkeypatch):
+    save_tokenizer(tmp_path, 101)
+    calls = []
+    for cls in (transformers.AutoTokenizer, transformers.PreTrainedTokenizerFast):
+        monkeypatch.setattr(cls, "from_pretrained", lambda path, calls=calls, **kwargs: calls.append(kwargs))
+    tokenization.load(tmp_path)  # the generic class
+    config_path = tmp_path / "tokenizer_config.json"
+    config_path.write_text(json.dumps(dict(json.loads(config_path.read_text()), tokenizer_class="LlamaTokenizerFast")))
+    tokenization.load(tmp_path)  # through AutoTokenizer
+    assert calls == [{"trust_remote_code": False}] * 2
+
+
+def test_transformers_refusing_remote_code_is_reported_as_ours(tmp_path, monkeypatch):
+    save_tokenizer(tmp_path, 101)
+    config_path = tmp_path / "tokenizer_config.json"
+    config_path.write_text(json.dumps(dict(json.loads(config_path.read_text()), tokenizer_class="LlamaTokenizerFast")))
+
+    def refuse(path, **kwargs):
+        raise ValueError("The repository contains custom code ... Please pass the argument `trust_remote_code=True`")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", refuse)
+    with pytest.raises(hf_files.CheckpointError, match="eagle_jax never runs code from a model directory") as error:
+        tokenization.load(tmp_path)
+    assert "trust_remote_code=True" not in str(error.value)  # not the advice to run it

@@ -10,12 +10,14 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 from eagle_jax.serve import compile_cache
+from eagle_jax.serve import config as config_lib
 from eagle_jax.serve import engine as engine_lib
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -29,7 +31,7 @@ def target(random_target):
 
 
 def generate(target, cache_dir):
-    engine = engine_lib.Engine(target, max_length=64, cache_dir=cache_dir)
+    engine = engine_lib.Engine(target, config=config_lib.EngineConfig(max_length=64, cache_dir=cache_dir))
     results = engine.generate(PROMPTS, max_new_tokens=MAX_NEW, ignore_eos=True)
     return engine, [r.token_ids for r in results]
 
@@ -80,11 +82,12 @@ def test_mesh_is_part_of_the_key_and_split_programs_reload(random_target, filled
     target = random_target(seed=3, vocab_size=128)  # the vocabulary must divide the mesh
     runs = []
     for _ in range(2):
-        engine = engine_lib.Engine(target, max_length=64, cache_dir=root, mesh=sharding.make_mesh(2))
+        engine = engine_lib.Engine(target, config=config_lib.EngineConfig(max_length=64, cache_dir=str(root),
+                                                                          tensor_parallel_size=2))
         runs.append((engine, [r.token_ids for r in engine.generate(PROMPTS, max_new_tokens=MAX_NEW, ignore_eos=True)]))
     (first, tokens), (second, again) = runs
     assert (first.compile_cache.misses, second.compile_cache.misses, second.compile_cache.hits) == (2, 0, 2)
-    assert again == tokens == [r.token_ids for r in engine_lib.Engine(target, max_length=64).generate(
+    assert again == tokens == [r.token_ids for r in engine_lib.Engine(target, config=config_lib.EngineConfig(max_length=64)).generate(
         PROMPTS, max_new_tokens=MAX_NEW, ignore_eos=True)]
 
 
@@ -137,7 +140,7 @@ SCRIPT = textwrap.dedent("""
     shapes = checkpoint.param_shapes(abstract)
     target = checkpoint.build_model(abstract, {path: 0.3 * rng.standard_normal(leaf.shape) for path, leaf in shapes.items()},
                                     np.float32)
-    eng = engine.Engine(target, max_length=64, cache_dir=sys.argv[1])
+    eng = engine.Engine(target, config=engine.config_lib.EngineConfig(max_length=64, cache_dir=sys.argv[1]))
     [result] = eng.generate([[5, 6, 7, 8]], max_new_tokens=6, ignore_eos=True)
     # The engine's programs are jax.jit(Engine._start) and jax.jit(Engine._run); other names are
     # small eager ops (PRNG seeding, array staging) that jax compiles in every process.
@@ -320,3 +323,78 @@ def test_a_key_linked_first_by_another_process_is_used(tmp_path, monkeypatch):
     monkeypatch.setattr(compile_cache.os, "link", link_after_another_process)
     assert compile_cache.CompileCache(root).secret_key() == winner
     assert sorted(path.name for path in root.iterdir()) == [compile_cache.KEY_NAME]  # no temporary left
+
+
+# ---- what killed writers left, and caches that cannot be used ----
+
+def backdate(path, seconds=3600):
+    then = time.time() - seconds
+    os.utime(path, (then, then))
+
+
+def test_stale_temporaries_are_removed_and_live_ones_kept(tmp_path):
+    from eagle_jax.io import staging
+
+    cache = compile_cache.CompileCache(tmp_path / "xla")
+    lowered = lowered_program()
+    cache.compile(MODULE, KEY, lowered)
+    module_dir = cache.entry_path(MODULE, KEY, lowered).parent
+    stale, live, fresh, key_left = (module_dir / ".tmp-stale", module_dir / ".tmp-live", module_dir / ".tmp-fresh",
+                                    cache.root / ".tmp-key-stale")
+    for path in (stale, live, fresh, key_left):
+        path.write_bytes(b"half an entry")
+    for path in (stale, live, key_left):
+        backdate(path)
+    handle = staging.lock(live)  # a writer still working on it
+    try:
+        again = compile_cache.CompileCache(tmp_path / "xla")
+        compiled, _ = again.compile(MODULE, KEY, lowered)
+        assert again.hits == 1 and compiled(jnp.ones(3)).tolist() == [3.0, 3.0, 3.0]  # the entry is intact
+        assert sorted(path.name for path in module_dir.iterdir()) == [".tmp-fresh", ".tmp-live", entries(tmp_path / "xla")[0].name]
+        assert not key_left.exists()
+    finally:
+        os.close(handle)
+
+
+def test_a_cache_root_that_is_a_file_is_a_clear_error(tmp_path):
+    (tmp_path / "xla").write_text("not a directory")
+    with pytest.raises(compile_cache.CompileCacheError, match="exists and is not a directory"):
+        compile_cache.CompileCache(tmp_path / "xla").compile(MODULE, KEY, lowered_program())
+
+
+def test_a_read_only_cache_still_serves_its_entries_and_names_the_problem_otherwise(tmp_path, monkeypatch):
+    import errno
+
+    lowered = lowered_program()
+    compile_cache.CompileCache(tmp_path / "filled").compile(MODULE, KEY, lowered)
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    # (Running as root, a chmod would not stop writes: the filesystem's refusal is simulated.)
+    monkeypatch.setattr(compile_cache.tempfile, "mkstemp", read_only)
+    filled = compile_cache.CompileCache(tmp_path / "filled")
+    assert filled.compile(MODULE, KEY, lowered)[0] is not None and filled.hits == 1
+    (tmp_path / "empty").mkdir(mode=0o700)
+    with pytest.raises(compile_cache.CompileCacheError, match=r"cannot create the key file in .*empty \(Read-only "
+                                                               r"file system\).*--no-compile-cache"):
+        compile_cache.CompileCache(tmp_path / "empty").compile(MODULE, KEY, lowered)
+    with pytest.warns(UserWarning, match="could not save"):  # a new program compiles, unsaved
+        compiled, _ = filled.compile(MODULE, "another key", lowered)
+    assert compiled(jnp.ones(3)).tolist() == [3.0, 3.0, 3.0]
+
+
+def test_every_part_of_the_cache_root_passes_the_same_check(tmp_path, monkeypatch):
+    """The compiled code (xla/) and the converted models (models/) are refused alike."""
+    from eagle_jax.io import cache_dirs
+    from eagle_jax.io import default_model
+
+    monkeypatch.setenv("EAGLE_JAX_CACHE_DIR", str(tmp_path / "cache"))
+    compile_cache.CompileCache(compile_cache.default_root()).compile(MODULE, KEY, lowered_program())
+    default_model.models_dir()
+    for part in ("xla", "models"):
+        (tmp_path / "cache" / part).chmod(0o770)
+    with pytest.raises(cache_dirs.CacheDirectoryError, match="compilation cache: .*xla is writable by other users"):
+        compile_cache.CompileCache(compile_cache.default_root()).compile(MODULE, KEY, lowered_program())
+    with pytest.raises(cache_dirs.CacheDirectoryError, match="model cache: .*models is writable by other users"):
+        default_model.models_dir()
