@@ -25,6 +25,7 @@ from flax import nnx
 
 from eagle_jax.model import config as config_lib
 from eagle_jax.model import eagle
+from eagle_jax.serve import config as serve_config
 from eagle_jax.serve import engine as engine_lib
 from eagle_jax.model import llama
 
@@ -58,11 +59,12 @@ def main(argv=None) -> int:
     outputs = None
     for refill_at in settings:
         extra = {} if refill_at is None else dict(refill_at=refill_at)
-        engine = engine_lib.Engine(target, head, num_speculative_tokens=args.k, max_length=128,
-                                   batch_size=args.slots, scheduler="continuous", **extra)
-        engine.generate(prompts[:2], max_new_tokens=budgets[:2], ignore_eos=True, steps_per_call=args.steps_per_call)  # compiles
+        engine = engine_lib.Engine(target, head, serve_config.EngineConfig(
+            num_speculative_tokens=args.k, max_length=128, batch_size=args.slots, scheduler="continuous",
+            steps_per_call=args.steps_per_call, **extra))
+        engine.generate(prompts[:2], max_new_tokens=budgets[:2], ignore_eos=True)  # compiles
         began = time.perf_counter()
-        results = engine.generate(prompts, max_new_tokens=budgets, ignore_eos=True, steps_per_call=args.steps_per_call)
+        results = engine.generate(prompts, max_new_tokens=budgets, ignore_eos=True)
         seconds = time.perf_counter() - began
         tokens = [r.token_ids for r in results]
         same = "" if outputs is None else f" same tokens as the first setting: {tokens == outputs}"

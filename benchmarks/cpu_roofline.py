@@ -32,7 +32,9 @@ import numpy as np
 from flax import nnx
 
 from eagle_jax.cli import errors as script_errors
+from eagle_jax.serve import config as config_lib
 from eagle_jax.serve import engine as engine_lib
+from eagle_jax.serve import inputs
 from eagle_jax.io import models
 from results_file import append_rows
 
@@ -63,8 +65,8 @@ def main(argv=None) -> int:
     target, _ = models.load_target(None, args.dtype)
     param_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(nnx.state(target)))
     cfg = target.config
-    max_length = engine_lib.bucket_length(args.prompt_tokens + args.max_new_tokens + 1, cfg.max_position_embeddings)
-    engine = engine_lib.Engine(target, max_length=max_length)
+    max_length = inputs.bucket_length(args.prompt_tokens + args.max_new_tokens + 1, cfg.max_position_embeddings)
+    engine = engine_lib.Engine(target, config=config_lib.EngineConfig(max_length=max_length))
     prompt = np.arange(10, 10 + args.prompt_tokens, dtype=np.int32)
     engine.generate([prompt], max_new_tokens=args.max_new_tokens, ignore_eos=True)  # compile
     # Best of a few runs, as for the copy: on a shared machine single runs varied from 39 to 67 ms

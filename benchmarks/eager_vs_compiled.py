@@ -19,7 +19,9 @@ from __future__ import annotations
 import argparse
 
 from eagle_jax.train import data
+from eagle_jax.serve import config as config_lib
 from eagle_jax.serve import engine as engine_lib
+from eagle_jax.serve import result as result_lib
 from eagle_jax import heads
 from eagle_jax.io import models
 from eagle_jax.io import tokenization
@@ -58,13 +60,12 @@ def main(argv=None) -> int:
         plain = {}  # mode -> plain decoding's tokens (plain runs first)
         for method, k in (("none", 0), (head.config.method, args.k)):
             for mode in ("compiled", "eager"):
-                engine = engine_lib.Engine(target, head if k else None, max_length=512, batch_size=1,
-                                           eager=mode == "eager", num_speculative_tokens=k, fixed_shapes=True,
-                                           cache_dir=None)
+                engine = engine_lib.Engine(target, head if k else None, config_lib.EngineConfig(
+                    max_length=512, batch_size=1, eager=mode == "eager", num_speculative_tokens=k, fixed_shapes=True))
                 results = [engine.generate([p], max_new_tokens=args.max_new_tokens)[0] for p in prompts]
                 tokens = [list(map(int, r.token_ids)) for r in results]
                 plain.setdefault(mode, tokens)
-                stats = engine_lib.pooled_stats(results, k)
+                stats = result_lib.pooled_stats(results, k)
                 print(f"{dtype:<9} {method:<7} {mode:<9} {stats['acceptance_length']:>10.4f} {stats['num_drafts']:>6}  "
                       f"{agreement(tokens, plain['compiled'])} | {agreement(tokens, plain[mode])}", flush=True)
     return 0

@@ -49,9 +49,11 @@ import tqdm
 
 from eagle_jax.serve import compile_cache
 from eagle_jax.train import data
+from eagle_jax.serve import config as config_lib
 from eagle_jax.serve import engine as engine_lib
+from eagle_jax.serve import inputs
+from eagle_jax.serve import result as result_lib
 from eagle_jax import heads
-from eagle_jax.model import layers
 from eagle_jax.io import models
 from eagle_jax.decode import sampling as sampling_lib
 from eagle_jax.serve import sharding
@@ -124,7 +126,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="after the timed run, run the prompts once more under jax.profiler and record where "
                              "the device time went, per XLA program (row field `trace`); the timed figures "
                              "are not traced")
-    parser.add_argument("--decode_kernels", "--decode-kernels", choices=("auto",) + layers.DECODE_KERNELS,
+    parser.add_argument("--decode_kernels", "--decode-kernels", choices=config_lib.DECODE_KERNELS,
                         default="auto",
                         help="pallas: fused Pallas kernels in decode steps of up to 32 rows, the attention "
                              "kernel alone in larger ones; pallas_linear: the fused norms and projections "
@@ -145,22 +147,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps_per_check", "--steps-per-check", type=int, default=1,
                         help="device-loop steps between 'all rows done' tests (Engine.steps_per_check)")
     parser.add_argument("--warmup", type=int, default=1, help="prompts run first, untimed, to compile")
-    parser.add_argument("--out", default="docs/results/mtbench.json", help="JSON list the rows are appended to")
+    parser.add_argument("--out", default="docs/results/mtbench_h200.json", help="JSON list the rows are appended to")
     args = parser.parse_args(argv)
     if args.num_prompts < 1 or args.max_new_tokens < 1 or args.warmup < 0:
         parser.error("--num_prompts and --max_new_tokens must be >= 1, --warmup >= 0")
     if min(args.max_num_seqs) < 1 or (args.num_spec_tokens and min(args.num_spec_tokens) < 1):
         parser.error("batch sizes and k must be >= 1 (use --method none for plain decoding)")
-    if min(args.tensor_parallel_size) < 1:
-        parser.error("--tensor_parallel_size must be >= 1")
-    if args.refill_at is not None and args.refill_at < 1:
-        parser.error("--refill_at must be >= 1")
     try:
         args.attention_tiling = args.attention_tiling and decode_attention.Tiling.parse(args.attention_tiling)
     except ValueError as error:
         parser.error(f"--attention_tiling: {error}")
-    if args.speculative_disable_by_batch_size is not None and args.speculative_disable_by_batch_size < 1:
-        parser.error("--speculative_disable_by_batch_size must be >= 1")
+    for size in args.tensor_parallel_size:  # the engine's settings, checked where the engine checks them
+        try:
+            engine_config(args, tensor_parallel_size=size)
+        except config_lib.InputError as error:
+            parser.error(str(error))
     tree_lists = (args.speculative_eagle_topk, args.speculative_num_steps, args.speculative_num_draft_tokens)
     args.trees = []
     if any(tree_lists):
@@ -203,14 +204,21 @@ def resolve_drafts(args, target) -> dict[str, tuple[object, Path]]:
     return loaded
 
 
+def engine_config(args, **settings) -> config_lib.EngineConfig:
+    """The `EngineConfig` of one setting: the flags shared by every setting, then `settings`."""
+    shared = dict(eager=args.eager, steps_per_check=args.steps_per_check, steps_per_call=args.steps_per_call,
+                  decode_kernels=args.decode_kernels, refill_at=args.refill_at, attention_tiling=args.attention_tiling,
+                  speculative_disable_by_batch_size=args.speculative_disable_by_batch_size)
+    return config_lib.EngineConfig(**dict(shared, **settings))
+
+
 def call_size(engine, prompts) -> int:
     """Prompts per `generate` call: all of them through decode slots, one batch at a time in static batches."""
-    return len(prompts) if engine.scheduler == "continuous" else engine.batch_size
+    return len(prompts) if engine.config.scheduler == "continuous" else engine.config.batch_size
 
 
 def generate_call(engine, batch, args, sampling, seed):
-    return engine.generate(batch, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=seed,
-                           steps_per_call=args.steps_per_call)
+    return engine.generate(batch, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=seed)
 
 
 def run_setting(engine, prompts, warmup_prompts, args, sampling, desc) -> dict:
@@ -235,7 +243,7 @@ def run_setting(engine, prompts, warmup_prompts, args, sampling, desc) -> dict:
         batch = generate_call(engine, prompts[index:index + per_call], args, sampling, args.seed + 1 + number)
         # Result.seconds is its batch's (count each batch once); a continuous call's prompts
         # each have their own, so the call counts until its last token.
-        device_seconds += batch[0].seconds if engine.scheduler == "static" else max(r.finish_seconds for r in batch)
+        device_seconds += batch[0].seconds if engine.config.scheduler == "static" else max(r.finish_seconds for r in batch)
         first_token += [call_began + r.first_token_seconds for r in batch]
         latency += [call_began + r.finish_seconds for r in batch]
         calls.update(batch[0].calls)  # the call's (continuous) or the batch's (static) host loop
@@ -277,7 +285,7 @@ def acceptance_by_category(results, categories: list[str], k: int) -> dict | Non
     groups = collections.defaultdict(list)
     for category, result in zip(categories, results, strict=True):
         groups[category].append(result)
-    return {category: round(engine_lib.pooled_stats(group, k)["acceptance_length"], 4)
+    return {category: round(result_lib.pooled_stats(group, k)["acceptance_length"], 4)
             for category, group in sorted(groups.items())}
 
 
@@ -318,7 +326,6 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     sharding.initialize_distributed()
     writes = jax.process_index() == 0  # every process runs the same sweep; one writes the rows
-    meshes = {size: sharding.make_mesh(size) if size > 1 else None for size in args.tensor_parallel_size}
     questions = data.load_mtbench(args.dataset)
     if args.num_prompts > len(questions):
         print(f"[eagle.py] {args.num_prompts} prompts from {len(questions)} questions: the questions again, "
@@ -355,24 +362,21 @@ def main(argv=None) -> int:
         longest = max(len(p) for p in prompts)
         # One prefill width and one cache length for every prompt: two compiled programs per setting.
         headroom = speculative.Options(k=k, tree=tree).cache_headroom
-        max_length = engine_lib.fixed_max_length(longest, args.max_new_tokens, headroom,
+        max_length = inputs.fixed_max_length(longest, args.max_new_tokens, headroom,
                                                  target.config.max_position_embeddings)
         drafting = dict(tree=tree) if tree else dict(num_speculative_tokens=k)
-        engine = engine_lib.Engine(target, head, max_length=max_length, batch_size=batch_size, eager=args.eager,
-                                   cache_dir=cache_dir, fixed_shapes=True, steps_per_check=args.steps_per_check,
-                                   scheduler=scheduler, decode_kernels=args.decode_kernels,
-                                   speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
-                                   mesh=meshes[tensor_parallel_size], refill_at=args.refill_at,
-                                   draft_tensor_parallel_size=tensor_parallel_size if args.split_draft_head else 1,
-                                   attention_tiling=args.attention_tiling, **drafting)
+        engine = engine_lib.Engine(target, head, engine_config(
+            args, max_length=max_length, batch_size=batch_size, cache_dir=cache_dir, fixed_shapes=True,
+            scheduler=scheduler, tensor_parallel_size=tensor_parallel_size,
+            draft_tensor_parallel_size=tensor_parallel_size if args.split_draft_head else 1, **drafting))
         name = f"tree {tree.topk}/{tree.num_steps}/{tree.num_draft_tokens}" if tree else f"k={k}"
         desc = f"{method} {name} bs={batch_size} {scheduler} tp={tensor_parallel_size}" + (
             f" tiling {args.attention_tiling}" if args.attention_tiling else "")
         measured = run_setting(engine, prompts, warmup_prompts, args, sampling, desc=f"{desc} {mode}")
-        stats = engine_lib.pooled_stats(measured["results"], k)
+        stats = result_lib.pooled_stats(measured["results"], k)
         row = dict(
             method=method, k=k, mode=mode, batch_size=batch_size, scheduler=scheduler,
-            tensor_parallel_size=tensor_parallel_size, draft_tensor_parallel_size=engine.draft_tensor_parallel_size,
+            tensor_parallel_size=tensor_parallel_size, draft_tensor_parallel_size=engine.config.draft_tensor_parallel_size,
             speculative_eagle_topk=tree and tree.topk, speculative_num_steps=tree and tree.num_steps,
             speculative_num_draft_tokens=tree and tree.num_draft_tokens,
             acceptance_length=round(stats["acceptance_length"], 4),
@@ -392,8 +396,8 @@ def main(argv=None) -> int:
             draft=None if head_path is None else str(head_path), seed=args.seed,
             dataset=Path(args.dataset).name if args.dataset else "mt_bench",
             steps_per_call=args.steps_per_call, steps_per_check=args.steps_per_check,
-            decode_kernels=engine.decode_kernels, attention_tiling=args.attention_tiling and str(args.attention_tiling),
-            refill_at=engine.refill_at if scheduler == "continuous" else None,
+            decode_kernels=engine.kernels.decode_kernels, attention_tiling=args.attention_tiling and str(args.attention_tiling),
+            refill_at=engine.config.resolved_refill_at if scheduler == "continuous" else None,
             speculative_disable_by_batch_size=args.speculative_disable_by_batch_size if k else None,
             ttft_ms_p50=round(float(measured["ttft_ms_p50"]), 2),
             latency_s_p50=round(float(measured["latency_s_p50"]), 4),

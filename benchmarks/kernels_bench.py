@@ -1,6 +1,6 @@
 """Fused decode kernels against the XLA code they replace, at the default target's shapes.
 
-    python benchmarks/kernels_bench.py --out docs/results/kernels.json
+    python benchmarks/kernels_bench.py --out docs/results/kernels_h200.json
     python benchmarks/kernels_bench.py --rows 1,4 --block-n 16,32,64 --block-k 64,128 --num-warps 2,4
     python benchmarks/kernels_bench.py --ops decode_attention --block-s 32,64,128 --num-stages 2,3
     python benchmarks/kernels_bench.py --ops decode_attention --tokens 1,6 --splits 1,2,4,8
@@ -43,7 +43,7 @@ is appended to --out (kind "kernel_bench") and a table is printed.
 Every row also checks its op's output against the XLA row's of the same case, on the same inputs:
 max_error is the largest absolute difference over the largest absolute XLA value (the first call's
 outputs, all of them). --check makes a row past `CHECK_TOLERANCE` for its dtype fail the run (exit
-1, after the rows are written): a lease's queue can open with a short --check run, so that a kernel
+1, after the rows are written): a benchmark queue can open with a short --check run, so that a kernel
 new to the GPU that does not compile, or computes the wrong thing, stops the queue in seconds:
 
     python benchmarks/kernels_bench.py --check --rows 1,7,32 --tokens 1,7,32 --iterations 1 --trace-calls 1
@@ -131,13 +131,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--trace-calls", type=int, default=100, help="calls traced for kernels and busy time")
     parser.add_argument("--cache-length", type=int, default=1024,
                         help="KV cache slots of decode_attention and decoder_layer")
-    parser.add_argument("--draft-vocab", type=int, default=16384, help="draft_top_k's row length (the run-8 head's)")
+    parser.add_argument("--draft-vocab", type=int, default=16384, help="draft_top_k's row length (draft vocabulary size)")
     parser.add_argument("--evict-mb", type=int_list, default=[0],
                         help="MB read by a kernel after each call (the L2 cache evicted), or a comma list; GPU only")
     parser.add_argument("--label", default="", help="free text saved in every row")
     parser.add_argument("--check", action="store_true",
                         help="exit 1 when an op's output is off the XLA row's by more than CHECK_TOLERANCE")
-    parser.add_argument("--out", default="docs/results/kernels.json", help="JSON list the rows are appended to")
+    parser.add_argument("--out", default="docs/results/kernels_h200.json", help="JSON list the rows are appended to")
     args = parser.parse_args(argv)
     args.ops = [op.strip() for op in args.ops.split(",") if op.strip()]
     if bad := [op for op in args.ops if op not in OPS]:
@@ -275,13 +275,12 @@ def linear_cases(cfg: config_lib.LlamaConfig, rows: int, dtype, seed: int = 0) -
 
 def layer_case(cfg: config_lib.LlamaConfig, rows: int, dtype, setting: str, cache_length: int):
     """(jitted decode call of one DecoderLayer over `rows` rows of one token, its inputs, weight bytes)."""
-    layer = layers.with_decode_kernels(layers.DecoderLayer(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype),
-                                       setting)
+    layer = layers.DecoderLayer(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype)
     graphdef, params = nnx.split(layer)
 
     def step(params, x, keys, values):
         positions = jnp.full((rows, 1), cache_length // 2, jnp.int32)
-        return nnx.merge(graphdef, params)(x, positions, keys, values)
+        return nnx.merge(graphdef, params)(x, positions, keys, values, kernels=layers.Kernels(setting))
 
     step = jax.jit(step, donate_argnums=(2, 3))  # the cache updated in place, as in the engine's step
 

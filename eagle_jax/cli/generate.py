@@ -8,6 +8,7 @@ Text streams to the terminal; `--json` prints one object per prompt.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -16,21 +17,19 @@ from pathlib import Path
 
 import jax
 
-from eagle_jax.serve import compile_cache
-from eagle_jax.serve import engine as engine_lib
 from eagle_jax import heads
-from eagle_jax.io import hf_files
-from eagle_jax.model import layers
-from eagle_jax.io import models
 from eagle_jax.decode import sampling as sampling_lib
-from eagle_jax.serve import sharding
-from eagle_jax.decode import speculative
-from eagle_jax.io import tokenization
 from eagle_jax.decode import tree as tree_lib
+from eagle_jax.io import hf_files
+from eagle_jax.io import models
+from eagle_jax.io import tokenization
+from eagle_jax.serve import compile_cache
+from eagle_jax.serve import config as config_lib
+from eagle_jax.serve import engine as engine_lib
+from eagle_jax.serve import inputs
+from eagle_jax.serve import sharding
 
 TREE_FLAGS = ("--speculative-eagle-topk", "--speculative-num-steps", "--speculative-num-draft-tokens")
-
-SCHEDULERS = ("continuous", "static")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -60,7 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="decode without drafts in steps where more than N rows are active (default: always "
                              "speculate)")
     parser.add_argument("--eager", action="store_true", help="run op by op without jit (slow; for comparison)")
-    parser.add_argument("--decode-kernels", choices=("auto",) + layers.DECODE_KERNELS, default="auto",
+    parser.add_argument("--decode-kernels", choices=config_lib.DECODE_KERNELS, default="auto",
                         help="pallas: fused norm, projection and attention kernels in decode steps of up to 32 "
                              "rows, the attention kernel alone in larger ones (Pallas on a GPU, interpreted "
                              "elsewhere); pallas_linear: the fused norms and projections with XLA's attention; "
@@ -68,7 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "pallas on one GPU, where it measured faster, xla on meshes and CPUs")
     parser.add_argument("--batch-size", "--max-num-seqs", dest="batch_size", type=int, default=1,
                         help="rows decoded together: a static batch, or the continuous scheduler's decode slots")
-    parser.add_argument("--scheduler", metavar="{continuous,static}",
+    parser.add_argument("--scheduler", choices=config_lib.SCHEDULERS,
                         help="continuous: a finished row's slot takes the next prompt at once; static: each batch "
                              "runs until its longest row ends (default: continuous with more than one prompt and "
                              "a batch size above 1, else static)")
@@ -86,39 +85,36 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def check_flags(args) -> None:
-    """Rejects out-of-range flags before anything is loaded.
+def check_flags(args) -> config_lib.EngineConfig:
+    """Rejects out-of-range flags before anything is loaded; the engine's own go to `EngineConfig`.
+
+    Returns:
+        The `EngineConfig` the flags ask for, before the draft plan and the prompts settle k and
+        the cache length (`load`).
 
     Raises:
-        engine_lib.InputError: naming the flag and the value given.
+        config.InputError: naming the flag (or the setting) and the value given.
     """
-    k, disable = args.num_speculative_tokens, args.speculative_disable_by_batch_size
     # Each check states what is valid, so a NaN (false in every comparison) fails it too.
-    checks = [("--num-speculative-tokens", k, k is None or k >= 0, ">= 0"),
-              ("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 1, ">= 1"),
-              ("--max-length", args.max_length, args.max_length >= 1, ">= 1"),
-              ("--batch-size/--max-num-seqs", args.batch_size, args.batch_size >= 1, ">= 1"),
-              ("--tensor-parallel-size", args.tensor_parallel_size, args.tensor_parallel_size >= 1, ">= 1"),
-              ("--draft-tensor-parallel-size", args.draft_tensor_parallel_size,
-               args.draft_tensor_parallel_size in (1, args.tensor_parallel_size),
-               f"1 or the --tensor-parallel-size ({args.tensor_parallel_size})"),
+    checks = [("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 1, ">= 1"),
               ("--temperature", args.temperature, 0 <= args.temperature < math.inf, ">= 0 and finite"),
-              ("--top-p", args.top_p, 0 < args.top_p <= 1, "in (0, 1]"),
-              ("--speculative-disable-by-batch-size", disable, disable is None or disable >= 1, ">= 1"),
-              ("--scheduler", args.scheduler, args.scheduler in (None, *SCHEDULERS), " or ".join(SCHEDULERS))]
+              ("--top-p", args.top_p, 0 < args.top_p <= 1, "in (0, 1]")]
     for flag, value, valid, expected in checks:
         if not valid:
-            raise engine_lib.InputError(f"{flag} must be {expected}, got {value}")
+            raise config_lib.InputError(f"{flag} must be {expected}, got {value}")
     tree = tree_settings(args)
-    if tree is None:
-        return
-    if k:
-        raise engine_lib.InputError("--num-speculative-tokens (a chain) and the tree flags exclude each other")
-    if None in tree:
-        raise engine_lib.InputError(f"a draft tree needs all of {', '.join(TREE_FLAGS)}")
-    problem = tree_lib.check(*tree, names=TREE_FLAGS)
-    if problem:
-        raise engine_lib.InputError(problem)
+    if tree is not None:
+        if None in tree:
+            raise config_lib.InputError(f"a draft tree needs all of {', '.join(TREE_FLAGS)}")
+        problem = tree_lib.check(*tree, names=TREE_FLAGS)
+        if problem:
+            raise config_lib.InputError(problem)
+    return config_lib.EngineConfig(
+        num_speculative_tokens=args.num_speculative_tokens or 0, tree=tree and tree_lib.TreeOptions(*tree),
+        max_length=args.max_length, batch_size=args.batch_size, scheduler=args.scheduler or "static",
+        speculative_disable_by_batch_size=args.speculative_disable_by_batch_size, decode_kernels=args.decode_kernels,
+        tensor_parallel_size=args.tensor_parallel_size, draft_tensor_parallel_size=args.draft_tensor_parallel_size,
+        eager=args.eager)
 
 
 def tree_settings(args) -> tuple[int | None, int | None, int | None] | None:
@@ -137,7 +133,7 @@ def read_prompts(args) -> list[str]:
                 record = json.loads(line)
                 prompts.append(record["prompt"] if "prompt" in record else record["turns"][0])
             except (json.JSONDecodeError, KeyError, IndexError, TypeError):
-                raise engine_lib.InputError(f"{args.prompts_file}:{number}: expected JSON with 'prompt' or 'turns'")
+                raise config_lib.InputError(f"{args.prompts_file}:{number}: expected JSON with 'prompt' or 'turns'")
     if not prompts:
         prompts = ["Write a short poem about the sea."]
     return prompts
@@ -150,9 +146,8 @@ def choose_scheduler(args, num_prompts: int) -> str:
     return "continuous" if num_prompts > 1 and args.batch_size > 1 else "static"
 
 
-def load(args, prompts: list[str]):
-    """(engine, tokenizer, method, the prompts' token ids) for the parsed arguments."""
-    mesh = sharding.make_mesh(args.tensor_parallel_size) if args.tensor_parallel_size > 1 else None
+def load(args, prompts: list[str], config: config_lib.EngineConfig):
+    """(engine, tokenizer, method, the prompts' token ids) for the parsed arguments (`config`: `check_flags`'s)."""
     target, tokenizer_dir = models.load_target(args.model, args.dtype)
     tokenizer = tokenization.load(tokenizer_dir)
     token_ids = [tokenization.encode(tokenizer, text, not args.no_chat) for text in prompts]
@@ -165,32 +160,33 @@ def load(args, prompts: list[str]):
     head = models.load_head(draft, target, args.dtype) if draft else None
     cache_dir = None if args.no_compile_cache else (args.cache_dir or compile_cache.default_root())
     tree = tree_lib.TreeOptions(*tree) if tree is not None and head is not None else None
-    drafting = dict(num_speculative_tokens=k) if tree is None else dict(tree=tree)
-    scheduler = choose_scheduler(args, len(prompts))
-    max_length = args.max_length
-    if scheduler == "continuous":  # every slot has one cache length: fit it to these prompts
-        headroom = speculative.Options(k=k, tree=tree).cache_headroom
-        max_length = engine_lib.fixed_max_length(max(len(ids) for ids in token_ids), args.max_new_tokens, headroom,
-                                                 args.max_length)
-    engine = engine_lib.Engine(target, head, max_length=max_length, batch_size=args.batch_size, eager=args.eager,
-                               cache_dir=cache_dir, scheduler=scheduler, decode_kernels=args.decode_kernels,
-                               speculative_disable_by_batch_size=args.speculative_disable_by_batch_size, mesh=mesh,
-                               draft_tensor_parallel_size=args.draft_tensor_parallel_size, **drafting)
-    return engine, tokenizer, method, token_ids
+    config = dataclasses.replace(config, num_speculative_tokens=k if tree is None else 0, tree=tree,
+                                 scheduler=choose_scheduler(args, len(prompts)), cache_dir=cache_dir,
+                                 # one prompt at a time streams as it is made: a device call of 8 steps
+                                 steps_per_call=8 if streams(args) else 64)
+    if config.scheduler == "continuous":  # every slot has one cache length: fit it to these prompts
+        config = dataclasses.replace(config, max_length=inputs.fixed_max_length(
+            max(len(ids) for ids in token_ids), args.max_new_tokens, config.cache_headroom, args.max_length))
+    return engine_lib.Engine(target, head, config), tokenizer, method, token_ids
+
+
+def streams(args) -> bool:
+    """Whether text streams to the terminal (one prompt at a time)."""
+    return not args.json and args.batch_size == 1
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        check_flags(args)
+        config = check_flags(args)
         if sharding.initialize_distributed() and jax.process_index() > 0:
             # Every process computes the same tokens: process 0 prints them (fd 1, for native libraries too).
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sampling = sampling_lib.Sampling(temperature=args.temperature, top_p=args.top_p)
         prompts = read_prompts(args)
-        engine, tokenizer, method, token_ids = load(args, prompts)
+        engine, tokenizer, method, token_ids = load(args, prompts, config)
         engine.check_prompts(token_ids, args.max_new_tokens)  # all of them, before anything streams
-        stream = not args.json and args.batch_size == 1
+        stream = streams(args)
         streamed = {}
 
         def on_tokens(index, new_ids):
@@ -202,14 +198,13 @@ def main(argv=None) -> int:
         if stream:  # one prompt at a time, so each streams as it is made
             for index, ids in enumerate(token_ids):
                 print(f"\n>>> {prompts[index]}\n", flush=True)
-                [result] = engine.generate([ids], seed=args.seed + index, steps_per_call=8, on_tokens=on_tokens,
-                                           **options)
+                [result] = engine.generate([ids], seed=args.seed + index, on_tokens=on_tokens, **options)
                 report(args, prompts[index], tokenizer, result, method, engine, stream)
         else:  # batched (static batches or decode slots); results come back in input order
-            results = engine.generate(token_ids, seed=args.seed, steps_per_call=64, **options)
+            results = engine.generate(token_ids, seed=args.seed, **options)
             for prompt, result in zip(prompts, results):
                 report(args, prompt, tokenizer, result, method, engine, stream)
-    except (engine_lib.InputError, hf_files.CheckpointError, FileNotFoundError, ValueError, RuntimeError) as error:
+    except (config_lib.InputError, hf_files.CheckpointError, FileNotFoundError, ValueError, RuntimeError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     return 0
@@ -217,7 +212,8 @@ def main(argv=None) -> int:
 
 def report(args, prompt, tokenizer, result, method, engine, streamed) -> None:
     text = tokenizer.decode(result.token_ids, skip_special_tokens=True)
-    k, tree = engine.k, engine.tree
+    config = engine.config
+    k, tree = config.k, config.tree
     if args.json:
         # A tree reports its three settings and no chain length; a chain or plain decoding, k and no tree.
         record = dict(prompt=prompt, text=text, token_ids=result.token_ids, num_tokens=result.num_tokens,
@@ -226,9 +222,9 @@ def report(args, prompt, tokenizer, result, method, engine, streamed) -> None:
                       num_speculative_tokens=None if tree else k,
                       speculative_eagle_topk=tree and tree.topk, speculative_num_steps=tree and tree.num_steps,
                       speculative_num_draft_tokens=tree and tree.num_draft_tokens,
-                      scheduler=engine.scheduler, batch_size=engine.batch_size, decode_kernels=engine.decode_kernels,
-                      tensor_parallel_size=engine.tensor_parallel_size,
-                      draft_tensor_parallel_size=engine.draft_tensor_parallel_size, **result.stats)
+                      scheduler=config.scheduler, batch_size=config.batch_size,
+                      decode_kernels=engine.kernels.decode_kernels, tensor_parallel_size=config.tensor_parallel_size,
+                      draft_tensor_parallel_size=config.draft_tensor_parallel_size, **result.stats)
         print(json.dumps(record), flush=True)
         return
     if not streamed:

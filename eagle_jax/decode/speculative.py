@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from eagle_jax.decode import acceptance
+from eagle_jax.kernels import decode_attention
 from eagle_jax.model import attention_ops
 from eagle_jax.model import eagle
 from eagle_jax.model import kv_cache as kv_cache_lib
@@ -79,6 +80,10 @@ class Options:
     # it per device call to cover every slot the call can write, so that a cache sized for the
     # longest request is not read whole at every step (`scheduler`). Chains and plain decoding.
     attend_length: int | None = struct.field(pytree_node=False, default=None)
+    # The kernels of cached calls, in target and head (`layers.Kernels`: "xla", "pallas" or
+    # "pallas_linear", and the Pallas attention kernel's tiling); "auto" is resolved before here.
+    decode_kernels: str = struct.field(pytree_node=False, default="xla")
+    attention_tiling: decode_attention.Tiling | None = struct.field(pytree_node=False, default=None)
 
     def __post_init__(self):
         if self.tree is not None and self.k != self.tree.num_steps:  # state shapes follow k
@@ -86,6 +91,11 @@ class Options:
         if self.attend_length is not None and (self.tree is not None or not 0 < self.attend_length <= self.cache_length):
             raise ValueError(f"attend_length must be in 1..cache_length={self.cache_length} and without a tree, "
                              f"got {self.attend_length}")
+
+    @property
+    def kernels(self) -> layers.Kernels:
+        """What every forward of these programs runs its cached calls in."""
+        return layers.Kernels(self.decode_kernels, self.attention_tiling)
 
     @property
     def num_draft_tokens(self) -> int:
@@ -131,7 +141,7 @@ def start(target: llama.Llama, head, tokens: jax.Array, lengths: jax.Array, rng:
     batch, width = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
     cache = target.init_cache(batch, opts.cache_length)
-    hidden, cache, captured = target(tokens, positions, cache, eagle.capture_layers(head))
+    hidden, cache, captured = target(tokens, positions, cache, eagle.capture_layers(head), kernels=opts.kernels)
     rows = jnp.arange(batch)
     rng, select_rng = jax.random.split(rng)
     first = sampling_lib.select(target.logits(hidden[rows, lengths - 1]), opts.sampling, select_rng)
@@ -157,7 +167,7 @@ def start(target: llama.Llama, head, tokens: jax.Array, lengths: jax.Array, rng:
     shifted = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
     shifted = shifted.at[rows, lengths - 1].set(first)
     draft_cache = eagle.init_cache(head.config, batch, opts.cache_length, features.dtype)
-    _, _, draft_cache = head(shifted, features, positions, draft_cache, target)
+    _, _, draft_cache = head(shifted, features, positions, draft_cache, target, kernels=opts.kernels)
     pending_features = jnp.zeros((batch, k + 1, features.shape[-1]), features.dtype)
     return state.replace(
         draft_cache=draft_cache.replace(lengths=lengths - 1),
@@ -180,7 +190,8 @@ def _draft_choice(logits, head, opts: Options, rng, vocab_size: int):
     return head.to_target_ids(draft_ids), probs
 
 
-def read_pending(target: llama.Llama, head, state: DecodeState, attend_length: int | None = None):
+def read_pending(target: llama.Llama, head, state: DecodeState, attend_length: int | None = None,
+                 kernels: layers.Kernels = layers.XLA):
     """The head's forward over the pending pairs: (features, logits, draft cache holding them).
 
     The pairs fill slots draft length .. committed length - 1; the forward runs over all k+1
@@ -191,7 +202,7 @@ def read_pending(target: llama.Llama, head, state: DecodeState, attend_length: i
     first_slot = state.draft_cache.lengths  # == committed length - pending count
     positions = first_slot[:, None] + jnp.arange(state.pending_tokens.shape[1], dtype=jnp.int32)
     return head(state.pending_tokens, state.pending_features, positions, state.draft_cache, target,
-                attend_length=attend_length)
+                attend_length=attend_length, kernels=kernels)
 
 
 def last_pending(state: DecodeState, x: jax.Array) -> jax.Array:
@@ -206,7 +217,7 @@ def draft(target: llama.Llama, head, state: DecodeState, opts: Options, rng: jax
         (draft ids [B, k] int32, draft probs [B, k, V] or None, updated draft cache).
     """
     batch, k, vocab = state.next_token.shape[0], opts.k, target.config.vocab_size
-    features, logits, cache = read_pending(target, head, state, opts.attend_length)
+    features, logits, cache = read_pending(target, head, state, opts.attend_length, opts.kernels)
     feature, logits = last_pending(state, features), last_pending(state, logits)
     rngs = jax.random.split(rng, k)
     token, probs = _draft_choice(logits, head, opts, rngs[0], vocab)
@@ -218,7 +229,7 @@ def draft(target: llama.Llama, head, state: DecodeState, opts: Options, rng: jax
         ids, all_probs, feature, cache = carry
         token = ids[:, j - 1]
         out, logits, cache = head(token[:, None], feature[:, None], (position + j - 1)[:, None], cache, target,
-                                  attend_length=opts.attend_length)
+                                  attend_length=opts.attend_length, kernels=opts.kernels)
         token, probs = _draft_choice(logits[:, 0], head, opts, rngs[j], vocab)
         ids = ids.at[:, j].set(token)
         if all_probs is not None:
@@ -256,12 +267,12 @@ def _step(target: llama.Llama, head, state: DecodeState, opts: Options, k: int) 
     else:
         draft_ids, draft_probs, draft_cache = jnp.zeros((batch, 0), jnp.int32), None, None
         if uses_head:  # no drafts, but the pending pairs still enter the draft cache
-            _, _, draft_cache = read_pending(target, head, state, opts.attend_length)
+            _, _, draft_cache = read_pending(target, head, state, opts.attend_length, opts.kernels)
     committed = state.cache.lengths
     verify_tokens = jnp.concatenate([state.next_token[:, None], draft_ids], axis=1)  # [B, k+1]
     positions = committed[:, None] + jnp.arange(k + 1, dtype=jnp.int32)
     hidden, cache, captured = target(verify_tokens, positions, state.cache, eagle.capture_layers(head) if uses_head else (),
-                                     attend_length=opts.attend_length)
+                                     attend_length=opts.attend_length, kernels=opts.kernels)
     logits = target.logits(hidden)  # [B, k+1, V]
     if opts.sampling.greedy:
         num_accepted, next_token = acceptance.greedy(draft_ids, jnp.argmax(logits, axis=-1).astype(jnp.int32))
@@ -281,9 +292,9 @@ def draft_tree(target: llama.Llama, head, state: DecodeState, opts: Options):
     Returns:
         (the `tree.Tree`, the updated draft cache).
     """
-    features, logits, draft_cache = read_pending(target, head, state)
+    features, logits, draft_cache = read_pending(target, head, state, kernels=opts.kernels)
     return tree_draft.draft(target, head, draft_cache, last_pending(state, features), last_pending(state, logits),
-                            state.next_token, state.cache.lengths, opts.tree, opts.sampling)
+                            state.next_token, state.cache.lengths, opts.tree, opts.sampling, opts.kernels)
 
 
 def _tree_step(target: llama.Llama, head, state: DecodeState, opts: Options) -> DecodeState:
@@ -296,11 +307,11 @@ def _tree_step(target: llama.Llama, head, state: DecodeState, opts: Options) -> 
     mask = layers.SlotMask(committed, attention_ops.visible_slots(committed, nodes.ancestors, state.cache.max_length),
                            among_new=nodes.ancestors)
     hidden, cache, captured = target(nodes.tokens, committed[:, None] + nodes.depths, state.cache,
-                                     eagle.capture_layers(head), mask=mask)
+                                     eagle.capture_layers(head), mask=mask, kernels=opts.kernels)
     choices = sampling_lib.select(target.logits(hidden), opts.sampling, accept_rng)  # [B, N+1]: one draw per node
     num_accepted, next_token, path = tree_lib.accept(nodes, choices, opts.k)
     # The path's entries to slots L..L+k, in one kernel for every layer under the Pallas settings.
-    cache = kv_cache_lib.compact(cache, committed, path, layers.fused_kernels(target.layers[0].decode_kernels))
+    cache = kv_cache_lib.compact(cache, committed, path, layers.fused_kernels(opts.decode_kernels))
     on_path = lambda x: None if x is None else jnp.take_along_axis(x, path[..., None], axis=1)
     drafts = jnp.take_along_axis(nodes.tokens, path[:, 1:], axis=1)
     return _commit(state, opts, rng, cache, drafts, num_accepted, next_token, draft_cache,

@@ -98,7 +98,7 @@ def log_probabilities(logits: jax.Array, sampling: sampling_lib.Sampling) -> jax
 # XLA's GPU top-k kernel runs one block of threads per row: a frontier's K rows of a 16 k draft
 # vocabulary keep K of the H200's 132 SMs busy. Splitting each row into chunks of this many gives
 # the kernel K * V / CHUNK rows; the K best of each chunk then go through a second, short top-k
-# (XLA sorts rows that short). H200, [1, K, 16384] float32 (docs/results/kernels.json,
+# (XLA sorts rows that short). H200, [1, K, 16384] float32 (docs/results/kernels_h200.json,
 # draft_top_k): top-8 42.7 µs in one call, 16.3 µs in two stages; top-4 14.8 against 10.2.
 # Chunks of 1,024 beat 256 and 128 (whose first stage XLA also lowers to a sort).
 TOP_K_CHUNK = 1024

@@ -23,7 +23,8 @@ from eagle_jax.decode import tree as tree_lib
 
 def draft(target: llama.Llama, head, cache: kv_cache_lib.KVCache, root_feature: jax.Array, root_logits: jax.Array,
           root_token: jax.Array, committed: jax.Array, opts: tree_lib.TreeOptions,
-          sampling: sampling_lib.Sampling) -> tuple[tree_lib.Tree, kv_cache_lib.KVCache]:
+          sampling: sampling_lib.Sampling,
+          kernels: layers.Kernels = layers.XLA) -> tuple[tree_lib.Tree, kv_cache_lib.KVCache]:
     """Grows the candidate pool depth by depth and returns the reranked tree.
 
     Args:
@@ -32,6 +33,7 @@ def draft(target: llama.Llama, head, cache: kv_cache_lib.KVCache, root_feature: 
         root_logits: [B, V_draft] its logits: the distribution of the root's children.
         root_token: [B] int32 the root's token (emitted last step).
         committed: [B] int32 the target's committed length L (the root's position).
+        kernels: the head's cached-call kernels (`layers.Kernels`, static).
     Returns:
         (the tree, the draft cache with scratch entries past L).
     """
@@ -55,7 +57,7 @@ def draft(target: llama.Llama, head, cache: kv_cache_lib.KVCache, root_feature: 
             seen = seen | (jnp.arange(width) == first_slot + jnp.arange(topk)[:, None])[None]  # each sees itself
             mask = layers.SlotMask(committed + first_slot, attention_ops.visible_slots(committed, seen, cache.max_length))
             positions = jnp.broadcast_to((committed + level - 1)[:, None], (batch, topk))
-            out, logits, cache = head(tokens, features, positions, cache, target, mask)
+            out, logits, cache = head(tokens, features, positions, cache, target, mask, kernels=kernels)
             child_scores, child_ids, parent = tree_lib.expand(
                 scores, tree_lib.log_probabilities(logits, sampling), topk)
             child_tokens = head.to_target_ids(child_ids)

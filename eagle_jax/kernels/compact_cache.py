@@ -3,9 +3,10 @@
 After an EAGLE-2 tree's verify, the accepted path's keys and values sit at scattered node slots,
 and `kv_cache.compact` moves them to consecutive slots from the committed length. In XLA that is
 a gather and a dynamic-update-slice per buffer: on SmolLM2, 30 layers x (keys, values) x 2 kernels,
-~230 µs of a 1,700 µs tree step on the H200 (lease 7's trace of the 4/5/16 tree: 143 update and
-41 slice kernels a step, ~1.2 µs each). Here one Pallas (Triton) call moves the path in all the
-buffers, in place (`input_output_aliases`).
+~230 µs of a 1,700 µs tree step on an H200 (a `benchmarks/profile_step.py --tree 4,5,16` trace
+recorded before 2026-12-01, commit 698a456: 143 update and 41 slice kernels a step, ~1.2 µs
+each). Here one Pallas (Triton) call moves the path in all the buffers, in place
+(`input_output_aliases`).
 
 `implementation="xla"` is the reference (`kv_cache.compact`'s gather and write). `"pallas"`: a grid of
 (rows B, kv heads K); a program owns one row and one kv head in every buffer. For each buffer it
@@ -14,8 +15,9 @@ threads' loads, and then stores them: every read of a buffer precedes its writes
 program touches that (row, kv head). Overlapping moves (a path entry moving onto a slot another
 entry is read from) are therefore safe, as in the reference. The barrier is needed because the
 tile is spread over several warps: a store's data dependence orders it after its own thread's
-load only, and lease 24's GPU check found entries lost without it (max error 1.87 at 7 and 32
-entries; exact at 1, where nothing overlaps); with it, lease 25's was exact at 1 to 32. The
+load only, and the H200 check of 2026-12-03 (`benchmarks/kernels_bench.py --check`, code of
+commit b98f85f) found entries lost without it (max error 1.87 at 7 and 32 entries; exact at 1,
+where nothing overlaps); with it, the same check (code of commit 66a7281) was exact at 1 to 32. The
 caller keeps start + M within the cache (the engine's headroom); the kernel drops writes past
 its end where the reference would clamp.
 `interpret=None` runs the kernel in interpret mode unless the backend is a GPU.

@@ -18,9 +18,10 @@ to a power of two >= 16 (Triton's dot), as are the head dim and the T new keys (
 `Tiling.query_rows` = R bounds M before padding: Q = ceil(T / floor(R / G)) programs share the
 row's tokens (T' = ceil(T / Q) each), each reading the (row, kv head)'s older slots itself. Without the bound a
 chain verify of k = 5 (T = 6, G = 3: M = 18) pads to 32 rows, and the kernel took 26.5 us a layer
-at 16 rows against 14.7 for k = 4's 15 rows padded to 16 (H200 step traces, docs/BENCHMARKS.md).
+at 16 rows against 14.7 for k = 4's 15 rows padded to 16 (H200 step traces, docs/benchmarks.md).
 With R = 16 (two blocks of 9 rows) the kernel alone runs 11.3 us at 16 rows against 14.2 padded,
-and a k = 5 step at 64 rows spends 483 us in it against 779 (H200, lease 19).
+and a k = 5 step at 64 rows spends 483 us in it against 779 (H200 step traces of 2026-12-02,
+commit 3318908, `benchmarks/profile_step.py --parts step_trace`).
 It
   1. rotates its queries in float32; Triton cannot slice registers, so the rotate-half partner
      of each element is loaded from memory with a permuted column index;
@@ -78,14 +79,15 @@ class Tiling:
     """Static block size and Triton launch settings of the Pallas kernel.
 
     The defaults are `for_rows`'s choice past 8 rows; they were the fastest of the H200 sweep in
-    docs/results/kernels.json (rows of 2026-11-30, 1,024-slot cache, 512 filled): 9.79 us at 1
+    docs/results/kernels_h200.json (rows of 2026-11-30, 1,024-slot cache, 512 filled): 9.79 us at 1
     row and 10.46 at 4, against 11.94 and 12.40 for the former 64 / 4 / 2 and 15-20 us with 2
     warps. That sweep read a cache left in L2 by the call before; in a decode step every layer's
-    weights pass between two calls of one layer's kernel. Lease 21 (H200) timed the defaults at
-    k = 6's verify (7 tokens) at 10.6 us alone, 11.3 with L2 evicted and 15.9 a layer inside a
-    step; at a 17-node tree's, 13.6, 22.3 and 30.8. Only the trees' gap is mostly L2's. In
-    lease 22's steps `FEW_ROWS` took 6.8 us a layer at k = 6 (5.1 for the kernel, 1.7 for the
-    split's merge) and 11.8 at the tree.
+    weights pass between two calls of one layer's kernel. On an H200 on 2026-12-02 (code of
+    commit 0f25797, `benchmarks/kernels_bench.py --evict-mb 0,256` and step traces) the
+    defaults took 10.6 us alone at k = 6's verify (7 tokens), 11.3 with L2 evicted and 15.9 a
+    layer inside a step; at a 17-node tree's, 13.6, 22.3 and 30.8. Only the trees' gap is mostly
+    L2's. In the step traces of commit 7b8de89 (H200, 2026-12-02) `FEW_ROWS` took 6.8 us a layer
+    at k = 6 (5.1 for the kernel, 1.7 for the split's merge) and 11.8 at the tree.
 
     Attributes:
         block_s: cache slots per chunk of the online softmax (Triton's dot needs >= 16).
@@ -125,15 +127,16 @@ class Tiling:
 
         Up to 8 rows: 256-slot chunks, 8 warps, the cache split in 4 (`FEW_ROWS`). With L2
         evicted between calls (256 MB written first, `kernels_bench.py --evict-mb`), the H200
-        sweeps of leases 21 and 22 (docs/results/kernels.json, 1,024-slot cache, block_s 128 or
+        sweeps of 2026-12-02 (commits 56eae0b and 7b8de89; 1,024-slot cache, block_s 128 or
         256 x 4 or 8 warps x 1 or 4 splits) measured it fastest at 1, 4 and 8 rows, one token or
         a verify's: 6.42 us for one token at 1 row against the class defaults' 10.74, 6.54
         against 11.30 for a k = 6 verify, 9.41 against 22.30 for a 17-node tree; 7.65 against
         11.72 at 4 rows, 7.89 against 11.85 at 8. Eight warps keep more cache loads in flight,
         and the split turns 3 programs a row (one a kv head) into 12. End to end (MT-Bench
-        80 x 256, EAGLE-3, lease 22): 2,525 and 2,621 tokens/s at batch 1, k = 6, against 2,164
-        for the defaults; plain decoding 1,170 against 942; continuous, k = 4, 320 prompts:
-        6,904 at 4 rows against 5,749 and 6,150, 12,074 at 8 against 12,037 and 12,076.
+        80 x 256, EAGLE-3, `benchmarks/eagle.py`, commit 7b8de89): 2,525 and 2,621 tokens/s at
+        batch 1, k = 6, against 2,164 for the defaults; plain decoding 1,170 against 942;
+        continuous, k = 4, 320 prompts: 6,904 at 4 rows against 5,749 and 6,150, 12,074 at 8
+        against 12,037 and 12,076.
         Past 8 rows the class defaults: at 64 rows they were fastest alone (16.3 us against
         27.9 for `FEW_ROWS`); at 16 rows 256/8/3/1 led alone (10.5 against 12.5) but ran 19,730
         tokens/s end to end against the defaults' 21,508.

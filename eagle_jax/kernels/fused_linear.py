@@ -55,7 +55,7 @@ class Tiling:
 
     block_m: int | None = None
     block_n: int = 32
-    block_k: int = 256  # the fastest in the H200 sweep (docs/BENCHMARKS.md)
+    block_k: int = 256  # the fastest in the H200 sweep (docs/benchmarks.md)
     num_warps: int = 4
     num_stages: int = 3
 

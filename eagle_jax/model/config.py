@@ -43,11 +43,6 @@ class LlamaConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
-    @property
-    def group_size(self) -> int:
-        """Query heads sharing one key/value head (grouped-query attention)."""
-        return self.num_heads // self.num_kv_heads
-
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> "LlamaConfig":
         """Builds a config from the dictionary in an HF `config.json`.

@@ -6,7 +6,7 @@ Both heads share one interface, so the speculative loop and the trainer do not c
     layer's `layers.Attention`; `finish(attended, residual, decode_kernels="xla")` -> next
     features; `logits(out, target)`.
   * `extra_layers`: EAGLE-3 only, plain Llama decoder layers after the first (empty for one layer).
-  * `__call__(tokens, features, positions, cache, target, mask=None, attend_length=None)`: every
+  * `__call__(tokens, features, positions, cache, target, mask=None, attend_length=None, kernels=XLA)`: every
     layer, each with its layer of the KV cache (`mask`: `layers.SlotMask` for tree drafting;
     `attend_length`: as `layers.Attention`); returns (next features [B, T, D], logits [B, T, V_draft], cache).
   * `to_target_ids(draft_ids)`: draft vocabulary -> target vocabulary.
@@ -68,8 +68,6 @@ class Eagle1Head(nnx.Module):
         self.self_attn = layers.Attention(cfg.layer, rngs=rngs, **kw)
         self.post_attention_layernorm = layers.RMSNorm(hidden, cfg.layer.rms_norm_eps, **kw)
         self.mlp = layers.MLP(cfg.layer, rngs=rngs, **kw)
-        self.decode_kernels = "xla"  # static: in cached draft steps, as the target's (`layers.with_decode_kernels`)
-        self.attention_tiling = None  # static: the attention kernel's, as the target's
 
     def project(self, target_features: jax.Array) -> jax.Array:
         return target_features  # EAGLE-1 regresses the target's final-norm hidden state itself
@@ -93,8 +91,9 @@ class Eagle1Head(nnx.Module):
         return target.logits(out)
 
     def __call__(self, tokens, features, positions, cache: kv_cache_lib.KVCache, target: llama.Llama,
-                 mask: layers.SlotMask | None = None, attend_length: int | None = None):
-        return _cached_forward(self, tokens, features, positions, cache, target, mask, attend_length)
+                 mask: layers.SlotMask | None = None, attend_length: int | None = None,
+                 kernels: layers.Kernels = layers.XLA):
+        return _cached_forward(self, tokens, features, positions, cache, target, mask, attend_length, kernels)
 
     def to_target_ids(self, draft_ids: jax.Array) -> jax.Array:
         return draft_ids
@@ -116,8 +115,6 @@ class Eagle3Head(nnx.Module):
         self.lm_head = nnx.Linear(hidden, cfg.draft_vocab_size, use_bias=False, rngs=rngs, **kw)
         # d2t[i] = target_id - draft_id; a Param-free variable so it travels with the weights.
         self.d2t = nnx.Variable(jnp.zeros((cfg.draft_vocab_size,), jnp.int32))
-        self.decode_kernels = "xla"  # static: in cached draft steps, as the target's (`layers.with_decode_kernels`)
-        self.attention_tiling = None  # static: the attention kernel's, as the target's
 
     def project(self, target_features: jax.Array) -> jax.Array:
         return self.fc(target_features.astype(self.fc.kernel[...].dtype))
@@ -143,8 +140,9 @@ class Eagle3Head(nnx.Module):
         return layers.float32_logits(self.norm(out), self.lm_head.kernel[...])
 
     def __call__(self, tokens, features, positions, cache: kv_cache_lib.KVCache, target: llama.Llama,
-                 mask: layers.SlotMask | None = None, attend_length: int | None = None):
-        return _cached_forward(self, tokens, features, positions, cache, target, mask, attend_length)
+                 mask: layers.SlotMask | None = None, attend_length: int | None = None,
+                 kernels: layers.Kernels = layers.XLA):
+        return _cached_forward(self, tokens, features, positions, cache, target, mask, attend_length, kernels)
 
     def to_target_ids(self, draft_ids: jax.Array) -> jax.Array:
         return (draft_ids + self.d2t[...][draft_ids]).astype(jnp.int32)
@@ -196,21 +194,23 @@ def forward_layers(head, embedded, features, attend, decode_kernels: str = "xla"
 
 
 def _cached_forward(head, tokens, features, positions, cache: kv_cache_lib.KVCache, target: llama.Llama,
-                    mask: layers.SlotMask | None = None, attend_length: int | None = None):
-    """One draft forward over T (token, feature) pairs with the head's KV cache (one layer each)."""
+                    mask: layers.SlotMask | None = None, attend_length: int | None = None,
+                    kernels: layers.Kernels = layers.XLA):
+    """One draft forward over T (token, feature) pairs with the head's KV cache (one layer each),
+    its cached calls in `kernels` (as the target's decode steps)."""
     keys, values = list(cache.keys), list(cache.values)
 
     def attend(index, attention, x):
-        if layers.uses_attention_kernel(head.decode_kernels, x, mask, attention):  # as the target's decode steps
+        if layers.uses_attention_kernel(kernels.decode_kernels, x, mask, attention):
             attended, keys[index], values[index] = layers.kernel_attend(
                 attention, attention.qkv_proj(x), positions, keys[index], values[index], mask, attend_length,
-                head.attention_tiling)
+                kernels.attention_tiling)
             return attention.output(attended)
         attended, keys[index], values[index] = attention(x, positions, keys[index], values[index], mask=mask,
                                                          attend_length=attend_length)
         return attended
 
-    out = forward_layers(head, target.embed_tokens(tokens), features, attend, head.decode_kernels)
+    out = forward_layers(head, target.embed_tokens(tokens), features, attend, kernels.decode_kernels)
     return out, head.logits(out, target), cache.replace(keys=tuple(keys), values=tuple(values))
 
 

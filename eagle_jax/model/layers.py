@@ -9,6 +9,7 @@ H head dim, F feed-forward.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import NamedTuple
 
@@ -22,11 +23,40 @@ from eagle_jax.model import config as config_lib
 from eagle_jax.kernels import decode_attention
 from eagle_jax.kernels import fused_linear
 
-# Settings of `with_decode_kernels`: XLA alone; every fused Pallas kernel; or the fused linear
+# Settings of `Kernels.decode_kernels`: XLA alone; every fused Pallas kernel; or the fused linear
 # kernels around XLA's attention (in a whole step the attention kernel cost 24-27 us a layer on a
 # 6-token verify, where speculation with every kernel ran slower than with XLA's alone:
-# docs/BENCHMARKS.md, eighth session).
+# docs/BENCHMARKS.md).
 DECODE_KERNELS = ("xla", "pallas", "pallas_linear")
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """Which kernels cached (decode) calls run: a static argument of every forward, so part of
+    every program compiled from it.
+
+    "xla" (default): norms, projections and attention as XLA compiles them. "pallas": fused Pallas
+    kernels (`kernels.fused_linear`, `kernels.decode_attention`) in cached calls of up to
+    `fused_linear.MAX_ROWS` rows (five per target layer, a tree's verify included; a head's MLP
+    and attention too), and the attention kernel alone in larger ones (`uses_attention_kernel`).
+    "pallas_linear": the fused linears with XLA's attention between them. Either Pallas setting
+    compacts a tree's accepted path in one kernel (`kernels.compact_cache`); off a GPU they run in
+    interpret mode. `attention_tiling`: the attention kernel's block size and launch settings
+    ("pallas" only; None: `decode_attention.Tiling.for_rows`).
+    """
+
+    decode_kernels: str = "xla"
+    attention_tiling: decode_attention.Tiling | None = None
+
+    def __post_init__(self):
+        if self.decode_kernels not in DECODE_KERNELS:
+            raise ValueError(f"decode_kernels must be one of {DECODE_KERNELS}, got {self.decode_kernels!r}")
+        if self.attention_tiling is not None and self.decode_kernels != "pallas":
+            raise ValueError(f"an attention tiling sets the Pallas attention kernel, which decode_kernels="
+                             f"{self.decode_kernels!r} does not run")
+
+
+XLA = Kernels()
 
 
 def fused_kernels(decode_kernels: str) -> str:
@@ -308,26 +338,24 @@ class DecoderLayer(nnx.Module):
         self.self_attn = Attention(cfg, rngs=rngs, **kw)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.mlp = MLP(cfg, rngs=rngs, **kw)
-        self.decode_kernels = "xla"  # static: see `with_decode_kernels`
-        self.attention_tiling = None  # static: the attention kernel's `Tiling`, None for its own choice
 
     def __call__(self, x, positions, keys, values, implementation: str = "xla", mask: SlotMask | None = None,
-                 attend_length: int | None = None):
+                 attend_length: int | None = None, kernels: Kernels = XLA):
         attention = self.self_attn
         linears = (attention.qkv_proj, attention.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
         # Cached calls only: cache-free calls compute training features, which need gradients
         # (the Pallas kernels define none).
-        if keys is not None and uses_decode_kernels(self.decode_kernels, x, *linears):
-            return self._kernel_decode(x, positions, keys, values, mask, attend_length, fused_linears=True)
-        if keys is not None and uses_attention_kernel(self.decode_kernels, x, mask, attention):
-            return self._kernel_decode(x, positions, keys, values, mask, attend_length, fused_linears=False)
+        if keys is not None and uses_decode_kernels(kernels.decode_kernels, x, *linears):
+            return self._kernel_decode(x, positions, keys, values, mask, attend_length, kernels, fused_linears=True)
+        if keys is not None and uses_attention_kernel(kernels.decode_kernels, x, mask, attention):
+            return self._kernel_decode(x, positions, keys, values, mask, attend_length, kernels, fused_linears=False)
         attended, keys, values = attention(self.input_layernorm(x), positions, keys, values, implementation, mask,
                                            attend_length)
         x = x + attended
         return residual_mlp(x, self.post_attention_layernorm, self.mlp), keys, values
 
     def _kernel_decode(self, x, positions, keys, values, mask: SlotMask | None, attend_length: int | None,
-                       fused_linears: bool):
+                       kernels: Kernels, fused_linears: bool):
         """The cached call with the Pallas kernels. With fused_linears, five kernels: norm +
         qkv_proj, attention (rotary, cache write and softmax attention; `kernels.decode_attention`),
         o_proj + residual, norm + gate_up_proj + silu, down_proj + residual. Without (more rows than
@@ -339,12 +367,12 @@ class DecoderLayer(nnx.Module):
         attention, norm = self.self_attn, self.input_layernorm
         if fused_linears:
             qkv = fused_linear.norm_linear(x, norm.weight[...], norm.eps, attention.qkv_proj.kernel[...],
-                                           implementation=fused_kernels(self.decode_kernels))
+                                           implementation=fused_kernels(kernels.decode_kernels))
         else:
             qkv = attention.qkv_proj(norm(x))
-        if uses_attention_kernel(self.decode_kernels, x, mask, attention):
+        if uses_attention_kernel(kernels.decode_kernels, x, mask, attention):
             attended, keys, values = kernel_attend(attention, qkv, positions, keys, values, mask, attend_length,
-                                                   self.attention_tiling)
+                                                   kernels.attention_tiling)
         else:
             q, k, v = attention.split_heads(qkv, positions)
             attended, keys, values = attention.attend(q, k, v, positions, keys, values, mask, attend_length)
@@ -352,8 +380,8 @@ class DecoderLayer(nnx.Module):
             x = x + attention.output(attended)
             return residual_mlp(x, self.post_attention_layernorm, self.mlp), keys, values
         x = fused_linear.linear_residual(attended.reshape(*x.shape[:2], -1), attention.o_proj.kernel[...], x,
-                                         implementation=fused_kernels(self.decode_kernels))
-        return residual_mlp(x, self.post_attention_layernorm, self.mlp, self.decode_kernels), keys, values
+                                         implementation=fused_kernels(kernels.decode_kernels))
+        return residual_mlp(x, self.post_attention_layernorm, self.mlp, kernels.decode_kernels), keys, values
 
 
 def residual_mlp(x: jax.Array, norm: RMSNorm, mlp: MLP, decode_kernels: str = "xla") -> jax.Array:
@@ -397,38 +425,3 @@ def kernel_attend(attention: Attention, qkv: jax.Array, positions: jax.Array, ke
         head_dim=attention.head_dim, inv_freq=rope_inverse_frequencies(*attention.rope), attend_length=attend_length,
         implementation="pallas", tiling=tiling, new_visible=None if mask is None else mask.among_new)
 
-
-def with_decode_kernels(module: nnx.Module, decode_kernels: str,
-                        attention_tiling: decode_attention.Tiling | None = None) -> nnx.Module:
-    """A copy of a target or head (sharing its weights) whose decode steps use `decode_kernels`.
-
-    "xla" (default) runs norms, projections and cached attention as XLA compiles them. "pallas"
-    runs them as fused Pallas kernels (`kernels.fused_linear`, `kernels.decode_attention`) in
-    cached calls of up to `fused_linear.MAX_ROWS` rows (batch x tokens): five per target decoder
-    layer (a tree's verify included), two for a draft head's MLP, with the attention kernel
-    between a draft head's projections in its cached calls without a tree's mask;
-    in larger cached calls of up to `decode_attention.MAX_TOKENS` tokens a row (batched decode
-    steps and verifies) only the attention kernel (`uses_attention_kernel`). "pallas_linear" runs
-    the fused linear kernels where "pallas" does, with XLA's rotary, cache writes and attention
-    between them (six kernels or so in place of the attention kernel). Under either Pallas
-    setting a tree step moves its accepted path into place in one kernel (`kernels.compact_cache`)
-    rather than two per layer's keys and values. In Pallas interpret
-    mode unless the backend is a GPU (so CPU tests run the kernel code).
-    `attention_tiling` sets the attention kernel's block size and launch settings (None: the
-    kernel's own choice for the batch, `decode_attention.Tiling.for_rows`); it takes "pallas".
-    Both settings are static attributes, so they are part of the module's graph and of every
-    program compiled from it.
-    """
-    if decode_kernels not in DECODE_KERNELS:
-        raise ValueError(f"decode_kernels must be one of {DECODE_KERNELS}, got {decode_kernels!r}")
-    if attention_tiling is not None and decode_kernels != "pallas":
-        raise ValueError(f"an attention tiling sets the Pallas attention kernel, which decode_kernels="
-                         f"{decode_kernels!r} does not run")
-    graphdef, state = nnx.split(module)
-    module = nnx.merge(graphdef, state)  # new module objects over the same (immutable) arrays
-    for _, child in nnx.iter_graph(module):
-        if isinstance(child, nnx.Module) and hasattr(child, "decode_kernels"):
-            child.decode_kernels = decode_kernels
-        if isinstance(child, nnx.Module) and hasattr(child, "attention_tiling"):
-            child.attention_tiling = attention_tiling
-    return module

@@ -30,7 +30,8 @@ class Llama(nnx.Module):
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, cache: kv_cache_lib.KVCache | None,
                  capture_layers: tuple[int, ...] = (), implementation: str = "xla",
-                 mask: layers.SlotMask | None = None, attend_length: int | None = None):
+                 mask: layers.SlotMask | None = None, attend_length: int | None = None,
+                 kernels: layers.Kernels = layers.XLA):
         """Runs T tokens per row, writing their keys and values at `positions`.
 
         Args:
@@ -43,6 +44,7 @@ class Llama(nnx.Module):
                 concatenated, for EAGLE-3 features.
             mask: cache slots and visibility when positions are not slots (tree verification).
             attend_length: attention reads only cache slots below it (`layers.Attention`).
+            kernels: the kernels of cached calls (`layers.Kernels`; static).
 
         Returns:
             (hidden [B, T, D] after the final norm, updated cache, captured [B, T, C*D] or None).
@@ -55,7 +57,7 @@ class Llama(nnx.Module):
             if index in capture_layers:
                 captured[index] = x
             x, keys[index], values[index] = layer(x, positions, keys[index], values[index], implementation, mask,
-                                                  attend_length)
+                                                  attend_length, kernels)
         if cache is not None:
             cache = cache.replace(keys=tuple(keys), values=tuple(values))
         # In the requested order, repeats allowed (tiny targets give EAGLE-3 defaults like (2, 2, 1)).

@@ -2,7 +2,7 @@
 
 Static (`generate_static`): one batch decodes until its longest row finishes.
 
-Continuous (`generate`): rows refill from a queue as they finish, after JetStream's
+Continuous (`SlotLoop`, `generate`): rows refill from a queue as they finish, after JetStream's
 prefill / insert / generate split. The device holds one `DecodeState` of
 `batch_size` rows (slots) with one cache length, so no program recompiles across prompts:
 
@@ -15,10 +15,11 @@ prefill / insert / generate split. The device holds one `DecodeState` of
 * run: the ordinary `speculative.run_steps` on all slots, returning once `refill_at` of its
   rows have finished (a traced argument); idle slots are `done` and change nothing.
 
-The host loop alternates run calls with harvesting finished rows and refilling their slots:
-each round is one sync and three device calls, however many slots it refills.
-The engine compiles the programs (`Engine.batch_programs`, `Engine.slot_programs`); this module
-owns the host loops.
+`SlotLoop` is that loop as a stepping object (requests added and cancelled between rounds,
+one round per `step`), for a server's device-loop thread; `generate` runs it over a list of
+prompts. Each round is one sync and three device calls, however many slots it refills.
+The engine compiles the programs (`programs`, `Engine.batch_programs`, `Engine.slot_programs`);
+this module owns the host loops.
 """
 
 from __future__ import annotations
@@ -29,114 +30,11 @@ import time
 from typing import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from eagle_jax.decode import speculative
-
-
-def insert(state: speculative.DecodeState, rows: speculative.DecodeState, take: jax.Array) -> speculative.DecodeState:
-    """Slot b of `state` becomes row b of `rows` where `take[b]` ([B] bool), and stays elsewhere.
-
-    Every leaf but `rng` has batch as axis 0 (the caches' per-layer keys and values and their
-    lengths, the per-row counters, outputs, budgets and pending draft pairs), so one tree map
-    covers them all. `rng` is one key for the whole batch: the big state's is kept.
-
-    A leaf of `rows` may be shorter than the state's along other axes (the prefill's caches,
-    `KVCache` [B, w, K, H], against the slots' [B, S, K, H]): only that leading block is written;
-    with `state` donated, XLA updates it in place. A taken slot keeps its old row's entries past
-    w, which its new row never reads: a query sees only the slots up to its position
-    (`layers.Attention.attend`, `kernels.decode_attention`, `attention_ops.visible_slots`), and every
-    forward writes its new keys from its cache's `lengths` on (a new row's: its prompt) before it
-    attends, so each slot a query sees holds the prompt or this row's own writes.
-    """
-    def pick(big, new):
-        corner = (0,) * big.ndim
-        old = jax.lax.slice(big, corner, new.shape)
-        picked = jnp.where(take.reshape((-1,) + (1,) * (big.ndim - 1)), new.astype(big.dtype), old)
-        return jax.lax.dynamic_update_slice(big, picked, corner)
-
-    merged = jax.tree.map(pick, state.replace(rng=None), rows.replace(rng=None))
-    return merged.replace(rng=state.rng)
-
-
-def slot_shape(row_shape: speculative.DecodeState, cache_length: int) -> speculative.DecodeState:
-    """The prefill's output shapes (ShapeDtypeStructs) with caches `cache_length` slots long.
-
-    The caches' keys and values ([B, S, K, H], target and head) are the only leaves whose shape
-    follows the cache length: the output buffer follows `Options.max_new_tokens`, the pending
-    pairs k.
-    """
-    def lengthen(cache):
-        resize = lambda leaf: jax.ShapeDtypeStruct(leaf.shape[:1] + (cache_length,) + leaf.shape[2:], leaf.dtype)
-        return None if cache is None else cache.replace(keys=tuple(map(resize, cache.keys)),
-                                                        values=tuple(map(resize, cache.values)))
-
-    return row_shape.replace(cache=lengthen(row_shape.cache), draft_cache=lengthen(row_shape.draft_cache))
-
-
-def empty_state(shape: speculative.DecodeState, rng: jax.Array) -> speculative.DecodeState:
-    """Idle slots of `shape` (ShapeDtypeStructs, `slot_shape`), built where it is traced: inside a
-    program, on the device, so no state-sized buffer crosses from the host.
-
-    Idle rows are `done`, so steps leave them as they are; `pending_count` is 1 so an idle row's
-    draft reads a real pending slot.
-    """
-    state = jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), shape.replace(rng=None))
-    state = state.replace(done=jnp.ones(state.done.shape, bool))
-    if state.pending_count is not None:
-        state = state.replace(pending_count=jnp.ones(state.pending_count.shape, jnp.int32))
-    return state.replace(rng=rng)
-
-
-@dataclasses.dataclass
-class BatchPrograms:
-    """One batch's compiled programs and the prefill's inputs (see `Engine.batch_programs`), static batching."""
-
-    start: Callable  # start(*start_args) -> DecodeState
-    # runs[attend_length](target_params, head_params, state) -> state after up to steps_per_call
-    # steps, attention reading cache slots below attend_length (ascending keys; the last is the cache)
-    runs: dict[int, Callable]
-    start_args: tuple  # (target_params, head_params, tokens [B, W], lengths [B], rng)
-    prompt_lengths: np.ndarray  # [B] host copy of start_args' lengths
-    idle: np.ndarray  # [B] bool: padding rows, marked done after prefill
-    steps_per_call: int
-    compile_seconds: float
-    opts: speculative.Options  # what the programs were compiled for
-
-    def prefill(self) -> speculative.DecodeState:
-        state = self.start(*self.start_args)
-        if self.idle.any():
-            state = state.replace(done=jnp.asarray(np.asarray(state.done) | self.idle))
-        return state
-
-    def step(self, state: speculative.DecodeState, attend_length: int | None = None) -> speculative.DecodeState:
-        """Up to steps_per_call steps; `state` is donated. attend_length: a key of `runs` (None: the whole cache)."""
-        run = self.runs[max(self.runs) if attend_length is None else attend_length]
-        return run(self.start_args[0], self.start_args[1], state)
-
-
-@dataclasses.dataclass
-class SlotPrograms:
-    """The compiled programs of one slot layout (see `Engine.slot_programs`)."""
-
-    # prefill(tokens [B, w], lengths [B], budgets [B], rng) -> a B-row DecodeState whose caches
-    # are w slots long, w in widths
-    prefill: Callable
-    # insert(state, rows, take [B] bool) -> state, `rows` a prefill's output (any width); `state`
-    # is donated
-    insert: Callable
-    # run(state, attend_length, refill_at) -> state after up to steps_per_call steps or once
-    # refill_at (int32) of the rows running at entry are done, attention reading cache slots
-    # below attend_length (one of attend_lengths); `state` is donated.
-    run: Callable
-    empty: Callable  # empty(rng) -> a state of idle slots, caches the whole cache long, built on the device
-    batch_size: int
-    widths: tuple[int, ...]  # the prefill buckets, ascending; the last is the longest prompt a slot takes
-    attend_lengths: tuple[int, ...]  # ascending; the last is the whole cache
-    steps_per_call: int
-    compile_seconds: float
-    opts: speculative.Options  # what the programs were compiled for
+from eagle_jax.serve import programs as programs_lib
+from eagle_jax.serve import result as result_lib
 
 
 @dataclasses.dataclass
@@ -188,118 +86,181 @@ class CallCounts:
 
 
 @dataclasses.dataclass
-class Finished:
-    """One prompt's generation, as harvested from its slot.
+class Slot:
+    """The request a decode slot holds, as of the last harvest."""
 
-    `first_token_seconds` and `finish_seconds` count host wall-clock time from `began` (the
-    caller's start) to the harvest point (a host sync after prefill or after a device call) at
-    which the loop first held the prompt's first token, and its last: their resolution is one
-    device call of steps_per_call steps. Continuous batching first syncs a new row after the run
-    call that follows its prefill, which is also when it could first stream its tokens; a run
-    call returns once `refill_at` rows have finished (or its steps run out), so a row that ends
-    early in a call is read when the call ends, still within that one call.
+    request_id: int
+    prompt_length: int
+    budget: int  # its max_new_tokens
+    prefilled: float  # `time.perf_counter()` at its prefill
+    generated: int = 1  # tokens so far (prefill emits one)
+    shown: int = 0  # tokens already returned in events
+    first_token_seconds: float | None = None  # from `began`, at the first sync after its prefill
+    cancelled: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """What one round brought a request: its new token ids, and its `Result` once finished."""
+
+    request_id: int
+    token_ids: list[int]
+    result: result_lib.Result | None = None
+
+
+class SlotLoop:
+    """Continuous batching over `programs.batch_size` decode slots, one round per `step`.
+
+    Args:
+        programs: the compiled slot programs (`Engine.slot_programs`).
+        rng: the seed key. A refill's prefill uses `fold_in(prefill key, i)`, i being the first
+            request it starts; the steps share the state's key, so sampled outputs are
+            reproducible for a seed, batch size, steps_per_call and refill_at (greedy outputs do
+            not depend on them).
+        refill_at: how many rows must finish before a run call returns (1 to batch_size).
+        began: `time.perf_counter()` that every request's times count from; default now.
     """
 
-    token_ids: list[int]
-    seconds: float  # static: its batch's wall time; continuous: from its prefill to its harvest
-    stats: dict
-    first_token_seconds: float
-    finish_seconds: float
-    # `CallCounts.as_dict()` of the host loop that produced it (a continuous call, or a static
-    # batch), shared by all its prompts.
-    calls: dict = dataclasses.field(default_factory=dict)
+    def __init__(self, programs: programs_lib.SlotPrograms, rng: jax.Array, refill_at: int = 1,
+                 began: float | None = None):
+        self.programs = programs
+        self.refill_at = refill_at
+        self.began = time.perf_counter() if began is None else began
+        self.calls = CallCounts()
+        state_rng, self._prefill_rng = jax.random.split(rng)
+        self._state = programs.empty(state_rng)
+        self._queue: collections.deque = collections.deque()  # (request id, prompt, budget)
+        self._slots: list[Slot | None] = [None] * programs.batch_size
+        self._next_id = 0
+        self._steps = np.zeros(programs.batch_size, np.int64)  # each row's num_steps as of the last fetch
+
+    def add(self, prompt_ids: np.ndarray, budget: int) -> int:
+        """Queues an int32 prompt (at most `programs.widths[-1]` tokens) with its max_new_tokens; returns its id."""
+        request_id = self._next_id
+        self._next_id += 1
+        self._queue.append((request_id, prompt_ids, int(budget)))
+        return request_id
+
+    def cancel(self, request_id: int) -> None:
+        """Drops a queued request, or frees an active one's slot at the next round (no `Result`)."""
+        self._queue = collections.deque(entry for entry in self._queue if entry[0] != request_id)
+        for slot in self._slots:
+            if slot is not None and slot.request_id == request_id:
+                slot.cancelled = True
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding a slot."""
+        return sum(slot is not None and not slot.cancelled for slot in self._slots)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for a slot."""
+        return len(self._queue)
+
+    @property
+    def idle(self) -> bool:
+        """No request active or queued."""
+        return not self._queue and all(slot is None for slot in self._slots)
+
+    def step(self) -> list[Event]:
+        """One round: refill free slots from the queue, one run call, one fetch.
+
+        Returns:
+            An event for each request with new tokens or finished in this round.
+        """
+        self._slots = [None if slot is not None and slot.cancelled else slot for slot in self._slots]
+        self._refill()
+        if all(slot is None for slot in self._slots):
+            return []
+        programs, calls = self.programs, self.calls
+        running = [(slot.prompt_length, slot.budget, slot.generated) for slot in self._slots if slot is not None]
+        # Leave the device loop to refill only when slots can be refilled, and as a batch.
+        wait_for = min(self.refill_at, len(self._queue)) if self._queue else programs.batch_size + 1
+        length = attend_length(programs.attend_lengths, programs.opts, programs.steps_per_call, running)
+        self._state = calls.timed("run_seconds", programs.run, self._state, length, np.int32(wait_for))
+        calls.run_calls += 1
+        # One fetch: tokens, cursors and the acceptance counters (stats), not the caches.
+        host = calls.fetch(self._state.replace(cache=None, draft_cache=None, pending_tokens=None,
+                                               pending_features=None, pending_count=None, next_token=None, rng=None))
+        calls.run_steps += int(np.max(host.num_steps - self._steps))
+        self._steps = np.array(host.num_steps, np.int64)
+        now = time.perf_counter()
+        stats = speculative.stats(host, programs.opts) if np.any(host.done) else None
+        events = []
+        for row, slot in enumerate(self._slots):
+            if slot is None:
+                continue
+            if slot.first_token_seconds is None:  # prefill emitted it
+                slot.first_token_seconds = now - self.began
+            count = int(host.num_generated[row])
+            new, slot.shown, slot.generated = host.output[row, slot.shown:count].tolist(), count, count
+            result = None
+            if host.done[row]:
+                result = result_lib.Result(
+                    token_ids=host.output[row, :count].tolist(), seconds=now - slot.prefilled,
+                    compile_seconds=programs.compile_seconds, stats=stats[row],
+                    first_token_seconds=slot.first_token_seconds, finish_seconds=now - self.began)
+                self._slots[row] = None
+            if new or result is not None:
+                events.append(Event(slot.request_id, new, result))
+        return events
+
+    def _refill(self) -> None:
+        """One prefill and one insert call fill every free slot from the queue."""
+        free = [row for row, slot in enumerate(self._slots) if slot is None]
+        starting = [(row, self._queue.popleft()) for row in free[:len(self._queue)]]
+        if not starting:
+            return
+        now = time.perf_counter()
+        programs = self.programs
+        inputs = _prefill_inputs([prompt for _, (_, prompt, _) in starting], [budget for _, (_, _, budget) in starting],
+                                 [row for row, _ in starting], programs.batch_size, programs.widths)
+        key = jax.random.fold_in(self._prefill_rng, starting[0][1][0])
+        rows = self.calls.timed("prefill_seconds", programs.prefill, *inputs, key)
+        take = np.zeros(programs.batch_size, bool)
+        for row, (request_id, prompt, budget) in starting:
+            take[row] = True
+            self._steps[row] = 0
+            self._slots[row] = Slot(request_id, len(prompt), budget, now)
+        self._state = self.calls.timed("prefill_seconds", programs.insert, self._state, rows, take)
+        self.calls.prefill_calls += 1
+        self.calls.insert_calls += 1
 
 
-def generate(programs: SlotPrograms, prompts: Sequence[np.ndarray], budgets: Sequence[int], rng: jax.Array,
-             on_tokens: Callable[[int, list[int]], None] | None = None,
-             began: float | None = None, refill_at: int = 1) -> list[Finished]:
-    """Generates for every prompt through the slots; results in input order.
-
-    Each round: one prefill call fills every free slot from the queue (one prompt per slot, all
-    at the width of the longest), one insert call writes those rows into their slots, one run
-    call steps until `refill_at` rows have finished (or the queue's prompts, if fewer; with the
-    queue empty, until its steps_per_call steps end or every row is done), then one sync fetches
-    what the host harvests and streams.
+def generate(programs: programs_lib.SlotPrograms, prompts: Sequence[np.ndarray], budgets: Sequence[int],
+             rng: jax.Array, on_tokens: Callable[[int, list[int]], None] | None = None,
+             began: float | None = None, refill_at: int = 1) -> list[result_lib.Result]:
+    """Generates for every prompt through the slots (`SlotLoop`); results in input order.
 
     Args:
         prompts: int32 prompts, each at most `programs.widths[-1]` tokens.
         budgets: each prompt's max_new_tokens.
-        rng: the seed key. A refill's prefill uses `fold_in(prefill key, i)`, i being the first
-            prompt it starts; the steps share the state's key, so sampled outputs are reproducible
-            for a seed, batch size, steps_per_call and refill_at (greedy outputs do not depend on
-            them).
+        rng: the seed key (`SlotLoop`).
         on_tokens: called as `on_tokens(prompt_index, new_ids)` after each device call.
         began: `time.perf_counter()` at the caller's start, which every prompt's times count
             from (as if all arrived then); default now.
         refill_at: how many rows must finish before a run call returns (1 to batch_size).
     """
-    began = time.perf_counter() if began is None else began
     loop_began = time.perf_counter()
-    calls = CallCounts()
-    state_rng, prefill_rng = jax.random.split(rng)
-    state = programs.empty(state_rng)
-    queue = collections.deque(range(len(prompts)))
-    owner: list[int | None] = [None] * programs.batch_size  # prompt index held by each slot
-    prefilled = [0.0] * programs.batch_size
-    first_token: list[float | None] = [None] * programs.batch_size
-    shown = np.zeros(programs.batch_size, np.int64)
-    generated = np.zeros(programs.batch_size, np.int64)  # per slot, as of the last harvest
-    finished: list[Finished | None] = [None] * len(prompts)
-    steps = np.zeros(programs.batch_size, np.int64)  # per slot, its row's num_steps as of the last harvest
-    while True:
-        starting = [(slot, queue.popleft()) for slot in range(programs.batch_size) if owner[slot] is None and queue]
-        if starting:
-            now = time.perf_counter()
-            inputs = _prefill_inputs([prompts[index] for _, index in starting], [budgets[index] for _, index in starting],
-                                     [slot for slot, _ in starting], programs.batch_size, programs.widths)
-            key = jax.random.fold_in(prefill_rng, starting[0][1])
-            rows = calls.timed("prefill_seconds", programs.prefill, *inputs, key)
-            take = np.zeros(programs.batch_size, bool)
-            for slot, index in starting:
-                take[slot] = True
-                owner[slot], shown[slot], generated[slot], steps[slot] = index, 0, 1, 0  # prefill emitted one token
-                prefilled[slot], first_token[slot] = now, None
-            state = calls.timed("prefill_seconds", programs.insert, state, rows, take)
-            calls.prefill_calls += 1
-            calls.insert_calls += 1
-        if all(index is None for index in owner):
-            calls.host_seconds = time.perf_counter() - loop_began - calls.sync_seconds
-            for result in finished:
-                result.calls = calls.as_dict()
-            return finished
-        running = [(len(prompts[index]), budgets[index], generated[slot]) for slot, index in enumerate(owner)
-                   if index is not None]
-        # Leave the device loop to refill only when slots can be refilled, and as a batch.
-        wait_for = min(refill_at, len(queue)) if queue else programs.batch_size + 1
-        state = calls.timed("run_seconds", programs.run, state, attend_length(
-            programs.attend_lengths, programs.opts, programs.steps_per_call, running), np.int32(wait_for))
-        calls.run_calls += 1
-        # One fetch: tokens, cursors and the acceptance counters (stats), not the caches.
-        host = calls.fetch(state.replace(cache=None, draft_cache=None, pending_tokens=None, pending_features=None,
-                                         pending_count=None, next_token=None, rng=None))
-        output, counts, done = host.output, host.num_generated, host.done
-        generated[:] = counts
-        calls.run_steps += int(np.max(host.num_steps - steps))
-        steps[:] = host.num_steps
-        now = time.perf_counter()
-        harvest = [slot for slot, index in enumerate(owner) if index is not None and done[slot]]
-        for slot, index in enumerate(owner):
-            if index is not None and first_token[slot] is None:  # prefill emitted it
-                first_token[slot] = now - began
-        if on_tokens is not None:
-            _stream(output, counts, shown, owner, on_tokens)
-        if harvest:
-            stats = speculative.stats(host, programs.opts)
-            for slot in harvest:
-                finished[owner[slot]] = Finished(token_ids=output[slot, :counts[slot]].tolist(),
-                                                 seconds=now - prefilled[slot], stats=stats[slot],
-                                                 first_token_seconds=first_token[slot], finish_seconds=now - began)
-                owner[slot] = None
+    loop = SlotLoop(programs, rng, refill_at, began)
+    for prompt, budget in zip(prompts, budgets):
+        loop.add(prompt, budget)  # ids 0, 1, ...: the prompts' indices
+    results: list[result_lib.Result | None] = [None] * len(prompts)
+    while not loop.idle:
+        for event in loop.step():
+            if on_tokens is not None and event.token_ids:
+                on_tokens(event.request_id, event.token_ids)
+            if event.result is not None:
+                results[event.request_id] = event.result
+    loop.calls.host_seconds = time.perf_counter() - loop_began - loop.calls.sync_seconds
+    calls = loop.calls.as_dict()
+    return [dataclasses.replace(result, calls=calls) for result in results]
 
 
-def generate_static(programs: BatchPrograms, num_rows: int,
+def generate_static(programs: programs_lib.BatchPrograms, num_rows: int,
                     on_tokens: Callable[[int, list[int]], None] | None = None,
-                    began: float | None = None) -> list[Finished]:
+                    began: float | None = None) -> list[result_lib.Result]:
     """One static batch: prefill, then step (donating the state) until every row is done.
 
     Args:
@@ -336,8 +297,9 @@ def generate_static(programs: BatchPrograms, num_rows: int,
     seconds = time.perf_counter() - prefilled
     stats = speculative.stats(state, programs.opts)
     calls.host_seconds = time.perf_counter() - prefilled - calls.sync_seconds
-    return [Finished(token_ids=output[row, :counts[row]].tolist(), seconds=seconds, stats=stats[row],
-                     first_token_seconds=first_token, finish_seconds=float(finish[row]), calls=calls.as_dict())
+    return [result_lib.Result(token_ids=output[row, :counts[row]].tolist(), seconds=seconds,
+                              compile_seconds=programs.compile_seconds, stats=stats[row],
+                              first_token_seconds=first_token, finish_seconds=float(finish[row]), calls=calls.as_dict())
             for row in range(num_rows)]
 
 

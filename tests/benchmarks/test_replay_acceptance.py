@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 
 from eagle_jax.train import data
+from eagle_jax.serve import config as config_lib
+from eagle_jax.serve import result as result_lib
 from eagle_jax.serve import engine as engine_lib
 from eagle_jax.io import models
 
@@ -35,7 +37,7 @@ def prompts(random_prompts):
 @pytest.fixture(scope="module")
 def plain(speculation_target, prompts):
     """Plain greedy outputs (no EOS): the tokens the heads are built around and the EOS is chosen from."""
-    engine = engine_lib.Engine(speculation_target, max_length=64)
+    engine = engine_lib.Engine(speculation_target, config=config_lib.EngineConfig(max_length=64))
     results = engine.generate(prompts, max_new_tokens=MAX_NEW, ignore_eos=True)
     return [r.token_ids for r in results]
 
@@ -63,7 +65,7 @@ def speculate(speculation_target, heads, prompts, eos):
 
     @functools.cache
     def generate(kind: str, k: int):
-        engine = engine_lib.Engine(speculation_target, heads[kind], num_speculative_tokens=k, max_length=64)
+        engine = engine_lib.Engine(speculation_target, heads[kind], config=config_lib.EngineConfig(num_speculative_tokens=k, max_length=64))
         return engine.generate(prompts, max_new_tokens=MAX_NEW, eos_ids=[eos])
 
     return generate
@@ -90,7 +92,7 @@ def test_replay_counts_what_the_engine_counts(speculation_target, heads, prompts
     all_accepted = np.concatenate(all_accepted)
     assert 0 in all_accepted and max(all_accepted) >= 2  # steps that reject at once and steps that accept several
     summary = replay_acceptance.summarise(records, drafts, k)
-    assert summary["acceptance_length"] == pytest.approx(engine_lib.pooled_stats(results, k)["acceptance_length"],
+    assert summary["acceptance_length"] == pytest.approx(result_lib.pooled_stats(results, k)["acceptance_length"],
                                                          abs=1e-4)
 
 
@@ -114,7 +116,7 @@ def test_the_script_reports_the_engines_acceptance(speculation_target, heads, pr
                                    "--k", str(k), "--train-data", str(train_data), "--vocab-sizes", "80",
                                    "--out", str(tmp_path / "replay.json")]) == 0
     summary = json.loads((tmp_path / "replay.json").read_text())
-    pooled = engine_lib.pooled_stats(results, k)
+    pooled = result_lib.pooled_stats(results, k)
     assert summary["num_drafts"] == pooled["num_drafts"]
     assert summary["num_accepted_tokens"] == pooled["num_accepted_tokens"]
     assert summary["by_category"]["x"]["num_drafts"] == results[0].stats["num_drafts"]

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from convert import __main__ as convert_cli
+from eagle_jax.serve import config as config_lib
 from eagle_jax.serve import engine as engine_lib
 from eagle_jax.cli import generate
 from eagle_jax.io import models
@@ -112,7 +113,7 @@ def test_json_output(model_dir, cache_dir, capsys):
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
     ids = chat_ids(model_dir, "write a poem")
     target, _ = models.load_target(model_dir)
-    engine = engine_lib.Engine(target, max_length=512, cache_dir=cache_dir)  # the CLI's programs, from disk
+    engine = engine_lib.Engine(target, config=config_lib.EngineConfig(max_length=512, cache_dir=cache_dir))  # the CLI's programs, from disk
     [expected] = engine.generate([ids], max_new_tokens=MAX_NEW, ignore_eos=True)
     assert engine.num_compilations == 0
     assert first["token_ids"] == expected.token_ids
@@ -150,7 +151,7 @@ def test_draft_reports_acceptance(aligned_model_dir, head_dir, cache_dir, capsys
     # sometimes: a report of no acceptance (1.0, the plain-decoding value) would fail here.
     target, _ = models.load_target(aligned_model_dir)
     head = models.load_head(head_dir, target)
-    engine = engine_lib.Engine(target, head, num_speculative_tokens=2, max_length=512, cache_dir=cache_dir)
+    engine = engine_lib.Engine(target, head, config=config_lib.EngineConfig(num_speculative_tokens=2, max_length=512, cache_dir=cache_dir))
     [expected] = engine.generate([chat_ids(aligned_model_dir, text)], max_new_tokens=MAX_NEW, ignore_eos=True)
     assert {name: record[name] for name in expected.stats} == expected.stats
     assert record["token_ids"] == expected.token_ids
@@ -172,8 +173,8 @@ def test_tree_flags_draft_a_tree(aligned_model_dir, head_dir, cache_dir, capsys)
     assert (record["speculative_eagle_topk"], record["speculative_num_steps"],
             record["speculative_num_draft_tokens"]) == (2, 2, 4)
     target, _ = models.load_target(aligned_model_dir)
-    engine = engine_lib.Engine(target, models.load_head(head_dir, target), tree=tree_lib.TreeOptions(2, 2, 4),
-                               max_length=512, cache_dir=cache_dir)
+    engine = engine_lib.Engine(target, models.load_head(head_dir, target), config=config_lib.EngineConfig(tree=tree_lib.TreeOptions(2, 2, 4),
+                               max_length=512, cache_dir=cache_dir))
     [expected] = engine.generate([chat_ids(aligned_model_dir, text)], max_new_tokens=MAX_NEW, ignore_eos=True)
     assert engine.num_compilations == 0  # the CLI's programs, from disk
     assert {name: record[name] for name in expected.stats} == expected.stats
@@ -192,7 +193,7 @@ def test_batches_come_back_in_input_order(model_dir, cache_dir, capsys):
     texts = ["write a short poem about the sea and the sky", "a", "the blue sky"]
     argv = [arg for text in texts for arg in ("--prompt", text)] + ["--json", "--ignore-eos", "--max-num-seqs", 2]
     target, _ = models.load_target(model_dir)
-    engine = engine_lib.Engine(target, max_length=512)
+    engine = engine_lib.Engine(target, config=config_lib.EngineConfig(max_length=512))
     expected = [engine.generate([chat_ids(model_dir, text)], max_new_tokens=MAX_NEW, ignore_eos=True)[0].token_ids
                 for text in texts]
     assert len(set(map(tuple, expected))) == 3
@@ -263,7 +264,7 @@ def test_cache_dir_others_can_write_exits_2(model_dir, tmp_path, capsys):
     (["--temperature", "-1"], "temperature must be >= 0"),
     (["--prompts-file", "{bad}"], ":2: expected JSON with 'prompt' or 'turns'"),
     (["--model", "{missing}"], "does not exist"),
-    (["--batch-size", "0"], "--batch-size/--max-num-seqs must be >= 1"),
+    (["--batch-size", "0"], "batch_size must be an integer >= 1, got 0"),
 ])
 def test_bad_input_exits_2_without_traceback(model_dir, tmp_path, capsys, argv, message):
     bad = tmp_path / "bad.jsonl"
@@ -279,10 +280,10 @@ def test_bad_input_exits_2_without_traceback(model_dir, tmp_path, capsys, argv, 
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--num-speculative-tokens", "-1"], "--num-speculative-tokens must be >= 0, got -1"),
+    (["--num-speculative-tokens", "-1"], "num_speculative_tokens must be an integer >= 0, got -1"),
     (["--max-new-tokens", "-5"], "--max-new-tokens must be >= 1, got -5"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
-    (["--max-length", "0"], "--max-length must be >= 1, got 0"),
+    (["--max-length", "0"], "max_length must be an integer >= 1, got 0"),
     (["--temperature", "-0.5"], "--temperature must be >= 0 and finite, got -0.5"),
     (["--temperature", "nan"], "--temperature must be >= 0 and finite, got nan"),
     (["--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
@@ -295,10 +296,10 @@ def test_bad_input_exits_2_without_traceback(model_dir, tmp_path, capsys, argv, 
     (["--speculative-eagle-topk", "2"], "a draft tree needs all of --speculative-eagle-topk, --speculative-num-steps, "
                                         "--speculative-num-draft-tokens"),
     (["--num-speculative-tokens", "2", "--speculative-eagle-topk", "2", "--speculative-num-steps", "2",
-      "--speculative-num-draft-tokens", "3"], "--num-speculative-tokens (a chain) and the tree flags exclude each other"),
-    (["--max-num-seqs", "0"], "--batch-size/--max-num-seqs must be >= 1, got 0"),
-    (["--scheduler", "dynamic"], "--scheduler must be continuous or static, got dynamic"),
-    (["--speculative-disable-by-batch-size", "0"], "--speculative-disable-by-batch-size must be >= 1, got 0"),
+      "--speculative-num-draft-tokens", "3"], "num_speculative_tokens (a chain) and tree exclude each other"),
+    (["--max-num-seqs", "0"], "batch_size must be an integer >= 1, got 0"),
+    (["--speculative-disable-by-batch-size", "0"], "speculative_disable_by_batch_size must be an integer >= 1, got 0"),
+    (["--tensor-parallel-size", "0"], "tensor_parallel_size must be an integer >= 1, got 0"),
 ])
 def test_bad_numeric_flag_exits_2_before_loading(tmp_path, capsys, argv, message):
     # The model path does not exist: a flag checked after loading would report that instead.
@@ -306,6 +307,13 @@ def test_bad_numeric_flag_exits_2_before_loading(tmp_path, capsys, argv, message
     out, err = capsys.readouterr()
     assert code == 2
     assert err == f"error: {message}\n" and out == ""
+
+
+def test_an_unknown_scheduler_is_refused_by_the_parser(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        generate.main(["--model", str(tmp_path / "missing"), "--scheduler", "dynamic"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'dynamic'" in capsys.readouterr().err
 
 
 def test_prompt_longer_than_the_cache_exits_2(model_dir, tmp_path, capsys):
@@ -345,4 +353,4 @@ def test_head_for_another_target_exits_2(model_dir, random_target, tmp_path, cap
                           "--num-speculative-tokens", "2", "--prompt", "the sea"])
     out, err = capsys.readouterr()
     assert code == 2 and out == ""
-    assert err == f"error: {message}\n"
+    assert err == f"error: {head_dir}: {message}\n"  # the head named, then what does not fit

@@ -17,6 +17,7 @@ import pytest
 from flax import nnx
 
 from eagle_jax.model import eagle
+from eagle_jax.serve import config as config_lib
 from eagle_jax.serve import engine as engine_lib
 
 MAX_NEW = 12
@@ -39,7 +40,7 @@ def prompts(random_prompts):
 @pytest.fixture(scope="module")
 def reference(target, prompts):
     """Plain greedy decoding (k = 0)."""
-    results = engine_lib.Engine(target, max_length=64).generate(prompts, max_new_tokens=MAX_NEW, ignore_eos=True)
+    results = engine_lib.Engine(target, config=config_lib.EngineConfig(max_length=64)).generate(prompts, max_new_tokens=MAX_NEW, ignore_eos=True)
     tokens = [r.token_ids for r in results]
     assert all(len(set(t)) > 5 for t in tokens)  # non-repetitive continuations: bookkeeping errors would show
     return tokens
@@ -68,12 +69,12 @@ def run(target, prompts, make_head):
 
     @functools.cache
     def generate(kind: str, k: int, batch_size: int):
-        engine = engine_lib.Engine(target, make_head(kind), num_speculative_tokens=k, max_length=64,
-                                   batch_size=batch_size)
-        results = engine.generate(prompts, max_new_tokens=MAX_NEW, ignore_eos=True, steps_per_call=4)
+        engine = engine_lib.Engine(target, make_head(kind), config=config_lib.EngineConfig(steps_per_call=4, num_speculative_tokens=k, max_length=64,
+                                   batch_size=batch_size))
+        results = engine.generate(prompts, max_new_tokens=MAX_NEW, ignore_eos=True)
         # One bucket: prefill and the speculative step; batches of several rows compile the step
         # once per attention reach (a quarter, half or all of the cache; `Engine._run_programs`).
-        runs = sum(key[0] == "run" for key in engine._compiled)
+        runs = sum(key[0] == "run" for key in engine.compiler.compiled)
         assert engine.num_compilations == 1 + runs and (runs == 1) == (batch_size == 1)
         return results
 
@@ -112,9 +113,9 @@ def test_partial_agreement_accepts_some_drafts(run):
 def test_eager_equals_compiled(target, prompts, make_head, run):
     kind, k, batch_size = "eagle-bias", 2, 1
     compiled = run(kind, k, batch_size)[0]
-    engine = engine_lib.Engine(target, make_head(kind), num_speculative_tokens=k, max_length=64,
-                               batch_size=batch_size, eager=True)
-    [eager] = engine.generate(prompts[:1], max_new_tokens=MAX_NEW, ignore_eos=True, steps_per_call=4)
+    engine = engine_lib.Engine(target, make_head(kind), config=config_lib.EngineConfig(steps_per_call=4, num_speculative_tokens=k, max_length=64,
+                               batch_size=batch_size, eager=True))
+    [eager] = engine.generate(prompts[:1], max_new_tokens=MAX_NEW, ignore_eos=True)
     assert engine.num_compilations == 0
     assert eager.token_ids == compiled.token_ids
     assert eager.stats == compiled.stats
@@ -223,9 +224,9 @@ def test_acceptance_with_eos_matches_the_reference(target, make_head, prompts, r
     which for the agreeing head arrives in steps that accepted drafts past it: those must not count."""
     eos = reference[0][5]
     assert eos not in reference[0][:5]
-    engine = engine_lib.Engine(target, make_head(kind), num_speculative_tokens=k, max_length=64, batch_size=2,
-                               fixed_shapes=True)
-    results = engine.generate(prompts, max_new_tokens=MAX_NEW, eos_ids=[eos], steps_per_call=4)
+    engine = engine_lib.Engine(target, make_head(kind), config=config_lib.EngineConfig(steps_per_call=4, num_speculative_tokens=k, max_length=64, batch_size=2,
+                               fixed_shapes=True))
+    results = engine.generate(prompts, max_new_tokens=MAX_NEW, eos_ids=[eos])
     stopped = [output[:output.index(eos) + 1] if eos in output else output for output in reference]
     assert [r.token_ids for r in results] == stopped
     assert len(stopped[0]) < MAX_NEW
@@ -246,10 +247,9 @@ def test_speculation_resumes_with_the_draft_state_it_would_have_had(target, make
     depth, must be what drafting from scratch gives after SHORT - 1 plain steps: a draft cache or
     pending pair left behind by the plain steps would draft differently."""
     short = 5
-    engine = engine_lib.Engine(target, make_head(kind), num_speculative_tokens=k, max_length=64, batch_size=2,
-                               scheduler="continuous", speculative_disable_by_batch_size=1)
-    plain, speculated = engine.generate([prompts[2], prompts[1]], max_new_tokens=[short, MAX_NEW], ignore_eos=True,
-                                        steps_per_call=3)
+    engine = engine_lib.Engine(target, make_head(kind), config=config_lib.EngineConfig(steps_per_call=3, num_speculative_tokens=k, max_length=64, batch_size=2,
+                               scheduler="continuous", speculative_disable_by_batch_size=1))
+    plain, speculated = engine.generate([prompts[2], prompts[1]], max_new_tokens=[short, MAX_NEW], ignore_eos=True)
     assert [plain.token_ids, speculated.token_ids] == [reference[2][:short], reference[1]]
     assert plain.stats["num_drafts"] == 0 and plain.stats["num_accepted_tokens"] == 0
     steps, accepted, _ = reference_stats(target, make_head(kind), prompts[1], reference[1], k, plain_steps=short - 1)
@@ -260,9 +260,9 @@ def test_speculation_resumes_with_the_draft_state_it_would_have_had(target, make
 
 @pytest.mark.parametrize("kind, k, batch_size", [("eagle-bias", 2, 2), ("eagle3-biased", 4, 1)])
 def test_checking_for_done_rows_less_often_changes_nothing(target, prompts, make_head, run, kind, k, batch_size):
-    engine = engine_lib.Engine(target, make_head(kind), num_speculative_tokens=k, max_length=64,
-                               batch_size=batch_size, steps_per_check=3)
-    results = engine.generate(prompts, max_new_tokens=MAX_NEW, ignore_eos=True, steps_per_call=4)
+    engine = engine_lib.Engine(target, make_head(kind), config=config_lib.EngineConfig(steps_per_call=4, num_speculative_tokens=k, max_length=64,
+                               batch_size=batch_size, steps_per_check=3))
+    results = engine.generate(prompts, max_new_tokens=MAX_NEW, ignore_eos=True)
     expected = run(kind, k, batch_size)
     assert [r.token_ids for r in results] == [r.token_ids for r in expected]
     assert [r.stats for r in results] == [r.stats for r in expected]

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from eagle_jax.serve import config as config_lib
 from eagle_jax.serve import engine
 from eagle_jax.decode import sampling
 from eagle_jax.decode import tree
@@ -95,7 +96,7 @@ def test_tokens_follow_plain_sampling(target, continuation_logits, random_head, 
     method, settings, draft_tree = CASES[case]
     head = random_head(target.config, method, seed=3, draft_vocab_size=8)
     speculation = dict(tree=draft_tree) if draft_tree else dict(num_speculative_tokens=K)
-    generator = engine.Engine(target, head, batch_size=ROWS, max_length=32, **speculation)
+    generator = engine.Engine(target, head, config=config_lib.EngineConfig(batch_size=ROWS, max_length=32, **speculation))
     results = generator.generate([PROMPT] * ROWS, max_new_tokens=NEW, seed=11, sampling=settings)
     tokens = np.array([r.token_ids for r in results])  # [ROWS, NEW]: token 0 from prefill, the rest from steps
     accepted, rejected = branch_counts(results)

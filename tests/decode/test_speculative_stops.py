@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from eagle_jax.serve import config as config_lib
 from eagle_jax.serve import engine as engine_lib
 from eagle_jax.decode import tree as tree_lib
 
@@ -57,7 +58,8 @@ def models(target, prompts, agreeing_head, biased_eagle3_head, cast_module):
 @functools.cache
 def _engine(target, head, k: int, tree: tree_lib.TreeOptions | None = None):
     drafting = dict(tree=tree) if tree else dict(num_speculative_tokens=k)
-    return engine_lib.Engine(target, head, max_length=MAX_LENGTH, batch_size=2, fixed_shapes=True, **drafting)
+    return engine_lib.Engine(target, head, config=config_lib.EngineConfig(max_length=MAX_LENGTH, batch_size=2, fixed_shapes=True,
+                                                                          steps_per_call=3, **drafting))
 
 
 @functools.cache
@@ -71,7 +73,7 @@ def plain(target, prompts: tuple[tuple[int, ...], ...], max_new_tokens: int, eos
 def speculative(target, head, k, prompts, max_new_tokens, eos, tree=None):
     engine = _engine(target, head, k, tree)
     return engine.generate([list(p) for p in prompts], max_new_tokens=max_new_tokens, ignore_eos=eos is None,
-                           eos_ids=None if eos is None else [eos], steps_per_call=3)
+                           eos_ids=None if eos is None else [eos])
 
 
 def stopping_token(outputs: list[list[int]]) -> int:
@@ -169,5 +171,5 @@ def test_trees_stop_by_the_same_rules(models, prompts, kind):
     results = speculative(target, head, tree.num_steps, full, max_new_tokens, None, tree)
     assert [r.token_ids for r in results] == plain(target, full, max_new_tokens, None)
     assert results[0].num_tokens == max_new_tokens
-    with pytest.raises(engine_lib.InputError, match="more than max_length=64"):
+    with pytest.raises(config_lib.InputError, match="more than max_length=64"):
         speculative(target, head, tree.num_steps, full, max_new_tokens + 1, None, tree)

@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 
 from eagle_jax.model import attention_ops
+from eagle_jax.serve import config as config_lib
 from eagle_jax.serve import engine as engine_lib
 from eagle_jax.model import kv_cache as kv_cache_lib
 from eagle_jax.decode import speculative
@@ -162,9 +163,9 @@ def run_tree(target, prompts, make_head):  # noqa: F811
 
     @functools.cache
     def generate(kind: str, topk: int, num_steps: int, num_draft_tokens: int, batch_size: int):
-        engine = engine_lib.Engine(target, make_head(kind), tree=tree_lib.TreeOptions(topk, num_steps, num_draft_tokens),
-                                   max_length=64, batch_size=batch_size)
-        return engine.generate(prompts, max_new_tokens=MAX_NEW, ignore_eos=True, steps_per_call=4)
+        engine = engine_lib.Engine(target, make_head(kind), config=config_lib.EngineConfig(steps_per_call=4, tree=tree_lib.TreeOptions(topk, num_steps, num_draft_tokens),
+                                   max_length=64, batch_size=batch_size))
+        return engine.generate(prompts, max_new_tokens=MAX_NEW, ignore_eos=True)
 
     return generate
 
@@ -205,8 +206,8 @@ def test_trees_draft_the_same_with_two_stage_top_k(target, make_head, prompts, r
     stages. Same drafts, so the same tokens accepted at each step, as with one `lax.top_k` (the
     default chunk, 1,024, holds the whole vocabulary: `run_tree`'s run of the same case)."""
     monkeypatch.setattr(tree_lib, "TOP_K_CHUNK", 8)
-    engine = engine_lib.Engine(target, make_head("eagle3-random"), tree=tree_lib.TreeOptions(4, 2, 5), max_length=64)
-    split = engine.generate(prompts, max_new_tokens=MAX_NEW, ignore_eos=True, steps_per_call=4)
+    engine = engine_lib.Engine(target, make_head("eagle3-random"), config=config_lib.EngineConfig(steps_per_call=4, tree=tree_lib.TreeOptions(4, 2, 5), max_length=64))
+    split = engine.generate(prompts, max_new_tokens=MAX_NEW, ignore_eos=True)
     whole = run_tree("eagle3-random", 4, 2, 5, 1)  # draft ids mapped to target ids
     assert [r.token_ids for r in split] == [r.token_ids for r in whole] == reference
     assert [r.stats for r in split] == [r.stats for r in whole]
@@ -215,9 +216,9 @@ def test_trees_draft_the_same_with_two_stage_top_k(target, make_head, prompts, r
 
 @pytest.mark.parametrize("kind, num_steps, batch_size", [("eagle-noisy", 3, 2), ("eagle3-biased", 4, 1)])
 def test_a_tree_of_topk_1_is_the_chain(target, prompts, make_head, run_tree, kind, num_steps, batch_size):  # noqa: F811
-    chain = engine_lib.Engine(target, make_head(kind), num_speculative_tokens=num_steps, max_length=64,
-                              batch_size=batch_size)
-    expected = chain.generate(prompts, max_new_tokens=MAX_NEW, ignore_eos=True, steps_per_call=4)
+    chain = engine_lib.Engine(target, make_head(kind), config=config_lib.EngineConfig(steps_per_call=4, num_speculative_tokens=num_steps, max_length=64,
+                              batch_size=batch_size))
+    expected = chain.generate(prompts, max_new_tokens=MAX_NEW, ignore_eos=True)
     results = run_tree(kind, 1, num_steps, num_steps, batch_size)
     assert [r.token_ids for r in results] == [r.token_ids for r in expected]
     assert [r.stats for r in results] == [r.stats for r in expected]
@@ -377,23 +378,23 @@ def test_a_step_writes_within_its_headroom(target, make_head, settings):  # noqa
 
 
 def test_nothing_recompiles_across_prompts(target, make_head, xla_compilations):  # noqa: F811
-    engine = engine_lib.Engine(target, make_head("eagle3-biased"), tree=tree_lib.TreeOptions(3, 3, 6), max_length=64)
+    engine = engine_lib.Engine(target, make_head("eagle3-biased"), config=config_lib.EngineConfig(steps_per_call=3, tree=tree_lib.TreeOptions(3, 3, 6), max_length=64))
     prompt = lambda length: np.random.default_rng(length).integers(0, 101, length).tolist()
     with xla_compilations() as compiled:
-        engine.generate([prompt(5)], max_new_tokens=MAX_NEW, ignore_eos=True, steps_per_call=3)
+        engine.generate([prompt(5)], max_new_tokens=MAX_NEW, ignore_eos=True)
     assert engine.num_compilations == 2 and len(compiled) >= 2, compiled
     with xla_compilations() as compiled:
         for length in (3, 8, 11):  # the same 16-wide prefill and 32-slot cache (11 + 12 + 7 <= 32)
-            [result] = engine.generate([prompt(length)], max_new_tokens=MAX_NEW, ignore_eos=True, steps_per_call=3)
+            [result] = engine.generate([prompt(length)], max_new_tokens=MAX_NEW, ignore_eos=True)
             assert len(result.token_ids) == MAX_NEW
     assert engine.num_compilations == 2
     assert compiled == []
 
 
 def test_continuous_batching_runs_trees(target, prompts, make_head, reference):  # noqa: F811
-    engine = engine_lib.Engine(target, make_head("eagle-bias"), tree=tree_lib.TreeOptions(2, 3, 5), max_length=64,
-                               batch_size=2, scheduler="continuous")
-    results = engine.generate(prompts, max_new_tokens=MAX_NEW, ignore_eos=True, steps_per_call=3)
+    engine = engine_lib.Engine(target, make_head("eagle-bias"), config=config_lib.EngineConfig(steps_per_call=3, tree=tree_lib.TreeOptions(2, 3, 5), max_length=64,
+                               batch_size=2, scheduler="continuous"))
+    results = engine.generate(prompts, max_new_tokens=MAX_NEW, ignore_eos=True)
     assert [r.token_ids for r in results] == reference
 
 
@@ -404,10 +405,9 @@ def test_tree_speculation_resumes_with_the_draft_state_it_would_have_had(target,
     trees again. Its acceptance, depth by depth, must be what rebuilding every tree from scratch
     gives after SHORT - 1 plain steps, and its tokens plain greedy decoding's."""
     short, tree = 5, tree_lib.TreeOptions(2, 3, 5)
-    engine = engine_lib.Engine(target, make_head("eagle-bias"), tree=tree, max_length=64, batch_size=2,
-                               scheduler="continuous", speculative_disable_by_batch_size=1)
-    plain, speculated = engine.generate([prompts[2], prompts[1]], max_new_tokens=[short, MAX_NEW], ignore_eos=True,
-                                        steps_per_call=3)
+    engine = engine_lib.Engine(target, make_head("eagle-bias"), config=config_lib.EngineConfig(steps_per_call=3, tree=tree, max_length=64, batch_size=2,
+                               scheduler="continuous", speculative_disable_by_batch_size=1))
+    plain, speculated = engine.generate([prompts[2], prompts[1]], max_new_tokens=[short, MAX_NEW], ignore_eos=True)
     assert [plain.token_ids, speculated.token_ids] == [reference[2][:short], reference[1]]
     assert plain.stats["num_drafts"] == 0 and plain.stats["num_accepted_tokens"] == 0
     steps, accepted = tree_reference_stats(target, make_head("eagle-bias"), prompts[1], reference[1], tree,
@@ -420,14 +420,14 @@ def test_tree_speculation_resumes_with_the_draft_state_it_would_have_had(target,
 
 def test_tree_settings_are_checked(target, make_head):  # noqa: F811
     tree = tree_lib.TreeOptions(2, 2, 3)
-    with pytest.raises(engine_lib.InputError, match="exclude each other"):
-        engine_lib.Engine(target, make_head("eagle-agree"), num_speculative_tokens=2, tree=tree)
-    with pytest.raises(engine_lib.InputError, match="needs a draft head"):
-        engine_lib.Engine(target, tree=tree)
+    with pytest.raises(config_lib.InputError, match="exclude each other"):
+        engine_lib.Engine(target, make_head("eagle-agree"), config=config_lib.EngineConfig(num_speculative_tokens=2, tree=tree))
+    with pytest.raises(config_lib.InputError, match="needs a draft head"):
+        engine_lib.Engine(target, config=config_lib.EngineConfig(tree=tree))
     with pytest.raises(ValueError, match="with a tree, k must be its depth 2, got 3"):
         speculative.Options(k=3, tree=tree)  # the decode state's shapes follow k
-    engine = engine_lib.Engine(target, make_head("eagle-agree"), tree=tree, max_length=32)
+    engine = engine_lib.Engine(target, make_head("eagle-agree"), config=config_lib.EngineConfig(tree=tree, max_length=32))
     assert engine.headroom == 4  # the verify's N + 1 nodes
-    with pytest.raises(engine_lib.InputError, match=r"prompt 0 has 17 tokens; with 12 new tokens and a 4-slot tree "
+    with pytest.raises(config_lib.InputError, match=r"prompt 0 has 17 tokens; with 12 new tokens and a 4-slot tree "
                                                     r"step it needs 33 cache slots, more than max_length=32"):
         engine.generate([[1] * 17], max_new_tokens=MAX_NEW)

@@ -60,7 +60,7 @@ def test_every_layer_moves_in_one_triton_call():
 
 
 def test_every_store_waits_for_all_loads_of_its_buffer():
-    """The race lease 24's GPU check found (entries lost at 7 and 32 path entries): a warp storing
+    """The race an H200 check found (entries lost at 7 and 32 path entries): a warp storing
     an entry onto a slot another warp has yet to read. Interpret mode runs in order and cannot show
     it, so this checks the kernel the GPU gets: in each buffer, load, barrier, then store."""
     count = 3

@@ -18,6 +18,7 @@ from jax import export
 from eagle_jax.model import attention_ops
 from eagle_jax.model import config as config_lib
 from eagle_jax.model import eagle
+from eagle_jax.serve import config as engine_config
 from eagle_jax.serve import engine as engine_lib
 from eagle_jax.model import layers
 from eagle_jax.serve import scheduler as scheduler_lib
@@ -233,12 +234,13 @@ def test_decoder_layer_lowers_to_five_triton_calls_writing_the_cache_in_place(mo
                                  num_kv_heads=3, head_dim=64, rope_theta=100000.0)
     layer = nnx.eval_shape(lambda: layers.DecoderLayer(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16,
                                                        param_dtype=jnp.bfloat16))
-    graphdef, params = nnx.split(layers.with_decode_kernels(layer, setting, tiling))
+    graphdef, params = nnx.split(layer)
     cache = jax.ShapeDtypeStruct((1, 1024, 3, 64), jnp.bfloat16)
 
     def step(params, x, keys, values):
         positions = jnp.full((1, 1), 512, jnp.int32)
-        return nnx.merge(graphdef, params)(x, positions, keys, values, attend_length=768)
+        return nnx.merge(graphdef, params)(x, positions, keys, values, attend_length=768,
+                                           kernels=layers.Kernels(setting, tiling))
 
     x = jax.ShapeDtypeStruct((1, 1, 576), jnp.bfloat16)
     lowered = export.export(jax.jit(step, donate_argnums=(2, 3)), platforms=["cuda"],
@@ -330,14 +332,15 @@ def test_a_tree_verify_takes_the_attention_kernel_given_its_ancestors(random_tar
     """A tree's SlotMask with `among_new` runs the attention kernel between the four linears (at
     one row, split over the cache: two calls), up to a tree of 16 drafted nodes and its root (17
     rows: one block of 32); a mask without it (any other layout of slots) keeps XLA's attention."""
-    target = layers.with_decode_kernels(random_target(num_layers=1), "pallas")
+    target = random_target(num_layers=1)
     cache = target.init_cache(1, 32)
     depths, ancestors = (jnp.asarray(a) for a in random_trees(1, nodes, seed=nodes))
     start = jnp.array([4], jnp.int32)
     visible = attention_ops.visible_slots(start, ancestors, 32)
     for mask, kernels in ((layers.SlotMask(start, visible, among_new=ancestors), 6),
                           (layers.SlotMask(start, visible), 4)):
-        jaxpr = jax.make_jaxpr(lambda tokens: target(tokens, start[:, None] + depths, cache, mask=mask))(
+        jaxpr = jax.make_jaxpr(lambda tokens: target(tokens, start[:, None] + depths, cache, mask=mask,
+                                                        kernels=layers.Kernels("pallas")))(
             jnp.zeros((1, nodes), jnp.int32))
         assert str(jaxpr).count("pallas_call") == kernels
 
@@ -348,7 +351,6 @@ def test_a_draft_heads_cached_calls_attend_in_the_kernel(random_target, random_h
     attention does; under a tree-drafting mask (no `among_new`) they keep XLA's attention."""
     target = random_target(num_layers=1)
     head = random_head(target.config, "eagle3", draft_vocab_size=50, num_layers=2)
-    fused = layers.with_decode_kernels(head, "pallas")
     cache = eagle.init_cache(head.config, 1, 32, jnp.float32)
     tokens = jnp.asarray([[3, 5, 7]], jnp.int32)
     features = jax.random.normal(jax.random.key(0), (1, 3, head.config.hidden_size))
@@ -356,9 +358,10 @@ def test_a_draft_heads_cached_calls_attend_in_the_kernel(random_target, random_h
     positions = start[:, None] + jnp.arange(3, dtype=jnp.int32)
     chain_mask = layers.SlotMask(start, attention_ops.visible_slots(start, jnp.tril(jnp.ones((1, 3, 3), bool)), 32))
     for mask, kernels in ((None, 8), (chain_mask, 4)):  # a layer: attention split over the cache at one row,
-        call = lambda module: module(tokens, features, positions, cache, target, mask=mask)  # and the MLP's two
-        assert str(jax.make_jaxpr(lambda: call(fused))()).count("pallas_call") == kernels
-        (out, logits, written), (want_out, want_logits, want_written) = call(fused), call(head)
+        call = lambda setting: head(tokens, features, positions, cache, target, mask=mask,  # and the MLP's two
+                                    kernels=layers.Kernels(setting))
+        assert str(jax.make_jaxpr(lambda: call("pallas"))()).count("pallas_call") == kernels
+        (out, logits, written), (want_out, want_logits, want_written) = call("pallas"), call("xla")
         np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=2e-5, atol=2e-5)
         np.testing.assert_allclose(np.asarray(logits), np.asarray(want_logits), rtol=2e-5, atol=2e-5)
         for got, want in zip(written.keys + written.values, want_written.keys + want_written.values):
@@ -373,15 +376,15 @@ def test_a_tree_step_verifies_through_the_kernel(aligned_target, agreeing_head, 
     attend = decode_attention.attend
     monkeypatch.setattr(decode_attention, "attend", lambda *a, **kw: calls.append(kw) or attend(*a, **kw))
     target = aligned_target(seed=14, num_layers=2)
-    engine = engine_lib.Engine(target, agreeing_head(target.config, 0.3, residual=1.0, seed=1), max_length=32,
-                               tree=tree_lib.TreeOptions(2, 2, 3), decode_kernels="pallas")
+    engine = engine_lib.Engine(target, agreeing_head(target.config, 0.3, residual=1.0, seed=1), config=engine_config.EngineConfig(max_length=32,
+                               tree=tree_lib.TreeOptions(2, 2, 3), decode_kernels="pallas"))
     engine.generate([[3, 5, 7]], max_new_tokens=4, ignore_eos=True)
     trees = [kw["new_visible"].shape for kw in calls if kw.get("new_visible") is not None]
     assert trees == [(1, 4, 4)] * 2  # traced once: two layers, the root and three nodes
 
 
 def test_an_engine_runs_the_attention_tiling_it_is_given(aligned_target, agreeing_head, monkeypatch):
-    """Engine(attention_tiling=...) reaches every target layer's kernel call, and greedy tokens
+    """Engine(engine_config.EngineConfig(attention_tiling=...)) reaches every target layer's kernel call, and greedy tokens
     stay XLA's; a tiling without the Pallas attention kernel to set is refused."""
     tilings = []
     attend = decode_attention.attend
@@ -391,17 +394,17 @@ def test_an_engine_runs_the_attention_tiling_it_is_given(aligned_target, agreein
     tiling = decode_attention.Tiling(block_s=16, num_warps=2, splits=3, query_rows=None)
     tokens = {}
     for setting, given in (("xla", None), ("pallas", tiling)):
-        engine = engine_lib.Engine(target, head, num_speculative_tokens=3, max_length=48, decode_kernels=setting,
-                                   attention_tiling=given)
+        engine = engine_lib.Engine(target, head, config=engine_config.EngineConfig(num_speculative_tokens=3, max_length=48, decode_kernels=setting,
+                                   attention_tiling=given))
         tokens[setting] = [r.token_ids for r in engine.generate([[3, 5, 7, 9]], max_new_tokens=10, ignore_eos=True)]
-    assert engine.attention_tiling == tiling
+    assert engine.kernels.attention_tiling == tiling
     assert len(tilings) >= 2 and set(tilings) == {tiling}  # traced: the decode and verify calls of both layers
     assert tokens["pallas"] == tokens["xla"]
     for setting in ("xla", "pallas_linear"):
-        with pytest.raises(engine_lib.InputError, match="attention_tiling"):
-            engine_lib.Engine(target, head, num_speculative_tokens=3, decode_kernels=setting, attention_tiling=tiling)
+        with pytest.raises(engine_config.InputError, match="attention_tiling"):
+            engine_lib.Engine(target, head, config=engine_config.EngineConfig(num_speculative_tokens=3, decode_kernels=setting, attention_tiling=tiling))
     with pytest.raises(ValueError, match="attention tiling"):
-        layers.with_decode_kernels(target, "pallas_linear", tiling)
+        layers.Kernels("pallas_linear", tiling)
 
 
 def test_continuous_batching_gives_the_same_tokens(aligned_target, agreeing_head, monkeypatch):
@@ -415,9 +418,9 @@ def test_continuous_batching_gives_the_same_tokens(aligned_target, agreeing_head
     prompts = [np.random.default_rng(length).integers(0, 101, length).tolist() for length in (3, 4, 9)]
     tokens = {}
     for setting in ("xla", "pallas"):
-        engine = engine_lib.Engine(target, head, num_speculative_tokens=3, max_length=32, batch_size=2,
-                                   scheduler="continuous", decode_kernels=setting)
-        results = engine.generate(prompts, max_new_tokens=[8, 6, 12], ignore_eos=True, steps_per_call=2)
+        engine = engine_lib.Engine(target, head, config=engine_config.EngineConfig(steps_per_call=2, num_speculative_tokens=3, max_length=32, batch_size=2,
+                                   scheduler="continuous", decode_kernels=setting))
+        results = engine.generate(prompts, max_new_tokens=[8, 6, 12], ignore_eos=True)
         tokens[setting] = [r.token_ids for r in results]
     assert tokens["pallas"] == tokens["xla"]
     assert set(chosen) == {16, 32}

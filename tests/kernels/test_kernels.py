@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 from jax import export
 
+from eagle_jax.serve import config as config_lib
 from eagle_jax.serve import engine as engine_lib
 from eagle_jax.model import layers
 from eagle_jax.decode import tree as tree_lib
@@ -107,37 +108,36 @@ def test_only_small_bias_free_inputs_use_the_kernels(random_target):
     assert not layers.uses_decode_kernels("pallas", decode, biased.self_attn.qkv_proj)
 
 
-def test_with_decode_kernels_copies_and_shares_weights(random_target):
+def test_kernel_settings_are_checked(random_target):
     target = random_target(num_layers=2)
-    fused = layers.with_decode_kernels(target, "pallas")
-    assert [layer.decode_kernels for layer in fused.layers] == ["pallas"] * 2
-    assert [layer.decode_kernels for layer in target.layers] == ["xla"] * 2
-    assert fused.layers[1].mlp.down_proj.kernel[...] is target.layers[1].mlp.down_proj.kernel[...]
+    assert layers.Kernels() == layers.XLA and layers.XLA.decode_kernels == "xla"
     with pytest.raises(ValueError, match="decode_kernels"):
-        layers.with_decode_kernels(target, "triton")
-    with pytest.raises(engine_lib.InputError, match="decode_kernels"):
-        engine_lib.Engine(target, decode_kernels="cuda")
+        layers.Kernels("triton")
+    with pytest.raises(config_lib.InputError, match="decode_kernels"):
+        engine_lib.Engine(target, config=config_lib.EngineConfig(decode_kernels="cuda"))
 
 
 def test_auto_picks_pallas_only_where_it_measured_faster(random_target):
-    choose = engine_lib.choose_decode_kernels
-    assert choose("gpu", mesh=None) == "pallas"  # plain, chains and trees (batch 1), as measured
-    assert choose("gpu", mesh=object()) == "xla"  # one device only
-    assert choose("cpu", mesh=None) == "xla"  # interpret mode is slow
+    choose = config_lib.choose_decode_kernels
+    assert choose("gpu", 1) == "pallas"  # plain, chains and trees (batch 1), as measured
+    assert choose("gpu", 2) == "xla"  # one device only
+    assert choose("cpu", 1) == "xla"  # interpret mode is slow
     target = random_target(num_layers=1)
-    assert engine_lib.Engine(target).decode_kernels == "xla"  # this CPU
-    assert engine_lib.Engine(target, decode_kernels="pallas").decode_kernels == "pallas"
+    assert engine_lib.Engine(target).kernels == layers.XLA  # this CPU
+    pallas = engine_lib.Engine(target, config=config_lib.EngineConfig(decode_kernels="pallas"))
+    assert pallas.kernels == layers.Kernels("pallas") and pallas.options().decode_kernels == "pallas"
 
 
 def test_decode_step_runs_the_kernels(random_target):
     target = random_target(num_layers=1)
-    fused = layers.with_decode_kernels(target, "pallas")
+    fused, linear_only = layers.Kernels("pallas"), layers.Kernels("pallas_linear")
 
-    def forward(model, batch, length, start=0):
-        cache = model.init_cache(batch, 64)
+    def forward(kernels, batch, length, start=0):
+        cache = target.init_cache(batch, 64)
         positions = jnp.broadcast_to(start + jnp.arange(length, dtype=jnp.int32), (batch, length))
         tokens = jnp.asarray(np.random.default_rng(batch).integers(0, 100, (batch, length)), jnp.int32)
-        return lambda: model(tokens, positions, cache)[0], jax.make_jaxpr(lambda: model(tokens, positions, cache))()
+        call = lambda: target(tokens, positions, cache, kernels=kernels)
+        return lambda: call()[0], jax.make_jaxpr(call)()
 
     # norm + qkv, attention (up to 8 rows split over the cache: two calls), o_proj, norm + gate_up, down_proj
     assert str(forward(fused, 1, 4)[1]).count("pallas_call") == 6
@@ -148,12 +148,11 @@ def test_decode_step_runs_the_kernels(random_target):
     # between XLA's matmuls, computing what XLA's attention does.
     run, jaxpr = forward(fused, 40, 1, start=5)
     assert str(jaxpr).count("pallas_call") == 1
-    np.testing.assert_allclose(run(), forward(target, 40, 1, start=5)[0](), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(run(), forward(layers.XLA, 40, 1, start=5)[0](), rtol=2e-5, atol=2e-5)
     # "pallas_linear": the four fused linears around XLA's attention, none in a batched step.
-    linear_only = layers.with_decode_kernels(target, "pallas_linear")
     run, jaxpr = forward(linear_only, 1, 4, start=3)
     assert str(jaxpr).count("pallas_call") == 4
-    np.testing.assert_allclose(run(), forward(target, 1, 4, start=3)[0](), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(run(), forward(layers.XLA, 1, 4, start=3)[0](), rtol=2e-5, atol=2e-5)
     assert "pallas_call" not in str(forward(linear_only, 40, 1, start=5)[1])
 
 
@@ -178,10 +177,10 @@ def tokens_by_setting(aligned_target, agreeing_head, random_head, tmp_path_facto
         # "pallas_linear" differs from "pallas" in the target's attention only (the heads' MLP kernels
         # are the same in both): plain and one head cover it.
         for method, head, k in runs if setting != "pallas_linear" else runs[:2]:
-            engine = engine_lib.Engine(target, head, num_speculative_tokens=k, max_length=64, batch_size=2,
+            engine = engine_lib.Engine(target, head, config=config_lib.EngineConfig(steps_per_call=4, num_speculative_tokens=k, max_length=64, batch_size=2,
                                        cache_dir=cache_dir, decode_kernels=setting,
-                                       tree=tree if method.endswith("tree") else None)
-            results = engine.generate(prompts, max_new_tokens=8, ignore_eos=True, steps_per_call=4)
+                                       tree=tree if method.endswith("tree") else None))
+            results = engine.generate(prompts, max_new_tokens=8, ignore_eos=True)
             out[setting, method] = ([r.token_ids for r in results], [r.stats["num_accepted_tokens"] for r in results],
                                     engine.compile_cache.hits)
     return out
@@ -301,7 +300,7 @@ def test_kernel_bench_sweeps_query_rows(tmp_path, tiny_hf_config):
     assert [(r["implementation"], r["tokens"]) for r in trees] == [("xla", 17), ("pallas", 17)] * 2
     depths, ancestors = bench.heap_tree(7)
     assert depths.tolist() == [0, 1, 1, 2, 2, 2, 2] and ancestors[6].tolist() == [True, False, True] + [False] * 3 + [True]
-    # 64 rows: the attention kernel takes them (lease 18's sweep was refused); the fused linears do not.
+    # 64 rows: the attention kernel takes them; the fused linears do not.
     assert bench.parse_args(["--ops", "decode_attention", "--rows", "16,64"]).rows == [16, 64]
     with pytest.raises(SystemExit):
         bench.parse_args(["--ops", "decode_attention,norm_linear", "--rows", "64"])

@@ -9,6 +9,7 @@ import pytest
 import torch
 from flax import nnx
 
+from eagle_jax.serve import config as config_lib
 from eagle_jax.serve import engine as engine_lib
 from eagle_jax.io import models
 
@@ -140,7 +141,7 @@ MAX_NEW = 12
 def test_greedy_generation_matches_hf_batch_1(greedy_model):
     torch_model, model = greedy_model
     prompt = np.random.default_rng(7).integers(0, 101, 9).tolist()
-    [result] = engine_lib.Engine(model, max_length=64).generate([prompt], max_new_tokens=MAX_NEW, ignore_eos=True)
+    [result] = engine_lib.Engine(model, config=config_lib.EngineConfig(max_length=64)).generate([prompt], max_new_tokens=MAX_NEW, ignore_eos=True)
     expected = hf_greedy(torch_model, prompt, MAX_NEW)
     assert len(set(expected)) > 2  # a non-degenerate continuation
     assert result.token_ids == expected
@@ -151,6 +152,6 @@ def test_greedy_generation_matches_hf_batched_with_padding_rows(greedy_model):
     torch_model, model = greedy_model
     rng = np.random.default_rng(8)
     prompts = [rng.integers(0, 101, length).tolist() for length in (3, 11, 7)]
-    results = engine_lib.Engine(model, max_length=64, batch_size=2).generate(
-        prompts, max_new_tokens=MAX_NEW, ignore_eos=True, steps_per_call=5)
+    results = engine_lib.Engine(model, config=config_lib.EngineConfig(steps_per_call=5, max_length=64, batch_size=2)).generate(
+        prompts, max_new_tokens=MAX_NEW, ignore_eos=True)
     assert [r.token_ids for r in results] == [hf_greedy(torch_model, p, MAX_NEW) for p in prompts]

@@ -5,6 +5,8 @@ import collections
 import numpy as np
 import pytest
 
+from eagle_jax.serve import config as config_lib
+from eagle_jax.serve import inputs
 from eagle_jax.serve import engine as engine_lib
 from eagle_jax.decode import sampling as sampling_lib
 
@@ -18,7 +20,7 @@ def target(random_target):
 
 @pytest.fixture(scope="module")
 def engine(target):
-    return engine_lib.Engine(target, max_length=64)
+    return engine_lib.Engine(target, config=config_lib.EngineConfig(max_length=64))
 
 
 def prompt(length: int, seed: int = 0) -> list[int]:
@@ -33,7 +35,7 @@ def prompt(length: int, seed: int = 0) -> list[int]:
     ([[1, 2], [3, 4]], "non-empty 1-D"),
 ])
 def test_bad_token_ids(engine, ids, message):
-    with pytest.raises(engine_lib.InputError, match=message):
+    with pytest.raises(config_lib.InputError, match=message):
         engine.generate([ids], max_new_tokens=MAX_NEW)
 
 
@@ -46,24 +48,24 @@ def test_bad_token_ids(engine, ids, message):
 ])
 def test_ids_that_int32_would_wrap_are_refused(engine, ids, bad):
     """The int64 -> int32 wrap (vLLM's gibberish bug): such ids are refused with their true value, never cast."""
-    with pytest.raises(engine_lib.InputError, match=f"token id {bad} is outside the vocabulary"):
+    with pytest.raises(config_lib.InputError, match=f"token id {bad} is outside the vocabulary"):
         engine.generate([ids], max_new_tokens=MAX_NEW)
-    with pytest.raises(engine_lib.InputError, match=f"token id {bad} is outside"):
-        engine_lib.as_token_ids(ids, 101)
+    with pytest.raises(config_lib.InputError, match=f"token id {bad} is outside"):
+        inputs.as_token_ids(ids, 101)
 
 
 def test_prompt_too_long_for_max_length(engine):
-    with pytest.raises(engine_lib.InputError, match=r"prompt 1 has 60 tokens.*more than max_length=64"):
+    with pytest.raises(config_lib.InputError, match=r"prompt 1 has 60 tokens.*more than max_length=64"):
         engine.generate([prompt(3), prompt(60)], max_new_tokens=MAX_NEW)
 
 
 def test_bad_settings(target, engine):
-    with pytest.raises(engine_lib.InputError, match="max_new_tokens must be >= 1"):
+    with pytest.raises(config_lib.InputError, match="max_new_tokens must be >= 1"):
         engine.generate([prompt(3)], max_new_tokens=0)
-    with pytest.raises(engine_lib.InputError, match="num_speculative_tokens must be >= 0"):
-        engine_lib.Engine(target, num_speculative_tokens=-1)
-    with pytest.raises(engine_lib.InputError, match="needs a draft head"):
-        engine_lib.Engine(target, num_speculative_tokens=2)
+    with pytest.raises(config_lib.InputError, match="num_speculative_tokens must be an integer >= 0, got -1"):
+        engine_lib.Engine(target, config=config_lib.EngineConfig(num_speculative_tokens=-1))
+    with pytest.raises(config_lib.InputError, match="needs a draft head"):
+        engine_lib.Engine(target, config=config_lib.EngineConfig(num_speculative_tokens=2))
 
 
 def test_int64_ids_give_the_same_output_as_int32(engine):
@@ -76,23 +78,23 @@ def test_int64_ids_give_the_same_output_as_int32(engine):
 def test_compile_count_stays_flat_within_buckets(target, xla_compilations):
     # A fresh engine (no persistent cache: every program it needs is compiled, and counted there).
     # Prompts of 17..23 tokens share the 32-wide prefill bucket and (+ 8 new + 1) the 32-slot cache.
-    engine = engine_lib.Engine(target, max_length=64)
+    engine = engine_lib.Engine(target, config=config_lib.EngineConfig(steps_per_call=3, max_length=64))
     with xla_compilations() as compiled:
-        engine.generate([prompt(23, seed=2)], max_new_tokens=MAX_NEW, ignore_eos=True, steps_per_call=3)
+        engine.generate([prompt(23, seed=2)], max_new_tokens=MAX_NEW, ignore_eos=True)
     assert engine.num_compilations == 2  # prefill and decode
     assert len(compiled) >= 2, compiled  # the listener sees compilations
     with xla_compilations() as compiled:
         for length in (17, 19, 21, 22):
             # steps_per_call=3 with 8 new tokens: several dispatches of the same program per prompt.
-            [result] = engine.generate([prompt(length, seed=length)], max_new_tokens=MAX_NEW, ignore_eos=True,
-                                       steps_per_call=3)
+            [result] = engine.generate([prompt(length, seed=length)], max_new_tokens=MAX_NEW, ignore_eos=True)
             assert len(result.token_ids) == MAX_NEW
     # Nothing compiles again: not the engine's programs, nor anything else on the host path.
     assert engine.num_compilations == 2
     assert compiled == []
 
 
-def test_streaming_receives_exactly_the_result(engine):
+def test_streaming_receives_exactly_the_result(target):
+    engine = engine_lib.Engine(target, config=config_lib.EngineConfig(max_length=64, steps_per_call=3))
     prompts = [prompt(9, seed=3), prompt(12, seed=4)]
     streamed = collections.defaultdict(list)
     calls = []
@@ -101,14 +103,14 @@ def test_streaming_receives_exactly_the_result(engine):
         calls.append(index)
         streamed[index] += ids
 
-    results = engine.generate(prompts, max_new_tokens=MAX_NEW, ignore_eos=True, steps_per_call=3, on_tokens=on_tokens)
+    results = engine.generate(prompts, max_new_tokens=MAX_NEW, ignore_eos=True, on_tokens=on_tokens)
     assert [streamed[0], streamed[1]] == [r.token_ids for r in results]
     assert calls.count(0) > 1 and calls.count(1) > 1  # tokens arrived in pieces, not once at the end
 
 
 def test_eos_stops_a_row(target):
     """Two rows in one batch: the row that produces the EOS token stops there, the other runs on."""
-    engine = engine_lib.Engine(target, max_length=64, batch_size=2)
+    engine = engine_lib.Engine(target, config=config_lib.EngineConfig(max_length=64, batch_size=2))
     prompts = [prompt(10, seed=5), prompt(12, seed=6)]
     free = [r.token_ids for r in engine.generate(prompts, max_new_tokens=MAX_NEW, ignore_eos=True)]
     stop = next(token for token in free[0][1:] if token not in free[1])
@@ -132,9 +134,9 @@ def test_sampling_is_reproducible_for_a_seed(engine):
 def test_request_times_follow_the_batches(target):
     """Times count from the call's start: a static batch's rows share the first token (prefill
     emits it), each row finishes at or after it, and the next batch starts after the last finish."""
-    engine = engine_lib.Engine(target, max_length=64, batch_size=2)
+    engine = engine_lib.Engine(target, config=config_lib.EngineConfig(steps_per_call=2, max_length=64, batch_size=2))
     results = engine.generate([prompt(5, seed=7), prompt(9, seed=8), prompt(4, seed=9)], max_new_tokens=MAX_NEW,
-                              ignore_eos=True, steps_per_call=2)
+                              ignore_eos=True)
     first, second, third = results
     assert first.first_token_seconds == second.first_token_seconds > 0
     assert all(r.finish_seconds >= r.first_token_seconds for r in results)

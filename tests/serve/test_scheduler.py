@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from eagle_jax.serve import config as config_lib
+from eagle_jax.serve import inputs
 from eagle_jax.serve import engine as engine_lib
 from eagle_jax.decode import sampling as sampling_lib
 from eagle_jax.serve import scheduler as scheduler_lib
@@ -27,7 +29,7 @@ SLOTS = 3
 # Slot programs: one prefill and one insert per width bucket (16 and 32 here), one building the
 # idle slots, and one run per attention length (16, 32 and 64 slots here: a quarter, half and all
 # of the cache).
-WIDTHS = sorted({engine_lib.bucket_length(n, MAX_LENGTH // 2) for n in range(1, MAX_LENGTH // 2 + 1)})
+WIDTHS = sorted({inputs.bucket_length(n, MAX_LENGTH // 2) for n in range(1, MAX_LENGTH // 2 + 1)})
 SLOT_PROGRAMS = 2 * len(WIDTHS) + 1 + 3
 DRAFT_VOCAB = 64
 K = {"plain": 0, "eagle": 3, "eagle3": 4}
@@ -46,7 +48,7 @@ def prompts(random_prompts):
 def static_results(target, head, k, prompts, budgets, eos_ids):
     """Each prompt alone: plain `Engine.generate`, batch 1 (with the slots' shapes, so even the
     drafts, which greedy outputs do not depend on, must match)."""
-    engine = engine_lib.Engine(target, head, num_speculative_tokens=k, max_length=MAX_LENGTH, fixed_shapes=True)
+    engine = engine_lib.Engine(target, head, config=config_lib.EngineConfig(num_speculative_tokens=k, max_length=MAX_LENGTH, fixed_shapes=True))
     return [engine.generate([p], max_new_tokens=b, eos_ids=eos_ids)[0] for p, b in zip(prompts, budgets)]
 
 
@@ -87,14 +89,14 @@ def test_continuous_equals_batch_one(target, prompts, heads, eos_id, reference, 
     # The test is only interesting if rows end at different steps, some by EOS, some by budget.
     assert len(set(lengths)) >= 4, lengths
     assert any(t[-1] == eos_id for t in expected) and any(len(t) == b for t, b in zip(expected, BUDGETS)), expected
-    engine = engine_lib.Engine(target, heads[kind], num_speculative_tokens=K[kind], max_length=MAX_LENGTH,
-                               batch_size=SLOTS, scheduler="continuous")
+    engine = engine_lib.Engine(target, heads[kind], config=config_lib.EngineConfig(
+        num_speculative_tokens=K[kind], max_length=MAX_LENGTH, batch_size=SLOTS, scheduler="continuous", steps_per_call=2))
     streamed = collections.defaultdict(list)
 
     def on_tokens(index, ids):
         streamed[index] += ids
 
-    results = engine.generate(prompts, max_new_tokens=list(BUDGETS), eos_ids=[eos_id], steps_per_call=2,
+    results = engine.generate(prompts, max_new_tokens=list(BUDGETS), eos_ids=[eos_id],
                               on_tokens=on_tokens)
     assert [r.token_ids for r in results] == expected
     # Greedy outputs are lossless whatever the drafts; equal statistics show that the draft
@@ -105,8 +107,7 @@ def test_continuous_equals_batch_one(target, prompts, heads, eos_id, reference, 
     # compile nothing, nor does a second call with other budgets.
     assert SLOT_PROGRAMS == 8 and engine.num_compilations == SLOT_PROGRAMS
     with xla_compilations() as compiled:
-        again = engine.generate(prompts[::-1], max_new_tokens=list(BUDGETS[::-1]), eos_ids=[eos_id],
-                                steps_per_call=2)
+        again = engine.generate(prompts[::-1], max_new_tokens=list(BUDGETS[::-1]), eos_ids=[eos_id])
     assert [r.token_ids for r in again] == expected[::-1]
     assert engine.num_compilations == SLOT_PROGRAMS
     assert compiled == []  # nor anything else on the host path
@@ -127,9 +128,9 @@ def test_continuous_equals_batch_one(target, prompts, heads, eos_id, reference, 
 def test_speculation_pauses_while_the_slots_are_full(target, prompts, heads, eos_id, reference, kind):
     """Speculation off while all three slots are busy (`speculative_disable_by_batch_size=2`), on in
     the tail as the queue drains: outputs stay plain greedy's, and the one step program serves both."""
-    engine = engine_lib.Engine(target, heads[kind], num_speculative_tokens=K[kind], max_length=MAX_LENGTH,
-                               batch_size=SLOTS, scheduler="continuous", speculative_disable_by_batch_size=SLOTS - 1)
-    results = engine.generate(prompts, max_new_tokens=list(BUDGETS), eos_ids=[eos_id], steps_per_call=2)
+    engine = engine_lib.Engine(target, heads[kind], config=config_lib.EngineConfig(steps_per_call=2, num_speculative_tokens=K[kind], max_length=MAX_LENGTH,
+                               batch_size=SLOTS, scheduler="continuous", speculative_disable_by_batch_size=SLOTS - 1))
+    results = engine.generate(prompts, max_new_tokens=list(BUDGETS), eos_ids=[eos_id])
     assert [r.token_ids for r in results] == [r.token_ids for r in reference("plain")]
     # Tokens = 1 + drafting steps + accepted drafts + plain steps (one fewer if the last step was
     # cut): the remainder is a lower bound on the plain steps.
@@ -160,9 +161,9 @@ def slot_programs(target, heads, eos_id):
     (an EAGLE-2 tree with the same head), greedy, stopping at eos_id; compiled once per kind."""
     def compile(kind):
         drafting = dict(tree=tree_lib.TreeOptions(2, 3, 5)) if kind == "tree" else dict(num_speculative_tokens=K[kind])
-        engine = engine_lib.Engine(target, heads["eagle"], max_length=MAX_LENGTH, batch_size=SLOTS,
-                                   scheduler="continuous", **drafting)
-        return engine.slot_programs(sampling_lib.Sampling(), (eos_id,), steps_per_call=2)
+        engine = engine_lib.Engine(target, heads["eagle"], config=config_lib.EngineConfig(steps_per_call=2, max_length=MAX_LENGTH, batch_size=SLOTS,
+                                   scheduler="continuous", **drafting))
+        return engine.slot_programs(sampling_lib.Sampling(), (eos_id,))
 
     return functools.cache(compile)
 
@@ -211,9 +212,8 @@ def test_one_slot_and_idle_slots(target, prompts, eos_id, reference):
     """
     expected = [r.token_ids for r in reference("plain")]
     for slots, count in ((1, 3), (5, 2)):
-        engine = engine_lib.Engine(target, max_length=MAX_LENGTH, batch_size=slots, scheduler="continuous")
-        results = engine.generate(prompts[:count], max_new_tokens=list(BUDGETS[:count]), eos_ids=[eos_id],
-                                  steps_per_call=2)
+        engine = engine_lib.Engine(target, config=config_lib.EngineConfig(steps_per_call=2, max_length=MAX_LENGTH, batch_size=slots, scheduler="continuous"))
+        results = engine.generate(prompts[:count], max_new_tokens=list(BUDGETS[:count]), eos_ids=[eos_id])
         assert [r.token_ids for r in results] == expected[:count]
         assert all(0 < r.first_token_seconds <= r.finish_seconds for r in results)
         if slots == 1:
@@ -224,21 +224,21 @@ def test_one_slot_and_idle_slots(target, prompts, eos_id, reference):
 
 
 def test_input_errors(target):
-    engine = engine_lib.Engine(target, max_length=MAX_LENGTH, batch_size=2, scheduler="continuous")
-    with pytest.raises(engine_lib.InputError, match="takes up to max_length // 2 = 32"):
+    engine = engine_lib.Engine(target, config=config_lib.EngineConfig(max_length=MAX_LENGTH, batch_size=2, scheduler="continuous"))
+    with pytest.raises(config_lib.InputError, match="takes up to max_length // 2 = 32"):
         engine.generate([[1] * 33], max_new_tokens=4)
-    with pytest.raises(engine_lib.InputError, match="2 max_new_tokens values for 1 prompts"):
+    with pytest.raises(config_lib.InputError, match="2 max_new_tokens values for 1 prompts"):
         engine.generate([[1, 2]], max_new_tokens=[3, 4])
-    with pytest.raises(engine_lib.InputError, match="max_new_tokens must be >= 1"):
+    with pytest.raises(config_lib.InputError, match="max_new_tokens must be >= 1"):
         engine.generate([[1, 2], [3]], max_new_tokens=[3, 0])
-    with pytest.raises(engine_lib.InputError, match="needs scheduler='continuous'"):
-        engine_lib.Engine(target, max_length=MAX_LENGTH).generate([[1, 2]], max_new_tokens=[3])
-    with pytest.raises(engine_lib.InputError, match="scheduler must be"):
-        engine_lib.Engine(target, scheduler="dynamic")
+    with pytest.raises(config_lib.InputError, match="needs scheduler='continuous'"):
+        engine_lib.Engine(target, config=config_lib.EngineConfig(max_length=MAX_LENGTH)).generate([[1, 2]], max_new_tokens=[3])
+    with pytest.raises(config_lib.InputError, match="scheduler must be"):
+        engine_lib.Engine(target, config=config_lib.EngineConfig(scheduler="dynamic"))
 
 
 def test_sampling_is_reproducible_for_a_seed(target, prompts):
-    engine = engine_lib.Engine(target, max_length=MAX_LENGTH, batch_size=SLOTS, scheduler="continuous")
+    engine = engine_lib.Engine(target, config=config_lib.EngineConfig(max_length=MAX_LENGTH, batch_size=SLOTS, scheduler="continuous"))
     sampling = sampling_lib.Sampling(temperature=1.0, top_p=0.9)
     runs = [[r.token_ids for r in engine.generate(prompts, max_new_tokens=list(BUDGETS), sampling=sampling,
                                                   seed=seed, ignore_eos=True)] for seed in (7, 7, 8)]
@@ -248,8 +248,8 @@ def test_sampling_is_reproducible_for_a_seed(target, prompts):
 
 
 def test_eager_equals_compiled(target, prompts, eos_id, reference):
-    engine = engine_lib.Engine(target, max_length=MAX_LENGTH, batch_size=2, scheduler="continuous", eager=True)
-    results = engine.generate(prompts[:3], max_new_tokens=list(BUDGETS[:3]), eos_ids=[eos_id], steps_per_call=4)
+    engine = engine_lib.Engine(target, config=config_lib.EngineConfig(steps_per_call=4, max_length=MAX_LENGTH, batch_size=2, scheduler="continuous", eager=True))
+    results = engine.generate(prompts[:3], max_new_tokens=list(BUDGETS[:3]), eos_ids=[eos_id])
     assert engine.num_compilations == 0
     assert [r.token_ids for r in results] == [r.token_ids for r in reference("plain")[:3]]
 
@@ -258,8 +258,8 @@ def test_persistent_cache_holds_the_slot_programs(target, prompts, tmp_path):
     """A second engine on the same cache directory loads prefill, insert and run: it compiles nothing."""
     outputs = []
     for _ in range(2):
-        engine = engine_lib.Engine(target, max_length=MAX_LENGTH, batch_size=SLOTS, scheduler="continuous",
-                                   cache_dir=tmp_path)
+        engine = engine_lib.Engine(target, config=config_lib.EngineConfig(max_length=MAX_LENGTH, batch_size=SLOTS, scheduler="continuous",
+                                   cache_dir=tmp_path))
         outputs.append([r.token_ids for r in engine.generate(prompts[:4], max_new_tokens=list(BUDGETS[:4]))])
     assert engine.num_compilations == 0 and engine.compile_cache.hits == SLOT_PROGRAMS
     assert outputs[0] == outputs[1]
@@ -297,13 +297,17 @@ def test_refills_wait_for_several_rows(target, prompts, eos_id, reference):
     outputs, streaming intact, and the same programs serve both settings (a host-side policy)."""
     expected = [r.token_ids for r in reference("plain")]
     calls = {}
-    engine = engine_lib.Engine(target, max_length=MAX_LENGTH, batch_size=SLOTS, scheduler="continuous",
-                               refill_at=SLOTS)
-    for refill_at in (SLOTS, 1):
-        engine.refill_at = refill_at
+    engine = engine_lib.Engine(target, config=config_lib.EngineConfig(steps_per_call=16, max_length=MAX_LENGTH, batch_size=SLOTS, scheduler="continuous",
+                               refill_at=SLOTS))
+    for refill_at in (SLOTS, 1):  # the engine's setting, then another through the same programs
         streamed = collections.defaultdict(list)
-        results = engine.generate(prompts, max_new_tokens=list(BUDGETS), eos_ids=[eos_id], steps_per_call=16,
-                                  on_tokens=lambda index, ids: streamed[index].extend(ids))
+        on_tokens = lambda index, ids: streamed[index].extend(ids)
+        if refill_at == engine.config.resolved_refill_at:
+            results = engine.generate(prompts, max_new_tokens=list(BUDGETS), eos_ids=[eos_id], on_tokens=on_tokens)
+        else:
+            results = scheduler_lib.generate(engine.slot_programs(sampling_lib.Sampling(), (eos_id,)),
+                                             [np.asarray(p, np.int32) for p in prompts], list(BUDGETS),
+                                             jax.random.key(0), on_tokens, refill_at=refill_at)
         assert [r.token_ids for r in results] == expected
         assert [streamed[i] for i in range(len(prompts))] == expected
         assert engine.num_compilations == SLOT_PROGRAMS
@@ -323,16 +327,45 @@ def test_run_steps_count_each_device_loop_iteration(target, prompts, eos_id, ref
     plain = reference("plain")
     assert [r.calls["run_steps"] for r in plain] == [len(r.token_ids) - 1 for r in plain]
     # A static batch loops as long as its longest row (one budget for all: static batches have one).
-    batched = engine_lib.Engine(target, max_length=MAX_LENGTH, batch_size=SLOTS, fixed_shapes=True).generate(
+    batched = engine_lib.Engine(target, config=config_lib.EngineConfig(max_length=MAX_LENGTH, batch_size=SLOTS, fixed_shapes=True)).generate(
         prompts, max_new_tokens=16, eos_ids=[eos_id])
     longest = [max(len(r.token_ids) - 1 for r in batched[start:start + SLOTS]) for start in range(0, len(prompts), SLOTS)]
     assert len(set(longest)) > 1  # EOS ends some batches early: not one figure for all
     assert [r.calls["run_steps"] for r in batched] == [longest[row // SLOTS] for row in range(len(prompts))]
-    engine = engine_lib.Engine(target, max_length=MAX_LENGTH, batch_size=1, scheduler="continuous", refill_at=1)
-    results = engine.generate(prompts, max_new_tokens=list(BUDGETS), eos_ids=[eos_id], steps_per_call=4)
+    engine = engine_lib.Engine(target, config=config_lib.EngineConfig(steps_per_call=4, max_length=MAX_LENGTH, batch_size=1, scheduler="continuous", refill_at=1))
+    results = engine.generate(prompts, max_new_tokens=list(BUDGETS), eos_ids=[eos_id])
     assert [r.token_ids for r in results] == [r.token_ids for r in plain]
     assert results[0].calls["run_steps"] == sum(len(r.token_ids) - 1 for r in plain)
     # The time inside run and prefill/insert calls is part of the loop's host time, for both schedulers.
     for calls in (results[0].calls, batched[0].calls):
         assert 0 < calls["run_seconds"] and 0 < calls["prefill_seconds"]
         assert calls["run_seconds"] + calls["prefill_seconds"] <= calls["host_seconds"]
+
+
+def test_a_slot_loop_takes_requests_between_rounds_and_frees_cancelled_slots(slot_programs, prompts, reference):
+    """`SlotLoop`, stepped by hand: requests added while others run, one cancelled while queued
+    and one while active, give no result; every other request's tokens (streamed, then in its
+    `Result`) are its batch-1 tokens; the loop is idle once all are out."""
+    expected = [r.token_ids for r in reference("eagle")]
+    loop = scheduler_lib.SlotLoop(slot_programs("eagle"), jax.random.key(0), refill_at=1)
+    assert loop.idle and loop.step() == []
+    add = lambda index: loop.add(np.asarray(prompts[index], np.int32), BUDGETS[index])
+    ids = {add(index): index for index in range(4)}  # 4 requests for 3 slots: the last waits
+    queued_cancel = add(4)
+    ids[queued_cancel] = 4
+    loop.cancel(queued_cancel)
+    streamed, results = collections.defaultdict(list), {}
+    events = loop.step()
+    active_cancel = next(event.request_id for event in events if event.result is None)
+    loop.cancel(active_cancel)
+    ids[add(5)] = 5  # joins once a slot frees
+    while not loop.idle:
+        events += loop.step()
+    for event in events:
+        streamed[event.request_id] += event.token_ids
+        if event.result is not None:
+            results[event.request_id] = event.result
+    done = set(ids) - {queued_cancel, active_cancel}
+    assert set(results) == done
+    for request_id in done:
+        assert results[request_id].token_ids == streamed[request_id] == expected[ids[request_id]]

@@ -17,6 +17,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from eagle_jax.model import eagle
+from eagle_jax.serve import config as config_lib
 from eagle_jax.serve import engine as engine_lib
 from eagle_jax.cli import generate
 from eagle_jax.model import layers
@@ -145,9 +146,11 @@ def prompts():
     return [np.random.default_rng(length).integers(0, 128, length).tolist() for length in (4, 9, 14)]
 
 
-def generate_tokens(target, head, prompts, mesh, **settings):
-    engine = engine_lib.Engine(target, head, max_length=64, mesh=mesh, **settings)
-    results = engine.generate(prompts, max_new_tokens=MAX_NEW, ignore_eos=True, steps_per_call=8)
+def generate_tokens(target, head, prompts, tensor_parallel_size, **settings):
+    config = config_lib.EngineConfig(steps_per_call=8, max_length=64, tensor_parallel_size=tensor_parallel_size,
+                                     **settings)
+    engine = engine_lib.Engine(target, head, config=config)
+    results = engine.generate(prompts, max_new_tokens=MAX_NEW, ignore_eos=True)
     return [r.token_ids for r in results], [r.stats for r in results]
 
 
@@ -164,7 +167,7 @@ def test_greedy_outputs_match_one_device(split_target, random_target, agreeing_h
     settings = dict(scheduler="continuous" if case == "plain-continuous" else "static", batch_size=2)
     head = None
     if case == "eagle3":  # an EAGLE-3 head that drafts two frequent tokens, so some drafts are accepted
-        reference, _ = generate_tokens(target, None, prompts, None)
+        reference, _ = generate_tokens(target, None, prompts, 1)
         frequent = np.argsort(-np.bincount(np.concatenate(reference), minlength=128))[:2]
         head = biased_eagle3_head(target.config, frequent, 64, seed=3)
     elif case.startswith("eagle"):  # drafts through the target's vocabulary-split lm_head
@@ -173,8 +176,8 @@ def test_greedy_outputs_match_one_device(split_target, random_target, agreeing_h
         settings["tree"] = tree_lib.TreeOptions(2, 3, 6)
     elif head is not None:
         settings["num_speculative_tokens"] = 3
-    expected, expected_stats = generate_tokens(target, head, prompts, None, **settings)
-    got, stats = generate_tokens(target, head, prompts, sharding.make_mesh(size), **settings, **split_head)
+    expected, expected_stats = generate_tokens(target, head, prompts, 1, **settings)
+    got, stats = generate_tokens(target, head, prompts, size, **settings, **split_head)
     assert got == expected
     assert stats == expected_stats
     if head is not None:
@@ -210,25 +213,27 @@ def test_a_split_head_splits_its_mlp_and_draft_vocabulary_only(random_target, ra
 
     with pytest.raises(sharding.ShardingError, match=r"does not divide the head's draft_vocab_size=65"):
         sharding.shard_head(random_head(target.config, "eagle3", draft_vocab_size=65), mesh)
-    with pytest.raises(engine_lib.InputError, match=r"draft_tensor_parallel_size must be 1 .* or the tensor parallel "
+    with pytest.raises(config_lib.InputError, match=r"draft_tensor_parallel_size must be 1 .* or the tensor parallel "
                                                     r"size 2"):
-        engine_lib.Engine(target, head, num_speculative_tokens=2, mesh=mesh, draft_tensor_parallel_size=4)
+        config_lib.EngineConfig(num_speculative_tokens=2, tensor_parallel_size=2, draft_tensor_parallel_size=4)
 
 
 def test_bad_meshes_are_refused_by_name(random_target, capsys):
     with pytest.raises(sharding.ShardingError, match=r"tensor_parallel_size=8 needs that many devices; 4 "):
         sharding.make_mesh(8)
     with pytest.raises(sharding.ShardingError, match=r"does not divide the target's vocab_size=101"):
-        engine_lib.Engine(random_target(), mesh=sharding.make_mesh(2))
+        engine_lib.Engine(random_target(), config=config_lib.EngineConfig(tensor_parallel_size=2))
     with pytest.raises(sharding.ShardingError, match=r"tensor_parallel_size=4 does not divide the target's "
                                                      r"intermediate_size=66"):
-        engine_lib.Engine(random_target(vocab_size=128, intermediate_size=66), mesh=sharding.make_mesh(4))
+        engine_lib.Engine(random_target(vocab_size=128, intermediate_size=66),
+                          config=config_lib.EngineConfig(tensor_parallel_size=4))
     code = generate.main(["--model", "/nonexistent", "--tensor-parallel-size", "0"])
     assert code == 2
     # Refused before anything loads: the head is whole (1) or split like the target (N).
     assert generate.main(["--model", "/nonexistent", "--tensor-parallel-size", "2", "--draft-tensor-parallel-size",
                           "4"]) == 2
-    assert "--draft-tensor-parallel-size must be 1 or the --tensor-parallel-size (2), got 4" in capsys.readouterr().err
+    assert "draft_tensor_parallel_size must be 1 (the head whole on every device) or the tensor parallel size 2" \
+        in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,200 @@
+"""`Compiler`: the engine's device programs, compiled ahead of time for fixed shapes.
+
+It holds the (placed) target and head as parameters plus graph definitions, lowers the pure
+functions of `decode.speculative` and `programs` over them, and compiles each once, through the
+persistent `compile_cache` (so generation timings exclude compilation, and compile counts are
+observable). `Engine` asks it for the programs of a static batch or of the decode slots.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from eagle_jax.decode import sampling as sampling_lib
+from eagle_jax.decode import speculative
+from eagle_jax.model import llama
+from eagle_jax.serve import compile_cache as compile_cache_lib
+from eagle_jax.serve import config as config_lib
+from eagle_jax.serve import inputs
+from eagle_jax.serve import programs as programs_lib
+from eagle_jax.serve import sharding as sharding_lib
+
+
+class Compiler:
+    """Compiles the programs of one target and head for one `EngineConfig`.
+
+    Args:
+        target: the Llama target; split over `config.tensor_parallel_size` devices (`sharding`),
+            the head replicated or split too. The modules given are unchanged.
+        head: the EAGLE head, or None for plain decoding.
+        options: builds the step options of these programs (`Engine.options`).
+    """
+
+    def __init__(self, target: llama.Llama, head, config: config_lib.EngineConfig, max_length: int,
+                 options: Callable[..., speculative.Options]):
+        self.config, self.max_length, self.options = config, max_length, options
+        self.model_config = target.config
+        self.head_config = head.config if head is not None else None
+        self.headroom = config.cache_headroom
+        self.mesh = sharding_lib.make_mesh(config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
+        if self.mesh is not None:
+            target = sharding_lib.shard_target(target, self.mesh)
+            if head is not None:
+                head = (sharding_lib.shard_head(head, self.mesh) if config.draft_tensor_parallel_size > 1
+                        else sharding_lib.replicate(head, self.mesh))
+        self._target_def, self.target_params = nnx.split(target)
+        self._head_def, self.head_params = nnx.split(head) if head is not None else (None, None)
+        self.compile_cache = compile_cache_lib.CompileCache(config.cache_dir, self.mesh)
+        self.compiled: dict = {}
+        self.compile_seconds = 0.0
+
+    def slot_programs(self, sampling: sampling_lib.Sampling, eos_ids: tuple[int, ...],
+                      steps_per_call: int | None = None) -> programs_lib.SlotPrograms:
+        """Compiles (once per engine and settings) the continuous scheduler's prefill, insert and run.
+
+        Shapes depend on the engine alone: prefills of all batch_size slots at once in
+        power-of-two widths w up to max_length // 2, each with caches of w slots (all that a
+        prefill writes), one insert per width writing those w slots into the slots' caches of
+        max_length, an output buffer for the largest budget, and one run program per attention
+        length (`_run_programs`); all compiled here, so none compiles mid-run.
+        """
+        steps_per_call = steps_per_call or self.config.steps_per_call
+        opts = self.options(sampling=sampling, eos_ids=eos_ids, max_new_tokens=self.max_length - self.headroom - 1,
+                            cache_length=self.max_length)
+        compile_before = self.compile_seconds
+        params, rows = (self.target_params, self.head_params), self.config.batch_size
+        row_args = lambda w: params + (np.zeros((rows, w), np.int32), np.ones((rows,), np.int32),
+                                       np.ones((rows,), np.int32), jax.random.key(0))
+        width = self.max_length // 2
+        widths = sorted({inputs.bucket_length(length, width) for length in range(1, width + 1)})
+        row_opts = {w: opts.replace(cache_length=w) for w in widths}  # `speculative.start` writes slots [0, w)
+        prefills = {w: self._program("prefill-slots", self._start_rows, row_args(w), dict(opts=row_opts[w]), w)
+                    for w in widths}
+
+        def row_shape(w):  # the compiled prefill knows its output shapes: no second trace of the model
+            if self.config.eager:
+                return jax.eval_shape(functools.partial(self._start_rows, opts=row_opts[w]), *row_args(w))
+            return prefills[w].out_info
+
+        key = jax.random.key(0)
+        make_empty = functools.partial(self._empty, shape=programs_lib.slot_shape(row_shape(width), self.max_length))
+        empty = self._program("empty", make_empty, (key,), {}, 0)
+        state_shape = self._state_shape(jax.eval_shape(make_empty, key))
+        inserts = {w: self._program("insert", self._insert, (state_shape, self._state_shape(row_shape(w)),
+                                                             np.zeros((rows,), bool)), {}, w, donate=("state",))
+                   for w in widths}
+        # Its own name: a static batch would lower the same step for the prefill's output types.
+        runs = self._run_programs("slots-run", state_shape, steps_per_call, opts, (np.int32(1),), stop_on_finish=True)
+        return programs_lib.SlotPrograms(
+            prefill=lambda tokens, *args: prefills[tokens.shape[1]](*params, tokens, *args),
+            insert=lambda state, new, take: inserts[new.cache.max_length](state, new, take),
+            run=lambda state, attend_length, refill_at: runs[attend_length](*params, state, refill_at), empty=empty,
+            batch_size=rows, widths=tuple(widths), attend_lengths=tuple(runs), steps_per_call=steps_per_call,
+            compile_seconds=self.compile_seconds - compile_before, opts=opts)
+
+    def batch_programs(self, prompts: Sequence[np.ndarray], rng: jax.Array, opts: speculative.Options,
+                       steps_per_call: int | None = None) -> programs_lib.BatchPrograms:
+        """Compiles (once) the prefill and step programs for one batch of validated int32 prompts.
+
+        `opts.cache_length` must already be set. Profiling uses this to run the exact programs
+        that `generate` runs.
+        """
+        steps_per_call = steps_per_call or self.config.steps_per_call
+        longest, rows = max(len(p) for p in prompts), self.config.batch_size
+        width = inputs.bucket_length(longest, self.max_length)
+        if self.config.fixed_shapes:
+            if longest > self.max_length // 2:
+                raise config_lib.InputError(f"with fixed_shapes, prompts may have up to {self.max_length // 2} "
+                                            f"tokens, got {longest}")
+            width = self.max_length // 2
+        tokens = np.zeros((rows, width), np.int32)
+        lengths = np.ones((rows,), np.int32)  # idle padding rows hold one token
+        for row, prompt in enumerate(prompts):
+            tokens[row, :len(prompt)], lengths[row] = prompt, len(prompt)
+        args = (self.target_params, self.head_params, jnp.asarray(tokens), jnp.asarray(lengths), rng)
+        compile_before = self.compile_seconds
+        start = self._program("start", self._start, args, dict(opts=opts), width)
+        # The step programs serve every prefill width, lowered for the state `start` returns.
+        state_shape = None if self.config.eager else self._state_shape(start.out_info)
+        runs = self._run_programs("run", state_shape, steps_per_call, opts)
+        return programs_lib.BatchPrograms(start=start, runs=runs, start_args=args, prompt_lengths=lengths,
+                                          idle=np.arange(rows) >= len(prompts), steps_per_call=steps_per_call,
+                                          compile_seconds=self.compile_seconds - compile_before, opts=opts)
+
+    def _run_programs(self, name: str, state_shape, steps_per_call: int, opts: speculative.Options,
+                      extra_args: tuple = (), **static) -> dict[int, Callable]:
+        """The device loop compiled for a quarter, half and all of the cache as attention's reach
+        (`Options.attend_length`), keyed by that length, ascending.
+
+        Attention costs what it reads: the host picks, per call, the shortest length that covers
+        its rows (`scheduler.attend_length`). One row reads mostly weights, so a batch of one
+        compiles the whole-cache program alone, as do trees.
+        """
+        cache = opts.cache_length
+        if self.config.tree is not None or self.config.batch_size == 1:
+            lengths = [cache]
+        else:
+            lengths = sorted({max(cache // 4, inputs.MIN_BUCKET), max(cache // 2, inputs.MIN_BUCKET), cache})
+        args = (self.target_params, self.head_params, state_shape) + extra_args
+        return {length: self._program(name, self._run, args, dict(
+                    num_steps=steps_per_call, opts=opts if length == cache else opts.replace(attend_length=length),
+                    **static), 0, donate=("state",))
+                for length in lengths}
+
+    def _program(self, name: str, function, args, static: dict, width: int, donate: tuple[str, ...] = ()):
+        """The compiled program for this prefill width and static settings, compiled once.
+
+        The in-memory key is cheap (parameters and batch size are fixed per engine); the
+        persistent cache key, built only on a miss, spells out every argument shape (the kernel
+        choice is in `opts`, a static argument).
+        """
+        if self.config.eager:
+            def op_by_op(*a):
+                with jax.disable_jit():
+                    return function(*a, **static)
+            return op_by_op
+        key = (name, width, tuple(sorted(static.items())))
+        if key not in self.compiled:
+            shapes = jax.tree.map(lambda x: (x.shape, x.dtype) if hasattr(x, "shape") else x, args)
+            description = repr((name, shapes, sorted(static.items()), self.model_config, self.head_config,
+                                self.max_length, self.config.steps_per_check))
+            jitted = jax.jit(function, static_argnames=tuple(static), donate_argnames=donate)
+            module = programs_lib.module_name(name, static.get("opts"), self.head_config)
+            self.compiled[key], seconds = self.compile_cache.compile(module, description, jitted.lower(*args, **static))
+            self.compile_seconds += seconds
+        return self.compiled[key]
+
+    # Pure functions of (params, inputs): the jit boundary merges modules inside.
+    def _modules(self, target_params, head_params):
+        target = nnx.merge(self._target_def, target_params)
+        return target, nnx.merge(self._head_def, head_params) if self._head_def is not None else None
+
+    def _place(self, state):
+        return sharding_lib.pin_state(state, self.model_config, self.mesh)
+
+    def _state_shape(self, shape):
+        return sharding_lib.abstract_state(shape, self.model_config, self.mesh)
+
+    def _start(self, target_params, head_params, tokens, lengths, rng, opts):
+        return self._place(speculative.start(*self._modules(target_params, head_params), tokens, lengths, rng, opts))
+
+    def _start_rows(self, target_params, head_params, tokens, lengths, budgets, rng, opts):
+        target, head = self._modules(target_params, head_params)
+        return self._place(speculative.start(target, head, tokens, lengths, rng, opts, budgets))
+
+    def _run(self, target_params, head_params, state, min_finished=1, *, num_steps, opts, stop_on_finish=False):
+        target, head = self._modules(target_params, head_params)
+        return self._place(speculative.run_steps(target, head, state, num_steps, opts, self.config.steps_per_check,
+                                                 stop_on_finish, min_finished))
+
+    def _insert(self, state, rows, take):
+        return self._place(programs_lib.insert(state, rows, take))
+
+    def _empty(self, rng, *, shape):
+        return self._place(programs_lib.empty_state(shape, rng))

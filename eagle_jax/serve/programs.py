@@ -1,0 +1,134 @@
+"""The compiled programs the host loops drive, and the device-side slot helpers they use.
+
+`Engine.batch_programs` compiles a `BatchPrograms` (one static batch), `Engine.slot_programs`
+a `SlotPrograms` (continuous batching: prefill, insert into slots, run); `scheduler` drives
+them. `insert`, `slot_shape` and `empty_state` are traced into the slot programs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eagle_jax.decode import speculative
+
+
+def insert(state: speculative.DecodeState, rows: speculative.DecodeState, take: jax.Array) -> speculative.DecodeState:
+    """Slot b of `state` becomes row b of `rows` where `take[b]` ([B] bool), and stays elsewhere.
+
+    Every leaf but `rng` has batch as axis 0 (the caches' per-layer keys and values and their
+    lengths, the per-row counters, outputs, budgets and pending draft pairs), so one tree map
+    covers them all. `rng` is one key for the whole batch: the big state's is kept.
+
+    A leaf of `rows` may be shorter than the state's along other axes (the prefill's caches,
+    `KVCache` [B, w, K, H], against the slots' [B, S, K, H]): only that leading block is written;
+    with `state` donated, XLA updates it in place. A taken slot keeps its old row's entries past
+    w, which its new row never reads: a query sees only the slots up to its position
+    (`layers.Attention.attend`, `kernels.decode_attention`, `attention_ops.visible_slots`), and every
+    forward writes its new keys from its cache's `lengths` on (a new row's: its prompt) before it
+    attends, so each slot a query sees holds the prompt or this row's own writes.
+    """
+    def pick(big, new):
+        corner = (0,) * big.ndim
+        old = jax.lax.slice(big, corner, new.shape)
+        picked = jnp.where(take.reshape((-1,) + (1,) * (big.ndim - 1)), new.astype(big.dtype), old)
+        return jax.lax.dynamic_update_slice(big, picked, corner)
+
+    merged = jax.tree.map(pick, state.replace(rng=None), rows.replace(rng=None))
+    return merged.replace(rng=state.rng)
+
+
+def slot_shape(row_shape: speculative.DecodeState, cache_length: int) -> speculative.DecodeState:
+    """The prefill's output shapes (ShapeDtypeStructs) with caches `cache_length` slots long.
+
+    The caches' keys and values ([B, S, K, H], target and head) are the only leaves whose shape
+    follows the cache length: the output buffer follows `Options.max_new_tokens`, the pending
+    pairs k.
+    """
+    def lengthen(cache):
+        resize = lambda leaf: jax.ShapeDtypeStruct(leaf.shape[:1] + (cache_length,) + leaf.shape[2:], leaf.dtype)
+        return None if cache is None else cache.replace(keys=tuple(map(resize, cache.keys)),
+                                                        values=tuple(map(resize, cache.values)))
+
+    return row_shape.replace(cache=lengthen(row_shape.cache), draft_cache=lengthen(row_shape.draft_cache))
+
+
+def empty_state(shape: speculative.DecodeState, rng: jax.Array) -> speculative.DecodeState:
+    """Idle slots of `shape` (ShapeDtypeStructs, `slot_shape`), built where it is traced: inside a
+    program, on the device, so no state-sized buffer crosses from the host.
+
+    Idle rows are `done`, so steps leave them as they are; `pending_count` is 1 so an idle row's
+    draft reads a real pending slot.
+    """
+    state = jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), shape.replace(rng=None))
+    state = state.replace(done=jnp.ones(state.done.shape, bool))
+    if state.pending_count is not None:
+        state = state.replace(pending_count=jnp.ones(state.pending_count.shape, jnp.int32))
+    return state.replace(rng=rng)
+
+
+@dataclasses.dataclass
+class BatchPrograms:
+    """One batch's compiled programs and the prefill's inputs (see `Engine.batch_programs`), static batching."""
+
+    start: Callable  # start(*start_args) -> DecodeState
+    # runs[attend_length](target_params, head_params, state) -> state after up to steps_per_call
+    # steps, attention reading cache slots below attend_length (ascending keys; the last is the cache)
+    runs: dict[int, Callable]
+    start_args: tuple  # (target_params, head_params, tokens [B, W], lengths [B], rng)
+    prompt_lengths: np.ndarray  # [B] host copy of start_args' lengths
+    idle: np.ndarray  # [B] bool: padding rows, marked done after prefill
+    steps_per_call: int
+    compile_seconds: float
+    opts: speculative.Options  # what the programs were compiled for
+
+    def prefill(self) -> speculative.DecodeState:
+        state = self.start(*self.start_args)
+        if self.idle.any():
+            state = state.replace(done=jnp.asarray(np.asarray(state.done) | self.idle))
+        return state
+
+    def step(self, state: speculative.DecodeState, attend_length: int | None = None) -> speculative.DecodeState:
+        """Up to steps_per_call steps; `state` is donated. attend_length: a key of `runs` (None: the whole cache)."""
+        run = self.runs[max(self.runs) if attend_length is None else attend_length]
+        return run(self.start_args[0], self.start_args[1], state)
+
+
+@dataclasses.dataclass
+class SlotPrograms:
+    """The compiled programs of one slot layout (see `Engine.slot_programs`)."""
+
+    # prefill(tokens [B, w], lengths [B], budgets [B], rng) -> a B-row DecodeState whose caches
+    # are w slots long, w in widths
+    prefill: Callable
+    # insert(state, rows, take [B] bool) -> state, `rows` a prefill's output (any width); `state`
+    # is donated
+    insert: Callable
+    # run(state, attend_length, refill_at) -> state after up to steps_per_call steps or once
+    # refill_at (int32) of the rows running at entry are done, attention reading cache slots
+    # below attend_length (one of attend_lengths); `state` is donated.
+    run: Callable
+    empty: Callable  # empty(rng) -> a state of idle slots, caches the whole cache long, built on the device
+    batch_size: int
+    widths: tuple[int, ...]  # the prefill buckets, ascending; the last is the longest prompt a slot takes
+    attend_lengths: tuple[int, ...]  # ascending; the last is the whole cache
+    steps_per_call: int
+    compile_seconds: float
+    opts: speculative.Options  # what the programs were compiled for
+
+
+def module_name(program: str, opts: speculative.Options | None, head_config) -> str:
+    """The name a compiled program's module (and persistent cache entry) carries: what it runs."""
+    if opts is None:
+        return program
+    method = head_config.method if head_config is not None and opts.k else "plain"
+    if program in ("start", "prefill-slots"):
+        return f"prefill-{method}"
+    if opts.tree is not None:
+        tree = opts.tree
+        return f"speculative-{method}-topk{tree.topk}-steps{tree.num_steps}-draft{tree.num_draft_tokens}"
+    return f"speculative-{method}-k{opts.k}" if opts.k else "decode"
