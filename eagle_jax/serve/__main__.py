@@ -1,0 +1,102 @@
+"""`python -m eagle_jax.serve`: an OpenAI-compatible HTTP server (needs `pip install -e ".[serve]"`).
+
+    python -m eagle_jax.serve --max-num-seqs 16 --host 127.0.0.1 --port 8000
+    python -m eagle_jax.serve --model path/to/hf-llama --draft path/to/eagle3-head --num-speculative-tokens 4
+
+Flags share their names with `python -m eagle_jax.generate`. The server compiles every program it
+will run before `/health` answers 200; SIGTERM (or Ctrl-C) stops taking requests, finishes those
+in flight, then exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from eagle_jax.cli import errors as script_errors
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m eagle_jax.serve", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="HF directory, converted directory or .gguf (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--served-model-name", help="the model id clients send (default: the model's directory name)")
+    parser.add_argument("--draft", help="EAGLE head directory; 'none' disables (default: the shipped head with the "
+                                        "default model)")
+    parser.add_argument("--method", choices=["eagle", "eagle3"], help="which shipped head")
+    parser.add_argument("--num-speculative-tokens", type=int, help="k drafted tokens per step; 0 = plain decoding")
+    parser.add_argument("--speculative-disable-by-batch-size", type=int, metavar="N")
+    parser.add_argument("--max-num-seqs", "--batch-size", dest="batch_size", type=int, default=16,
+                        help="decode slots (requests decoded together)")
+    parser.add_argument("--max-length", type=int, default=2048, help="KV cache per slot: prompt + new tokens")
+    parser.add_argument("--max-queue", type=int, default=1024, help="requests waiting for a slot before a 429")
+    parser.add_argument("--steps-per-call", type=int, default=16,
+                        help="decode steps per device call: waiting requests are prefilled between calls")
+    parser.add_argument("--temperature", type=float, default=0.0, help="the sampling temperature requests must ask "
+                                                                       "for (0 = greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--decode-kernels", choices=("auto", "xla", "pallas", "pallas_linear"), default="auto")
+    parser.add_argument("--cache-dir", help="compilation cache root (default: $EAGLE_JAX_CACHE_DIR/xla)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    return parser.parse_args(argv)
+
+
+def build(args):
+    """(OnlineEngine, model name), with everything loaded but nothing compiled yet."""
+    import jax
+
+    from eagle_jax import heads
+    from eagle_jax.decode import sampling as sampling_lib
+    from eagle_jax.io import models, tokenization
+    from eagle_jax.serve import compile_cache, online
+    from eagle_jax.serve import config as config_lib
+    from eagle_jax.serve import engine as engine_lib
+
+    sampling = sampling_lib.Sampling(temperature=args.temperature, top_p=args.top_p)
+    target, tokenizer_dir = models.load_target(args.model, args.dtype)
+    platform = "gpu" if jax.default_backend() == "gpu" else "cpu"
+    draft, _, k, note = heads.draft_plan(args.model, args.draft, args.method, args.num_speculative_tokens, platform,
+                                         args.batch_size)
+    if note:
+        print(f"eagle_jax: {note}", file=sys.stderr)
+    head = models.load_head(draft, target, args.dtype) if draft else None
+    config = config_lib.EngineConfig(
+        num_speculative_tokens=k, max_length=args.max_length, batch_size=args.batch_size, scheduler="continuous",
+        speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
+        decode_kernels=args.decode_kernels, steps_per_call=args.steps_per_call,
+        cache_dir=str(args.cache_dir or compile_cache.default_root()))
+    engine = engine_lib.Engine(target, head, config)
+    name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model
+                                      else "SmolLM2-135M-Instruct")
+    backend = online.OnlineEngine(engine, tokenization.load(tokenizer_dir), name, sampling, args.max_queue,
+                                  args.seed)
+    return backend, name
+
+
+def main(argv=None) -> int:
+    """Runs the server until SIGTERM; bad flags or files print `error: ...` and return 2."""
+    return script_errors.run(lambda: serve(argv))
+
+
+def serve(argv=None) -> int:
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn
+    except ModuleNotFoundError as error:
+        script_errors.fail(f"the server needs {error.name}; install it with: pip install -e \".[serve]\"")
+    from eagle_jax.serve import server
+
+    args = parse_args(argv)
+    backend, name = build(args)
+    app = server.create_app(backend, name)
+    print(f"eagle_jax: serving {name} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=600)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    sys.exit(main())

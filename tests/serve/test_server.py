@@ -1,0 +1,268 @@
+"""`python -m eagle_jax.serve` in a subprocess, driven by the real `openai` client over loopback.
+
+Each server runs a tiny random model on the CPU on a free port; tests wait on its /health, never
+on a sleep, and assert behaviour (texts, status codes, counters), never timings.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from eagle_jax.io import models, tokenization  # noqa: E402
+from eagle_jax.serve import config as config_lib  # noqa: E402
+from eagle_jax.serve import engine as engine_lib  # noqa: E402
+from tests.cli.test_generate_cli import aligned_model_dir, head_dir, model_dir  # noqa: F401,E402 (fixtures)
+
+MODEL = "tiny"
+K = 2
+PROMPTS = [f"w{i} w{i + 1} w{2 * i}" for i in range(32)]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(model, draft, tmp_path, *flags, deadline_seconds=600):
+    port = free_port()
+    command = [sys.executable, "-m", "eagle_jax.serve", "--model", str(model), "--draft", str(draft),
+               "--num-speculative-tokens", str(K), "--served-model-name", MODEL, "--port", str(port),
+               "--cache-dir", str(tmp_path / "xla"), "--max-length", "256", *flags]
+    log = open(tmp_path / f"server-{port}.log", "w")
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    began = time.monotonic()
+    try:
+        while True:  # readiness, not a guess: /health is 200 once every program is compiled
+            if process.poll() is not None:
+                raise AssertionError(f"server exited with {process.returncode}: {(tmp_path / log.name).read_text()}")
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() - began > deadline_seconds:
+                raise AssertionError("server not ready in time")
+            time.sleep(0.2)
+        yield url, process
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def server(aligned_model_dir, head_dir, tmp_path_factory):  # noqa: F811
+    with running_server(aligned_model_dir, head_dir, tmp_path_factory.mktemp("server"), "--max-num-seqs", "4",
+                        "--steps-per-call", "4") as (url, _):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(aligned_model_dir, head_dir):  # noqa: F811
+    """The same model and head through the library, as `Engine.generate` decodes them offline."""
+    target, tokenizer_dir = models.load_target(str(aligned_model_dir), "float32")
+    head = models.load_head(str(head_dir), target, "float32")
+    engine = engine_lib.Engine(target, head, config_lib.EngineConfig(num_speculative_tokens=K, max_length=256,
+                                                                    batch_size=4, scheduler="continuous"))
+    return engine, tokenization.load(tokenizer_dir)
+
+
+def offline_texts(offline, prompt_ids, max_tokens):
+    engine, tokenizer = offline
+    results = engine.generate(prompt_ids, max_new_tokens=max_tokens)
+    return [tokenizer.decode(r.token_ids, skip_special_tokens=True) for r in results]
+
+
+def metrics(url) -> dict:
+    from prometheus_client import parser
+
+    values = {}
+    for family in parser.text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        for sample in family.samples:
+            key = sample.name + json.dumps(dict(sorted(sample.labels.items())))
+            values[key] = sample.value
+    return values
+
+
+def total(values: dict, name: str, **labels) -> float:
+    return sum(v for k, v in values.items() if k.split("{")[0] == name
+               and all(f'"{a}": "{b}"' in k for a, b in labels.items()))
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(f"{server}/health").json() == {"status": "ok"}
+
+
+def test_completions_streamed_and_not_equal_offline(client, offline):
+    _, tokenizer = offline
+    expected = offline_texts(offline, [tokenization.encode(tokenizer, p, chat=False) for p in PROMPTS[:2]], 12)
+    for prompt, text in zip(PROMPTS[:2], expected):
+        whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+        assert whole.choices[0].text == text
+        assert whole.usage.completion_tokens <= 12 and whole.usage.prompt_tokens > 0
+        pieces = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True))
+        assert "".join(c.choices[0].text for c in pieces if c.choices) == text
+        assert pieces[-1].choices[0].finish_reason in ("length", "stop")
+
+
+def test_chat_streamed_and_not_equal_offline(client, offline):
+    _, tokenizer = offline
+    messages = [{"role": "system", "content": "w1 w2"}, {"role": "user", "content": PROMPTS[3]}]
+    [expected] = offline_texts(offline, [tokenization.encode_messages(tokenizer, messages)], 10)
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+    assert whole.choices[0].message.content == expected and whole.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_32_concurrent_greedy_requests_equal_offline_generate(client, offline):
+    _, tokenizer = offline
+    expected = offline_texts(offline, [tokenization.encode(tokenizer, p, chat=False) for p in PROMPTS], 16)
+    ask = lambda prompt: client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
+                                                   extra_body={"ignore_eos": False}).choices[0].text
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        assert list(pool.map(ask, PROMPTS)) == expected
+
+
+def test_stop_strings_cut_the_output(client, offline):
+    [text] = offline_texts(offline, [tokenization.encode(offline[1], PROMPTS[5], chat=False)], 16)
+    words = text.split()
+    assert len(words) > 3
+    stop = words[2]
+    cut = client.completions.create(model=MODEL, prompt=PROMPTS[5], max_tokens=16, temperature=0, stop=[stop])
+    assert cut.choices[0].text == text[:text.index(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("body, status, fragment", [
+    ("{not json", 400, "JSON"),
+    (dict(model="other", prompt="w1"), 400, "not served"),
+    (dict(model=MODEL, prompt="w1", top_p=2), 400, "top_p"),
+    (dict(model=MODEL, prompt="w1", temperature=0.5), 400, "temperature"),
+    (dict(model=MODEL, prompt="w1", stop=[""]), 400, "stop"),
+    (dict(model=MODEL, prompt="w1", n=0), 400, "greater than or equal to 1"),
+    (dict(model=MODEL, prompt="w1", logprobs=50), 400, "logprobs"),
+    (dict(model=MODEL, prompt="w1", frobnicate=1), 400, "frobnicate"),
+    (dict(model=MODEL, prompt=" ".join(["w1"] * 300)), 400, "tokens"),
+    (dict(model=MODEL, prompt=[10 ** 6]), 400, "vocabulary"),
+])
+def test_bad_requests_get_400_with_an_openai_error_body(server, body, status, fragment):
+    data = body if isinstance(body, str) else json.dumps(body)
+    response = httpx.post(f"{server}/v1/completions", content=data, headers={"content-type": "application/json"})
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert fragment in error["message"] and error["type"]
+
+
+def test_bad_chat_messages_get_400(client):
+    with pytest.raises(openai.BadRequestError, match="role"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "w1"}], max_tokens=4)
+
+
+def test_metrics_parse_and_add_up(server, client):
+    before = metrics(server)
+    used = [client.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0,
+                                      extra_body={"ignore_eos": True}).usage for p in PROMPTS[:3]]
+    after = metrics(server)
+    delta = lambda name, **labels: total(after, name, **labels) - total(before, name, **labels)
+    assert delta("eagle_jax:generation_tokens_total") == sum(u.completion_tokens for u in used) == 24
+    assert delta("eagle_jax:prompt_tokens_total") == sum(u.prompt_tokens for u in used)
+    assert delta("eagle_jax:request_success_total", finished_reason="length") == 3
+    assert delta("eagle_jax:time_to_first_token_seconds_count") == 3
+    drafts, accepted = delta("eagle_jax:spec_decode_num_drafts_total"), delta("eagle_jax:spec_decode_num_accepted_tokens_total")
+    assert drafts > 0 and 0 <= accepted <= K * drafts
+    assert delta("eagle_jax:spec_decode_num_accepted_tokens_per_pos_total") == accepted
+    assert total(after, "eagle_jax:num_requests_running") == 0
+
+
+def wait_for(condition, what: str, deadline_seconds: float = 120):
+    began = time.monotonic()
+    while not condition():
+        if time.monotonic() - began > deadline_seconds:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def test_one_slot_server_disconnect_queue_full_and_sigterm(aligned_model_dir, head_dir, tmp_path):  # noqa: F811
+    with running_server(aligned_model_dir, head_dir, tmp_path, "--max-num-seqs", "1", "--max-queue", "1",
+                        "--steps-per-call", "2") as (url, process):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        body = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=200, temperature=0, stream=True, ignore_eos=True)
+        # A client that disconnects mid-stream frees its slot: the next request is served.
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+            next(response.iter_lines())
+        short = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=4, temperature=0)
+        assert short.choices[0].finish_reason in ("length", "stop")
+        wait_for(lambda: total(metrics(url), "eagle_jax:request_success_total", finished_reason="abort") == 1,
+                 "the disconnected request to be aborted")
+        # SIGTERM: the request in flight finishes whole, then the server exits cleanly.
+        body.update(max_tokens=30)
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+            lines = response.iter_lines()
+            first = next(lines)
+            process.send_signal(signal.SIGTERM)
+            chunks = [json.loads(line[6:]) for line in [first, *lines] if line.startswith("data: {")]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        # uvicorn re-raises SIGTERM once it has shut down, so the exit is the signal's, not an error's.
+        assert process.wait(timeout=120) in (0, -signal.SIGTERM)
+
+
+def test_a_full_queue_answers_429_and_a_freed_place_is_taken_again(offline):
+    """The bound on waiting requests, with the device thread not started, so that nothing leaves the queue."""
+    import asyncio
+
+    from eagle_jax.serve import online, server
+
+    engine, tokenizer = offline
+    backend = online.OnlineEngine(engine, tokenizer, MODEL, max_queue=2)
+    backend.compile()
+    app = server.create_app(backend, MODEL)
+    body = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0)
+
+    async def scenario():
+        transport = httpx.ASGITransport(app=app)  # no lifespan: the device thread stays unstarted
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            queued = [asyncio.create_task(http.post("/v1/completions", json=body)) for _ in range(2)]
+            while len(backend._inbox) < 2:
+                await asyncio.sleep(0)  # let both requests reach the queue (no timing: event-loop turns)
+            refused = await http.post("/v1/completions", json=body)
+            assert refused.status_code == 429 and "waiting" in refused.json()["error"]["message"]
+            queued[0].cancel()
+            await asyncio.gather(queued[0], return_exceptions=True)
+            backend._inbox.popleft()  # what the device thread does when it takes a request
+            again = asyncio.create_task(http.post("/v1/completions", json=body))
+            while len(backend._inbox) < 2:
+                await asyncio.sleep(0)
+            for task in (queued[1], again):
+                task.cancel()
+            await asyncio.gather(queued[1], again, return_exceptions=True)
+
+    asyncio.run(scenario())
