@@ -52,7 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--compile", action="store_true", help="static mode: let HF torch.compile the decode step")
     parser.add_argument("--prompt_lookup_num_tokens", "--prompt-lookup-num-tokens", type=int, default=10)
     parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
-    parser.add_argument("--out", default="docs/results/mtbench.json", help="JSON list the rows are appended to")
+    parser.add_argument("--out", default="docs/results/mtbench_h200.json", help="JSON list the rows are appended to")
     args = parser.parse_args(argv)
     args.modes = [mode.strip() for mode in args.modes.split(",") if mode.strip()]
     bad = [mode for mode in args.modes if mode not in MODES]
@@ -96,8 +96,9 @@ def main(argv=None) -> int:
               file=sys.stderr)
         args.compile = False
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory))
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype).to(device).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype,
+                                                         trust_remote_code=False).to(device).eval()
     eos = model.generation_config.eos_token_id
     if eos is None:
         eos = tokenizer.eos_token_id

@@ -2,7 +2,8 @@
 
     python benchmarks/profile_train.py --method eagle3 --batch-size 64 --sequence-length 640 --steps 5
 
-The head trains at ~57 k trained tokens/s on an H200 (docs/TRAINING.md, run 2), ~225 ms for a
+The head trained at ~57 k trained tokens/s on an H200 on 2026-11-30 (commit b4c89e9,
+`python -m eagle_jax.train --method eagle3 --batch-size 64`), ~225 ms for a
 64 x 640 EAGLE-3 step whose arithmetic should take well under 100 ms. This script times
 `--timed-steps` untraced steps, then traces `--steps` more and summarises the kernels with
 `step_trace.summarize` (kernels and busy time per step, the heaviest kernels and kinds). The
@@ -80,7 +81,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=5, help="traced steps")
     parser.add_argument("--trace-device", choices=step_trace.DEVICES, default="auto")
     parser.add_argument("--label", help="free text saved in the row (e.g. the lever tried)")
-    parser.add_argument("--out", default="docs/results/profile.json")
+    parser.add_argument("--out", default="docs/results/profile_h200.json")
     args = parser.parse_args(argv)
     if args.random_target:
         target = models.random_target(args.random_target, args.dtype)

@@ -15,7 +15,7 @@ host). With jit, batch 1, a cache of `--cache-length` slots of which `--filled` 
     EAGLE-1) + argmax, the unit the draft loop repeats.
 Each is compared with its HBM floor: (weight bytes read + KV bytes read) / copy bandwidth,
 the bandwidth measured here with a large on-device array op (bytes read + written / time).
-Then, using acceptance lengths measured with SmolLM2-135M on MT-Bench (docs/results/mtbench.json),
+Then, using acceptance lengths measured with SmolLM2-135M on MT-Bench (docs/results/mtbench_h200.json),
 projected tokens/s = acceptance_length(k) / (k * draft_step + verify(k)). That is a projection
 for a hypothetical 8B pair with SmolLM2's acceptance, not a measurement of a trained 8B head.
 With `--tensor_parallel_size 1,2` every measurement runs once per size, the target split
@@ -83,14 +83,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "times are per step. A call's fixed launch cost, larger on several GPUs, is "
                              "then shared by the steps as it is in generation")
     parser.add_argument("--copy-gib", type=float, help="array size for the bandwidth test (default 4, --tiny 0.0625)")
-    parser.add_argument("--results", default="docs/results/mtbench.json", help="acceptance lengths for the projection")
+    parser.add_argument("--results", default="docs/results/mtbench_h200.json", help="acceptance lengths for the projection")
     parser.add_argument("--tensor_parallel_size", "--tensor-parallel-size", default="1",
                         help="comma list of devices to split the target over (Megatron-style); each is measured")
     parser.add_argument("--split_heads", "--split-heads", action="store_true",
                         help="split the heads' MLPs and EAGLE-3's draft vocabulary too (sharding.shard_head); "
                              "default: each head whole on every device")
     parser.add_argument("--tiny", action="store_true", help="hidden 256, 2 layers, vocab 1000: a CPU smoke test")
-    parser.add_argument("--out", default="docs/results/profile.json", help="JSON list the rows are appended to")
+    parser.add_argument("--out", default="docs/results/profile_h200.json", help="JSON list the rows are appended to")
     args = parser.parse_args(argv)
     args.ks = sorted({int(part) for part in args.ks.split(",") if part.strip()})
     args.methods = [part.strip() for part in args.methods.split(",") if part.strip()]

@@ -1,7 +1,9 @@
 """Shared fixtures: tiny Llama configs, tiny HF torch models saved to disk, random targets and heads.
 
 Everything is small enough to compile and run on two CPU cores in seconds. Factories are
-fixtures returning functions so that test modules need no imports from this file.
+fixtures returning functions so that test modules need no imports from this file. Fixtures are
+scoped to the `tests` package, the root of every test directory: since pytest 8 its sub-packages
+are its children, so each fixture is built once for the whole run.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from eagle_jax.io import models
 
 # Tests marked slow need the real default model (a ~100 MB download on a fresh machine); they run
 # only with EAGLE_JAX_SLOW=1 (and `-m slow` to run nothing else). The default run makes no network
-# access: the session guard below makes any use of the default model fail loudly instead.
+# access: the guard fixture below makes any use of the default model fail loudly instead.
 SLOW = os.environ.get("EAGLE_JAX_SLOW") == "1"
 NOT_SLOW = "this test used the default model: mark it @pytest.mark.slow (it runs with EAGLE_JAX_SLOW=1)"
 
@@ -47,11 +49,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="package", autouse=True)
 def no_default_model_unless_slow():
     """Outside the slow run, the default model cannot be found, downloaded or converted.
 
-    Session-scoped, so it is in place before any module fixture loads a model. The environment
+    Scoped to the whole tests package, so it is in place before any module fixture loads a model. The environment
     override reaches subprocesses too and hides a cached or installed copy, so a test that forgets
     the slow mark fails here as it would on a fresh CI machine, rather than downloading there.
     """
@@ -85,19 +87,19 @@ def hf_config_dict(*, vocab_size=101, hidden_size=32, num_layers=2, num_heads=4,
     return config
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def tiny_hf_config():
     """Factory: `tiny_hf_config(**overrides)` -> HF config dict."""
     return hf_config_dict
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def tiny_config():
     """Factory: `tiny_config(**overrides)` -> eagle_jax LlamaConfig."""
     return lambda **overrides: config_lib.LlamaConfig.from_hf_config(hf_config_dict(**overrides))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def hf_llama(tmp_path_factory):
     """Factory: `hf_llama(seed=0, **config overrides)` -> (torch LlamaForCausalLM, saved dir, Flax Llama).
 
@@ -146,7 +148,7 @@ def random_module(factory, seed: int = 0) -> nnx.Module:
     return checkpoint.build_model(abstract, params, jnp.float32)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def random_target(tiny_config):
     """Factory: `random_target(seed=0, **config overrides)` -> Flax Llama with random weights."""
 
@@ -176,7 +178,7 @@ def vocab_map(vocab_size: int, draft_vocab_size: int, seed: int = 0) -> np.ndarr
     return (targets - np.arange(draft_vocab_size)).astype(np.int32)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def random_head():
     """Factory: `random_head(target_cfg, method, seed=0, fc_bias=False, draft_vocab_size=0, feature_layers=(), num_layers=1)`.
 
@@ -201,7 +203,7 @@ def _set(module: nnx.Module, path: str, value) -> None:
     getattr(module, name)[...] = jnp.asarray(value, jnp.float32)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def set_param():
     """`set_param(module, "self_attn/o_proj/kernel", array)`."""
     return _set
@@ -233,7 +235,7 @@ def export_head(head, directory, *, embeddings=None, torch_bin: bool = False):
     return directory
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def save_head():
     """`save_head(head, directory, embeddings=None, torch_bin=False)` -> directory: see `export_head`."""
     return export_head
@@ -252,7 +254,7 @@ CHAT_TEMPLATE = (
 )
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def chat_tokenizer():
     """A tiny byte-level fast tokenizer with a ChatML template (SmolLM2-like, default system prompt)."""
     import tokenizers
@@ -280,7 +282,7 @@ def _get(module: nnx.Module, path: str):
     return module[...]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def aligned_target(random_target):
     """Factory: `aligned_target(seed=14, **config overrides)` -> a random Llama whose next token is
     close to argmax(lm_head(embed(t))): embedding rows have RMS 1, the final norm is 1 and the
@@ -299,20 +301,20 @@ def aligned_target(random_target):
     return make
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def speculation_target(aligned_target):
     """The aligned target of the speculative decoding tests (seed 14, three layers, head_dim 16)."""
     return aligned_target(seed=14, num_layers=3, head_dim=16)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def random_prompts():
     """Factory: `random_prompts(lengths, seed=0)` -> one prompt of random ids (of the tiny configs'
     101) per length, each drawn from `seed + length`, so a length always gives the same prompt."""
     return lambda lengths, seed=0: [np.random.default_rng(seed + n).integers(0, 101, n).tolist() for n in lengths]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def agreeing_head(random_head):
     """Factory: `agreeing_head(target_cfg, noise, residual=0.0, fc_bias=False, seed=0)` -> EAGLE-1 head.
 
@@ -334,7 +336,7 @@ def agreeing_head(random_head):
     return make
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def biased_eagle3_head(random_head):
     """Factory: `biased_eagle3_head(target_cfg, frequent, draft_vocab_size, seed=0, num_layers=1)` -> EAGLE-3 head.
 
@@ -372,7 +374,7 @@ def with_dtype(module: nnx.Module, dtype) -> nnx.Module:
     return checkpoint.build_model(checkpoint.abstract_model(factory), params, dtype)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def cast_module():
     """`cast_module(target_or_head, jnp.bfloat16)`: see `with_dtype`."""
     return with_dtype
@@ -421,14 +423,14 @@ def chi_square_p_value(observed, probabilities, min_expected: float = 5.0) -> fl
     return float(jax.scipy.stats.chi2.sf(statistic, dof))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def chi_square():
     """`chi_square(observed counts [G, C] or [C], probabilities of the same shape)` -> p-value: see
     `chi_square_p_value`."""
     return chi_square_p_value
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def xla_compilations():
     """Context manager factory: `with xla_compilations() as compiled:` lists every XLA compilation in
     the process inside the block (jax reports each as a '/jax/core/compile/backend_compile_duration'

@@ -1,4 +1,5 @@
-"""What the example scripts do with a problem the user can fix: one `error: ...` line, exit status 2.
+"""What the commands and benchmark scripts do with a problem the user can fix: one `error: ...`
+line, exit status 2.
 
 A missing optional package or data file, a bad path or a bad value is reported the way
 `python -m eagle_jax.generate` reports it, not as a traceback.

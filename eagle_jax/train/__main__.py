@@ -1,7 +1,7 @@
-"""`python -m eagle_jax.train`: trains an EAGLE head (`eagle_jax.train.trainer`)."""
+"""`python -m eagle_jax.train`: trains an EAGLE head, as `eagle-jax-train` does (`eagle_jax.cli.train`)."""
 
 import sys
 
-from eagle_jax.train import trainer
+from eagle_jax.cli import train
 
-sys.exit(trainer.main())
+sys.exit(train.main())

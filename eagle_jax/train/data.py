@@ -350,15 +350,22 @@ def save_dataset(arrays: dict[str, np.ndarray], path: str | Path) -> Path:
     return path
 
 
-def load_dataset(path: str | Path) -> dict[str, np.ndarray]:
+def load_dataset(path: str | Path, vocab_size: int | None = None) -> dict[str, np.ndarray]:
     """Reads a `save_dataset` file, restoring int32 ids and lengths and a bool mask.
 
     A directory is read as the concatenation of its `*.npz` parts, in name order (the
     part files of `distill.distill_conversations`).
+
+    Args:
+        path: an npz file or a directory of them.
+        vocab_size: if given, every token id must lie in [0, vocab_size) (`check_token_ids`).
+
+    Raises:
+        ValueError: an id lies outside the vocabulary; the message names the file and the row.
     """
     path = Path(path)
     if path.is_dir():
-        parts = [load_dataset(part) for part in sorted(path.glob("*.npz"))]
+        parts = [load_dataset(part, vocab_size) for part in sorted(path.glob("*.npz"))]
         if not parts:
             raise FileNotFoundError(f"{path}: no .npz parts")
         return {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
@@ -367,7 +374,26 @@ def load_dataset(path: str | Path) -> dict[str, np.ndarray]:
     arrays["input_ids"] = arrays["input_ids"].astype(np.int32)
     arrays["lengths"] = arrays["lengths"].astype(np.int32)
     arrays["loss_mask"] = arrays["loss_mask"].astype(bool)
+    if vocab_size is not None:
+        check_token_ids(arrays, vocab_size, str(path))
     return arrays
+
+
+def check_token_ids(dataset: dict[str, np.ndarray], vocab_size: int, source: str = "the training data") -> None:
+    """Raises ValueError unless every id of `dataset["input_ids"]` lies in [0, vocab_size).
+
+    An id past the vocabulary would not fail on its own: the embedding lookup reads garbage and
+    training goes on, on rows that came from another tokenizer.
+    """
+    ids = dataset["input_ids"]
+    outside = (ids < 0) | (ids >= vocab_size)
+    if not outside.any():
+        return
+    row, position = divmod(int(np.argmax(outside)), ids.shape[1])  # the first one, row by row
+    rows = int(outside.any(axis=1).sum())
+    raise ValueError(f"{source}: row {row} holds token id {int(ids[row, position])} at position {position}, "
+                     f"outside the target's vocabulary of {vocab_size} ids ({rows} of {len(ids)} rows hold such "
+                     "ids): was it tokenized for another model?")
 
 
 def subset_by_tokens(dataset: dict[str, np.ndarray], num_tokens: int, seed: int = 0) -> dict[str, np.ndarray]:

@@ -2,14 +2,12 @@
 
 An EAGLE head is asked to predict the target's own continuations, so training on the target's
 answers (rather than ShareGPT's GPT-3.5 answers) matches what it will see at inference.
-`python -m eagle_jax.train.distill --prompts prompts.jsonl --out data.npz` writes the same arrays as
-`data.build_dataset` (input_ids, loss_mask on the generated tokens, lengths).
+`eagle-jax-distill --prompts prompts.jsonl --out data.npz` (`eagle_jax.cli.distill`) writes the same
+arrays as `data.build_dataset` (input_ids, loss_mask on the generated tokens, lengths).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -33,7 +31,7 @@ def distill(engine: engine_lib.Engine, prompts: list[np.ndarray], max_new_tokens
     answers depend on `seed`: another seed answers the same prompts anew.
     """
     order = np.argsort([len(p) for p in prompts], kind="stable")
-    chunk = chunk or engine.batch_size * 8
+    chunk = chunk or engine.config.batch_size * 8
     rows = len(prompts)
     input_ids = np.full((rows, sequence_length), pad_id, np.int32)
     loss_mask = np.zeros((rows, sequence_length), bool)
@@ -186,78 +184,7 @@ def tokenize_prompts(tokenizer, texts: list[str]) -> list[np.ndarray]:
     return [np.asarray(tokenization.encode(tokenizer, text, chat=True), np.int32) for text in texts]
 
 
-def pack_prompts(prompts: list[np.ndarray], pad_id: int = 0) -> dict[str, np.ndarray]:
-    """Prompts as padded rows + lengths, the layout `data.save_dataset` stores compactly."""
-    width = max(len(p) for p in prompts)
-    ids = np.full((len(prompts), width), pad_id, np.int32)
-    for row, prompt in enumerate(prompts):
-        ids[row, :len(prompt)] = prompt
-    return {"input_ids": ids, "loss_mask": ids >= 0, "lengths": np.asarray([len(p) for p in prompts], np.int32)}
+if __name__ == "__main__":  # `python -m eagle_jax.train.distill`, the same as `eagle-jax-distill`
+    from eagle_jax.cli import distill as distill_cli
 
-
-def main(argv=None) -> int:
-    from eagle_jax.io import models
-
-    parser = argparse.ArgumentParser(prog="python -m eagle_jax.train.distill", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="target (default SmolLM2-135M-Instruct)")
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--prompts", help="JSONL with a 'prompt' field (eagle_jax.cli.prepare_data), "
-                                          "or an npz of chat-templated ids from `tokenize_prompts`")
-    source.add_argument("--turns", help="npz of conversation turns (`pack_turns`, eagle_jax.cli.prepare_data "
-                                        "--distill-turns-out): every round and temperature, one part file each")
-    parser.add_argument("--out", required=True, help="npz (--prompts) or a directory of parts (--turns)")
-    parser.add_argument("--limit", type=int)
-    parser.add_argument("--max-prompt-tokens", type=int, default=256)
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0, help="with --prompts")
-    parser.add_argument("--temperatures", default="0", help="with --turns: comma list, greedy (0) first")
-    parser.add_argument("--rounds", type=int, default=1, help="with --turns: user turns per conversation")
-    parser.add_argument("--max-seconds", type=float, help="with --turns: start no new part after this long")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="sampling seed: another seed answers the same prompts anew (parts named -s<seed>)")
-    parser.add_argument("--dtype", choices=sorted(models.DTYPES), default="bfloat16")
-    args = parser.parse_args(argv)
-    began = time.time()
-    target, tokenizer_dir = models.load_target(args.model, args.dtype)
-    tokenizer = tokenization.load(tokenizer_dir)
-    pad_id = tokenizer.pad_token_id or 0
-    sequence_length = args.max_prompt_tokens + args.max_new_tokens
-    # One prefill width (max_length // 2) and one cache length: two compiled programs in all.
-    max_length = max(2 * args.max_prompt_tokens, sequence_length + 1)
-    engine = engine_lib.Engine(target, batch_size=args.batch_size, max_length=max_length, fixed_shapes=True)
-    if args.turns:
-        if not target.config.eos_token_ids:
-            parser.error("--turns needs a target with an end-of-turn (eos) token to close answers")
-        with np.load(args.turns) as packed:
-            conversations = unpack_turns(dict(packed))[:args.limit]
-        conversations = [turns for turns in conversations if len(turns[0]) <= args.max_prompt_tokens]
-        temperatures = [float(t) for t in args.temperatures.split(",")]
-        deadline = began + args.max_seconds if args.max_seconds else float("inf")
-        parts = distill_conversations(engine, conversations, temperatures, args.rounds, args.max_prompt_tokens,
-                                      args.max_new_tokens, pad_id, target.config.eos_token_ids[0], Path(args.out),
-                                      deadline, seed=args.seed)
-        # These parts only: the directory may hold others (another temperature's run, parts carried
-        # from an earlier lease), which would be counted as if this run had them.
-        masks = [data_lib.load_dataset(part)["loss_mask"] for part in parts]
-        print(f"{len(parts)} parts, {sum(len(mask) for mask in masks)} sequences, "
-              f"{sum(int(mask.sum()) for mask in masks)} generated tokens in {args.out} ({time.time() - began:.0f} s)",
-              file=sys.stderr)
-        return 0
-    if args.prompts.endswith(".npz"):
-        packed = data_lib.load_dataset(args.prompts)
-        prompts = [row[:length] for row, length in zip(packed["input_ids"], packed["lengths"])][:args.limit]
-    else:
-        lines = Path(args.prompts).read_text().splitlines()[:args.limit]
-        prompts = tokenize_prompts(tokenizer, [json.loads(line)["prompt"] for line in lines])
-    prompts = [p for p in prompts if len(p) <= args.max_prompt_tokens]
-    arrays = distill(engine, prompts, args.max_new_tokens, sequence_length, pad_id=pad_id,
-                     sampling=sampling_lib.Sampling(temperature=args.temperature), seed=args.seed)
-    data_lib.save_dataset(arrays, args.out)
-    print(f"{len(arrays['input_ids'])} sequences, {int(arrays['loss_mask'].sum())} generated tokens -> {args.out}",
-          file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(distill_cli.main())

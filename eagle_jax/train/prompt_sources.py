@@ -44,7 +44,7 @@ class Source:
             matches `/`.
         parse: a file's bytes -> its records (None for a record that does not parse).
         prompt: a record -> its first-turn prompt, or None when it has none.
-        licence: of this data, as its package states it (see docs/TRAINING.md for doubts).
+        licence: of this data, as its package states it (see docs/training.md for doubts).
         cap_per_file: keep at most this many prompts of one file (a seeded sample), so that a
             few huge synthetic files do not drown the rest.
         skip_files: globs of files not to read.

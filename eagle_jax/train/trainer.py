@@ -1,16 +1,16 @@
-"""EAGLE head training: `python -m eagle_jax.train` and the functions behind it.
+"""EAGLE head training: the functions behind `eagle-jax-train` (`eagle_jax.cli.train`).
 
 The target stays frozen and computes its features on the fly inside the compiled train step
 (Flax target, never another framework). Params and optimizer state are checkpointed with
-orbax and training resumes from the latest checkpoint in `--output/checkpoints`. At the end
-the head is exported in the public HF layout and evaluated on held-out prompts.
+orbax and training resumes from the latest checkpoint in `output/checkpoints`, once that
+checkpoint is verified (the head's tree and shapes, finite values). A step whose loss or
+updated parameters are not finite stops training with `DivergedError`, so a diverged run never
+writes a checkpoint or exports a head.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import sys
 import time
 from pathlib import Path
@@ -24,14 +24,23 @@ import tqdm
 from flax import nnx
 
 from eagle_jax.io import checkpoint
-from eagle_jax.train import data as data_lib
+from eagle_jax.io import hf_files
 from eagle_jax.model import eagle
-from eagle_jax.serve import engine as engine_lib
 from eagle_jax.model import layers
 from eagle_jax.model import llama
-from eagle_jax.io import models
-from eagle_jax.io import tokenization
+from eagle_jax.serve import engine as engine_lib
+from eagle_jax.serve import config as config_lib
+from eagle_jax.serve import result as result_lib
+from eagle_jax.train import data as data_lib
 from eagle_jax.train import objective as train_objective
+
+
+class DivergedError(ValueError):
+    """A train step's loss or updated parameters are not finite; `step` is the first such step."""
+
+    def __init__(self, message: str, step: int):
+        super().__init__(message)
+        self.step = step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,10 +96,11 @@ def extend_draft_vocabulary(head: eagle.Eagle3Head, token_counts: np.ndarray, si
     token's column starts where a least-squares fit over the trained ones puts it: a column as a
     linear function of its token's row of the target's `output_embedding` [V, D], the token's log
     count and a constant (frequent tokens score higher a priori). A trained head's columns follow
-    the target's geometry closely. Offline, on the run-8 head with its 8,192 added columns so
-    placed from run 7's (docs/TRAINING.md, run 8; `benchmarks/vocab_init_probe.py`): top-1 agreement
-    with the target 0.923 at once, against 0.817 with every added column at the trained columns'
-    mean, and 0.925 once trained.
+    the target's geometry closely. Measured on a CPU on 2026-12-01 (commit d109116,
+    `benchmarks/vocab_init_probe.py`; docs/training.md): a 16,384-token head whose 8,192 added
+    columns were placed from an 8,192-token head's agreed with the target's top-1 token 0.923 of
+    the time at once, against 0.817 with every added column at the trained columns' mean, and
+    0.925 once trained.
     """
     old_size = head.config.draft_vocab_size
     if not old_size <= size <= len(token_counts):
@@ -183,6 +193,19 @@ def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
                        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay))
 
 
+def all_finite(tree) -> jax.Array:
+    """One bool: every floating-point leaf of `tree` is finite (integer leaves always are)."""
+    checks = [jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(tree) if jnp.issubdtype(leaf.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(checks)) if checks else jnp.asarray(True)
+
+
+def non_finite_paths(tree) -> list[str]:
+    """The paths of the floating-point leaves of `tree` holding a NaN or an infinity (read on the host)."""
+    leaves = jax.tree_util.tree_flatten_with_path(jax.device_get(tree))[0]
+    return [jax.tree_util.keystr(path) for path, leaf in leaves
+            if np.issubdtype(np.asarray(leaf).dtype, np.inexact) and not np.isfinite(leaf).all()]
+
+
 class Trainer:
     """Holds the split modules and the compiled train step."""
 
@@ -197,10 +220,26 @@ class Trainer:
         if isinstance(head, eagle.Eagle3Head):
             self.draft_ids = head.to_target_ids(jnp.arange(head.config.draft_vocab_size, dtype=jnp.int32))
         self.step = 0
+        # (step, loss, updated params finite) of the steps since the last `check_finite`, still on the
+        # device: reading them every step would make the host wait for each step before queueing the next.
+        self._unchecked: list[tuple[int, jax.Array, jax.Array]] = []
         self._train_step = jax.jit(self._step_fn, donate_argnums=(0, 1))
 
     def head(self):
         return nnx.merge(self.head_def, self.params, self.rest)
+
+    def checked_head(self):
+        """The head, once every step so far and every parameter is checked finite: the one to export.
+
+        Raises:
+            DivergedError: a step's loss or a parameter is not finite.
+        """
+        self.check_finite()
+        bad = non_finite_paths(self.params)
+        if bad:
+            raise DivergedError(f"the head at step {self.step} has non-finite parameters ({', '.join(bad[:3])}): "
+                                "not exported", self.step)
+        return self.head()
 
     def _loss(self, params, target_state, tokens, loss_mask, rng):
         head = nnx.merge(self.head_def, params, self.rest)
@@ -211,34 +250,100 @@ class Trainer:
         (_, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(params, target_state, tokens, loss_mask, rng)
         updates, opt_state = self.optimizer.update(grads, opt_state, params)
         metrics["grad_norm"] = optax.global_norm(grads)
-        return optax.apply_updates(params, updates), opt_state, metrics
+        params = optax.apply_updates(params, updates)
+        # A NaN learning rate gives a finite loss and NaN parameters: the step checks both.
+        metrics["finite_params"] = all_finite(params)
+        return params, opt_state, metrics
 
-    def train_step(self, tokens: np.ndarray, loss_mask: np.ndarray) -> dict[str, float]:
+    def train_step(self, tokens: np.ndarray, loss_mask: np.ndarray) -> dict[str, jax.Array]:
+        """One optimizer step; its finiteness is checked later, by `check_finite`."""
         rng = jax.random.fold_in(jax.random.key(self.cfg.seed), self.step)
         self.params, self.opt_state, metrics = self._train_step(
             self.params, self.opt_state, self.target_state, jnp.asarray(tokens, jnp.int32), jnp.asarray(loss_mask), rng)
         self.step += 1
+        self._unchecked.append((self.step, metrics["loss"], metrics.pop("finite_params")))
         return metrics
+
+    def check_finite(self) -> None:
+        """Raises `DivergedError` naming the first step since the last check whose loss or updated
+        parameters are not finite (a learning rate too high, or bad data)."""
+        unchecked, self._unchecked = jax.device_get(self._unchecked), []
+        for step, loss, finite_params in unchecked:
+            if not np.isfinite(loss):
+                raise DivergedError(f"training diverged at step {step}: the loss is {float(loss)} (learning rate "
+                                    f"{self.cfg.learning_rate:g}: lower it)", step)
+            if not finite_params:
+                raise DivergedError(f"training diverged at step {step}: its update made parameters non-finite "
+                                    f"(learning rate {self.cfg.learning_rate:g}: lower it)", step)
 
     # ---- orbax checkpoints ---------------------------------------------------------------
     def checkpoint_manager(self, directory: Path) -> ocp.CheckpointManager:
         options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
-        return ocp.CheckpointManager(directory.resolve(), options=options)
+        # The handler named up front, so that a new manager can read a checkpoint's metadata
+        # (`restore` checks its tree and shapes) before restoring anything.
+        return ocp.CheckpointManager(directory.resolve(), options=options,
+                                     item_handlers=ocp.StandardCheckpointHandler())
 
     def save(self, manager: ocp.CheckpointManager) -> None:
+        """Checkpoints the params and optimizer state, once the steps since the last check are finite."""
+        self.check_finite()
         state = {"params": self.params, "opt_state": self.opt_state}
         manager.save(self.step, args=ocp.args.StandardSave(state))
         manager.wait_until_finished()
 
     def restore(self, manager: ocp.CheckpointManager) -> bool:
-        """Loads the latest checkpoint if there is one; returns whether it did."""
+        """Loads the latest checkpoint if there is one, after verifying it; returns whether it did.
+
+        Raises:
+            hf_files.CheckpointError: the checkpoint was written for another head (its parameter
+                tree or shapes differ), cannot be read into this head and optimizer, or holds
+                non-finite values (damaged files, or a run that had diverged).
+        """
         step = manager.latest_step()
         if step is None:
             return False
+        where = f"the checkpoint of step {step} in {manager.directory}"
+        try:
+            stored = manager.item_metadata(step)["params"]
+        except (KeyError, TypeError, ValueError, OSError) as error:  # no metadata, or not a trainer's checkpoint
+            raise hf_files.CheckpointError(f"{where} cannot be read as a training checkpoint: {error!r}") from error
+        check_checkpoint_params(stored, self.params, where)
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": self.params, "opt_state": self.opt_state})
-        state = manager.restore(step, args=ocp.args.StandardRestore(abstract))
+        try:
+            state = manager.restore(step, args=ocp.args.StandardRestore(abstract))
+        except ValueError as error:
+            raise hf_files.CheckpointError(f"{where} cannot be restored into this head and optimizer: {error}") \
+                from error
+        bad = non_finite_paths(state)
+        if bad:
+            earlier = [s for s in manager.all_steps() if s < step]
+            instead = (f"delete {Path(manager.directory) / str(step)} to resume from step {earlier[-1]}" if earlier
+                       else f"delete {manager.directory} to start over")
+            raise hf_files.CheckpointError(f"{where} holds non-finite values in {len(bad)} arrays "
+                                           f"({', '.join(bad[:3])}): {instead}")
         self.params, self.opt_state, self.step = state["params"], state["opt_state"], int(step)
         return True
+
+
+def check_checkpoint_params(stored, params: dict, where: str) -> None:
+    """Raises `hf_files.CheckpointError` unless a checkpoint's params metadata has `params`' tree and shapes.
+
+    Checked before restoring, so that a checkpoint of another head (another method, width or
+    draft vocabulary, written to the same output directory) is named as such.
+    """
+    shapes = lambda tree: {jax.tree_util.keystr(path): tuple(leaf.shape)
+                           for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    found, expected = shapes(stored), shapes(params)
+    missing, extra = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected.keys())
+    if missing or extra:
+        raise hf_files.CheckpointError(
+            f"{where} was written for another head: it lacks {len(missing)} of this head's parameter arrays "
+            f"{missing[:3]} and has {len(extra)} others {extra[:3]}; give another output directory")
+    differ = [f"{name} {found[name]} there, {expected[name]} here" for name in sorted(expected)
+              if found[name] != expected[name]]
+    if differ:
+        raise hf_files.CheckpointError(f"{where} was written for another head: {'; '.join(differ[:3])}; "
+                                       "give another output directory")
 
 
 def batches(dataset: dict[str, np.ndarray], batch_size: int, seed: int, start_step: int):
@@ -262,8 +367,15 @@ def train(target: llama.Llama, dataset: dict[str, np.ndarray], cfg: TrainConfig,
     """Trains (or resumes) a head; returns the trainer and the logged metrics.
 
     `max_seconds` stops early (with a checkpoint) once that much wall time has passed, so a
-    run fits a fixed lease; the learning-rate schedule still spans `cfg.steps`.
+    run fits a fixed time budget; the learning-rate schedule still spans `cfg.steps`.
+
+    Raises:
+        ValueError: a token id of `dataset` lies outside the target's vocabulary.
+        DivergedError: a step's loss or updated parameters are not finite (checked every 25
+            steps and before each checkpoint, so nothing non-finite is saved).
+        hf_files.CheckpointError: the checkpoint to resume from fails its verification.
     """
+    data_lib.check_token_ids(dataset, target.config.vocab_size)
     if head is None:
         counts = token_counts(dataset, target.config.vocab_size) if cfg.method == "eagle3" else None
         head = new_head(target.config, cfg, counts, dtype=target.embed_tokens.embedding[...].dtype)
@@ -272,38 +384,40 @@ def train(target: llama.Llama, dataset: dict[str, np.ndarray], cfg: TrainConfig,
     if trainer.restore(manager):
         print(f"resumed from step {trainer.step}", file=sys.stderr)
     log = []
-    bar = tqdm.tqdm(total=cfg.steps, initial=trainer.step, desc=f"train {cfg.method}", disable=not progress)
     began, tokens_seen = time.perf_counter(), 0
-    for tokens, mask in batches(dataset, cfg.batch_size, cfg.seed, trainer.step):
-        if trainer.step >= cfg.steps:
-            break
-        if max_seconds is not None and time.perf_counter() - began > max_seconds:
-            print(f"stopping at step {trainer.step}: --max-seconds {max_seconds:g} reached", file=sys.stderr)
-            trainer.save(manager)
-            break
-        metrics = trainer.train_step(tokens, mask)
-        tokens_seen += int(mask.sum())
-        if trainer.step % 25 == 0 or trainer.step in (1, cfg.steps):
-            metrics = {name: float(value) for name, value in jax.device_get(metrics).items()}
-            metrics.update(step=trainer.step, tokens_per_second=tokens_seen / (time.perf_counter() - began))
-            log.append(metrics)
-            shown = {"loss": f"{metrics['loss']:.3f}", "tok/s": f"{metrics['tokens_per_second']:.0f}"}
-            shown.update({f"acc{j}": f"{metrics[f'accuracy_{j}']:.2f}" for j in range(cfg.objective.num_steps)})
-            bar.set_postfix(shown)
-        bar.update(1)
-        if trainer.step % cfg.checkpoint_every == 0 or trainer.step == cfg.steps:
-            trainer.save(manager)
-    bar.close()
+    # A context, so that the bar is closed before an error's message is printed.
+    with tqdm.tqdm(total=cfg.steps, initial=trainer.step, desc=f"train {cfg.method}", disable=not progress) as bar:
+        for tokens, mask in batches(dataset, cfg.batch_size, cfg.seed, trainer.step):
+            if trainer.step >= cfg.steps:
+                break
+            if max_seconds is not None and time.perf_counter() - began > max_seconds:
+                print(f"stopping at step {trainer.step}: --max-seconds {max_seconds:g} reached", file=sys.stderr)
+                trainer.save(manager)
+                break
+            metrics = trainer.train_step(tokens, mask)
+            tokens_seen += int(mask.sum())
+            if trainer.step % 25 == 0 or trainer.step in (1, cfg.steps):
+                trainer.check_finite()
+                metrics = {name: float(value) for name, value in jax.device_get(metrics).items()}
+                metrics.update(step=trainer.step, tokens_per_second=tokens_seen / (time.perf_counter() - began))
+                log.append(metrics)
+                shown = {"loss": f"{metrics['loss']:.3f}", "tok/s": f"{metrics['tokens_per_second']:.0f}"}
+                shown.update({f"acc{j}": f"{metrics[f'accuracy_{j}']:.2f}" for j in range(cfg.objective.num_steps)})
+                bar.set_postfix(shown)
+            bar.update(1)
+            if trainer.step % cfg.checkpoint_every == 0 or trainer.step == cfg.steps:
+                trainer.save(manager)
+    trainer.check_finite()
     return trainer, log
 
 
 def acceptance_length(target: llama.Llama, head, prompts: list[np.ndarray], k: int, max_new_tokens: int = 256,
                       batch_size: int = 1) -> dict:
     """Greedy acceptance length over prompts, vLLM's convention (1 + accepted / drafts, pooled)."""
-    engine = engine_lib.Engine(target, head, num_speculative_tokens=k, batch_size=batch_size,
-                               max_length=max(len(p) for p in prompts) + max_new_tokens + k + 1)
+    engine = engine_lib.Engine(target, head, config_lib.EngineConfig(
+        num_speculative_tokens=k, batch_size=batch_size, max_length=max(len(p) for p in prompts) + max_new_tokens + k + 1))
     results = engine.generate(prompts, max_new_tokens=max_new_tokens)
-    return dict(k=k, num_prompts=len(prompts), **engine_lib.pooled_stats(results, k))
+    return dict(k=k, num_prompts=len(prompts), **result_lib.pooled_stats(results, k))
 
 
 def attention_implementation(choice: str, dtype: str) -> str:
@@ -311,108 +425,3 @@ def attention_implementation(choice: str, dtype: str) -> str:
     if choice != "auto":
         return choice
     return "cudnn" if jax.default_backend() == "gpu" and dtype in ("bfloat16", "float16") else "xla"
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m eagle_jax.train", description=__doc__.splitlines()[0])
-    parser.add_argument("--method", choices=["eagle", "eagle3"], default="eagle3")
-    parser.add_argument("--model", help="target (HF dir, converted dir or .gguf; default SmolLM2-135M-Instruct)")
-    parser.add_argument("--data", required=True, help="npz from eagle_jax.cli.prepare_data or eagle_jax.train.distill, "
-                                                      "or a directory of such parts")
-    parser.add_argument("--output", required=True, help="run directory: checkpoints/, head/, metrics.json")
-    parser.add_argument("--dtype", choices=sorted(models.DTYPES), default="bfloat16")
-    parser.add_argument("--steps", type=int, default=2000)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--learning-rate", type=float, default=5e-4)
-    parser.add_argument("--warmup-steps", type=int, default=100)
-    parser.add_argument("--unroll", type=int, help="training-time-test steps (default: 1 eagle, 7 eagle3)")
-    parser.add_argument("--draft-vocab-size", type=int,
-                        help="EAGLE-3 draft vocabulary (default: an --init-head's, else 8192); larger than an "
-                             "--init-head's, that head's is extended with the most frequent other tokens "
-                             "(`extend_draft_vocabulary`)")
-    parser.add_argument("--attention", choices=["auto", "xla", "cudnn"], default="auto",
-                        help="attention of the train step: XLA einsums, or cuDNN's fused kernel (GPU, bf16/fp16; "
-                             "1.7x faster steps on an H200); auto picks cuDNN where it runs")
-    parser.add_argument("--train-tokens", type=int,
-                        help="train on random whole rows holding this many generated tokens (data-scaling runs)")
-    parser.add_argument("--head-intermediate-size", type=int,
-                        help="MLP width of a new head (default: the target's); a wider head costs little at "
-                             "inference, where the head's step is a small part of a speculative step. With "
-                             "--init-head, that head's MLP is widened to it (`widen_mlp`)")
-    parser.add_argument("--head-layers", type=int,
-                        help="EAGLE-3: decoder layers of a new head (default 1); more than an --init-head's, "
-                             "layers that start as the identity are added to it (`add_layers`)")
-    parser.add_argument("--init-head", help="start from this exported head (public layout) instead of random "
-                                            "weights; a fresh optimiser and schedule (ignored when resuming)")
-    parser.add_argument("--max-seconds", type=float, help="stop (and checkpoint) after this much training time")
-    parser.add_argument("--eval-prompts", type=int, default=80, help="MT-Bench first turns for the final check")
-    parser.add_argument("--eval-k", type=int, default=5)
-    parser.add_argument("--eval-max-new-tokens", type=int, default=256)
-    args = parser.parse_args(argv)
-    if args.head_layers is not None and (args.head_layers < 1 or (args.method == "eagle" and args.head_layers != 1)):
-        parser.error(f"--head-layers {args.head_layers}: an EAGLE-3 head has 1 or more layers, an EAGLE-1 head one")
-    # Read before training, so a missing MT-Bench file fails at once rather than after the run.
-    questions = data_lib.load_mtbench()[:args.eval_prompts] if args.eval_prompts else []
-
-    target, tokenizer_dir = models.load_target(args.model, args.dtype)
-    dataset = data_lib.load_dataset(args.data)
-    if args.train_tokens:
-        dataset = data_lib.subset_by_tokens(dataset, args.train_tokens)
-    output = Path(args.output)
-    head = None
-    draft_vocab_size = args.draft_vocab_size or TrainConfig.draft_vocab_size
-    if args.init_head:
-        head = models.load_head(args.init_head, target, args.dtype, param_dtype="float32")
-        kind = "eagle3" if isinstance(head, eagle.Eagle3Head) else "eagle"
-        if kind != args.method:
-            parser.error(f"--init-head {args.init_head} is an {kind} head, not {args.method}")
-        if kind == "eagle3":  # by default the head keeps its vocabulary
-            draft_vocab_size = args.draft_vocab_size or head.config.draft_vocab_size
-        if kind == "eagle3" and head.config.draft_vocab_size > draft_vocab_size:
-            parser.error(f"--init-head {args.init_head} has a {head.config.draft_vocab_size}-token draft vocabulary, "
-                         f"more than --draft-vocab-size {draft_vocab_size} (a vocabulary extends, never shrinks)")
-        width = head.config.layer.intermediate_size
-        if args.head_intermediate_size and args.head_intermediate_size < width:
-            parser.error(f"--init-head {args.init_head} has an MLP {width} wide, more than --head-intermediate-size "
-                         f"{args.head_intermediate_size} (a head widens, never narrows)")
-        if args.head_intermediate_size and args.head_intermediate_size > width:
-            head = widen_mlp(head, args.head_intermediate_size)
-        if args.head_layers and args.head_layers < head.config.num_layers:
-            parser.error(f"--init-head {args.init_head} has {head.config.num_layers} layers, more than --head-layers "
-                         f"{args.head_layers} (a head deepens, never loses layers)")
-        if args.head_layers and args.head_layers > head.config.num_layers:
-            head = add_layers(head, args.head_layers)
-        if kind == "eagle3" and head.config.draft_vocab_size < draft_vocab_size:
-            head = extend_draft_vocabulary(head, token_counts(dataset, target.config.vocab_size), draft_vocab_size,
-                                           np.asarray(target.output_embedding()))
-    unroll = args.unroll or (1 if args.method == "eagle" else 7)
-    cfg = TrainConfig(method=args.method, steps=args.steps, batch_size=args.batch_size, learning_rate=args.learning_rate,
-                      warmup_steps=args.warmup_steps, draft_vocab_size=draft_vocab_size,
-                      head_intermediate_size=args.head_intermediate_size, head_layers=args.head_layers or 1,
-                      objective=train_objective.Objective(num_steps=unroll,
-                                                          attention=attention_implementation(args.attention, args.dtype)))
-    began = time.perf_counter()
-    trainer, log = train(target, dataset, cfg, output, head=head, max_seconds=args.max_seconds)
-    seconds = time.perf_counter() - began
-    head = trainer.head()
-    models.export_head(head, target.config, output / "head")
-    summary = dict(method=args.method, steps=trainer.step, train_seconds=seconds, final=log[-1] if log else None,
-                   device=jax.devices()[0].device_kind, jax_version=jax.__version__, config=repr(cfg),
-                   num_sequences=len(dataset["input_ids"]), sequence_length=int(dataset["input_ids"].shape[1]),
-                   num_trained_tokens=int(dataset["loss_mask"].sum()))
-    if args.method == "eagle3":  # how much of the trained text the draft vocabulary can express
-        counts = token_counts(dataset, target.config.vocab_size)
-        chosen = np.arange(cfg.draft_vocab_size) + np.asarray(head.d2t[...])  # the head's own (an extended one's too)
-        summary["draft_vocab_coverage"] = float(counts[chosen].sum() / counts.sum())
-    if args.eval_prompts:
-        tokenizer = tokenization.load(tokenizer_dir)
-        prompts = [np.asarray(tokenization.encode(tokenizer, q["turns"][0], chat=True)) for q in questions]
-        exported = models.load_head(output / "head", target, args.dtype)
-        summary["eval"] = acceptance_length(target, exported, prompts, args.eval_k, args.eval_max_new_tokens)
-        print(f"MT-Bench acceptance length at k={args.eval_k}: {summary['eval']['acceptance_length']:.3f}")
-    (output / "metrics.json").write_text(json.dumps(dict(summary, log=log), indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,15 +1,13 @@
-"""The example scripts: a missing optional package or data file is one `error:` line, status 2; the
+"""The benchmark scripts: a missing optional package or data file is one `error:` line, status 2; the
 benchmark records the schedulers it is asked to compare and expands its tree option lists; the
 plots read only default-setting rows into the method comparison, draw the tree sweep and the
 newest serving-setting rows of each batch size and scheduler; the 8B-shaped timing runs several
 steps per call."""
 
-import io
 import json
 import os
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 
 import jax
@@ -138,6 +136,11 @@ def mtbench_row(method, k, tokens_per_second, acceptance, **settings):
                 acceptance_rate_per_position=[0.5] * k, device="NVIDIA H200", dtype="bfloat16", **settings)
 
 
+def trained(when):
+    """A `head` field as the result files name a head: when its training ended (UTC) and its commit."""
+    return f"EAGLE-3 trained {when} UTC, commit 0000000"
+
+
 def test_plots_compare_default_settings_and_draw_the_tree_sweep(tmp_path, monkeypatch):
     sys.path.insert(0, str(REPO / "benchmarks"))
     import plot_results
@@ -148,29 +151,29 @@ def test_plots_compare_default_settings_and_draw_the_tree_sweep(tmp_path, monkey
             mtbench_row("none", 0, 990.0, 1.0, xla_flags="--xla_gpu_enable_command_buffer=+WHILE"),
             mtbench_row("none", 0, 995.0, 1.0, decode_kernels="pallas", steps_per_check=8),
             # The newest head's row stands, though an older head was measured after it.
-            mtbench_row("eagle3", 5, 1900.0, 2.9, head="run 6", date="2026-11-30T22:06:00"),
-            mtbench_row("eagle3", 5, 1850.0, 2.8, head="run 5", date="2026-11-30T22:14:00"),
+            mtbench_row("eagle3", 5, 1900.0, 2.9, head=trained("2026-11-30 22:25"), date="2026-11-30T22:06:00"),
+            mtbench_row("eagle3", 5, 1850.0, 2.8, head=trained("2026-11-30 19:55"), date="2026-11-30T22:14:00"),
             # A newer head with no trees yet, exported to the same path: its chain is not the trees' chain.
-            mtbench_row("eagle3", 5, 1950.0, 3.0, head="run 7", draft="/root/stage/run/eagle3/head",
+            mtbench_row("eagle3", 5, 1950.0, 3.0, head=trained("2026-12-01 01:34"), draft="/root/stage/run/eagle3/head",
                         date="2026-12-01T10:00:00"),
             # A newer head that was not shipped never replaces a shipped head's row.
-            mtbench_row("eagle3", 5, 1990.0, 2.95, head="run 8", shipped=False, date="2026-12-01T15:00:00")]
+            mtbench_row("eagle3", 5, 1990.0, 2.95, head=trained("2026-12-01 04:39"), shipped=False, date="2026-12-01T15:00:00")]
     rows += [mtbench_row("eagle3", 5, 1300.0 + n, 2.5 + n / 100, speculative_eagle_topk=topk, speculative_num_steps=5,
-                         speculative_num_draft_tokens=n, head="run 6", draft="/root/stage/run/eagle3/head",
+                         speculative_num_draft_tokens=n, head=trained("2026-11-30 22:25"), draft="/root/stage/run/eagle3/head",
                          date="2026-11-30T22:10:00")
              for topk in (4, 8) for n in (16, 32)]
-    # The trees' head measured again in a later lease: the chain beside the trees stays their lease's.
-    rows.append(mtbench_row("eagle3", 5, 1800.0, 2.7, head="run 6", date="2026-12-02T00:33:00+00:00"))
+    # The trees' head measured again in a later window: the chain beside the trees stays their window's.
+    rows.append(mtbench_row("eagle3", 5, 1800.0, 2.7, head=trained("2026-11-30 22:25"), date="2026-12-02T00:33:00+00:00"))
     # An older head's tree, measured later at a setting the newest head lacks, stays out of the sweep.
     rows.append(mtbench_row("eagle3", 5, 1000.0, 2.0, speculative_eagle_topk=4, speculative_num_steps=5,
-                            speculative_num_draft_tokens=64, head="run 5", date="2026-11-30T23:00:00"))
-    # A later lease's repeat of one tree shape does not patch the widest lease's sweep.
+                            speculative_num_draft_tokens=64, head=trained("2026-11-30 19:55"), date="2026-11-30T23:00:00"))
+    # A later window's repeat of one tree shape does not patch the widest window's sweep.
     rows.append(mtbench_row("eagle3", 5, 2050.0, 4.06, speculative_eagle_topk=4, speculative_num_steps=5,
-                            speculative_num_draft_tokens=16, head="run 6", draft="/root/stage/run/eagle3/head",
+                            speculative_num_draft_tokens=16, head=trained("2026-11-30 22:25"), draft="/root/stage/run/eagle3/head",
                             date="2026-12-02T14:07:35+00:00"))
     # The newest head's tree on other decode kernels is another setting: it stays out too.
     rows.append(mtbench_row("eagle3", 5, 1100.0, 2.7, speculative_eagle_topk=4, speculative_num_steps=5,
-                            speculative_num_draft_tokens=16, head="run 6", decode_kernels="pallas_linear"))
+                            speculative_num_draft_tokens=16, head=trained("2026-11-30 22:25"), decode_kernels="pallas_linear"))
     results = tmp_path / "mtbench.json"
     results.write_text(json.dumps(rows))
     drawn, sweeps = [], []
@@ -187,70 +190,70 @@ def test_plots_compare_default_settings_and_draw_the_tree_sweep(tmp_path, monkey
     assert sorted((r["speculative_num_draft_tokens"], r["output_tokens_per_second"]) for r in trees) == [
         (16, 1316.0), (16, 1316.0), (32, 1332.0), (32, 1332.0)]
     # Beside the trees: the chain, and plain decoding with any kernels on one device (the fastest is drawn).
-    assert [(r["method"], r["head"], r["output_tokens_per_second"]) for r in chains] == [("eagle3", "run 6", 1900.0)]
+    assert [(r["method"], r["head"], r["output_tokens_per_second"]) for r in chains] == [("eagle3", trained("2026-11-30 22:25"), 1900.0)]
     assert sorted(r["output_tokens_per_second"] for r in plain) == [700.0, 800.0]
     assert plain_beside_k == plain
     assert (tmp_path / "tree_sweep.png").stat().st_size > 0
     assert not (tmp_path / "data_scaling.png").exists()  # no scaling rows given
 
 
-def test_plain_decoding_beside_a_curve_comes_from_the_curves_lease():
-    """A plain-decoding line beside one lease's curve is that lease's, or the nearest lease's: a
-    faster plain run of a later lease (new kernels) would shrink a speedup no run measured."""
+def test_plain_decoding_beside_a_curve_comes_from_the_curves_window():
+    """A plain-decoding line beside one measurement window's curve is that window's, or the nearest
+    window's: a faster plain run of a later window (new kernels) would shrink a speedup nothing measured."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     import plot_results
     then = mtbench_row("none", 0, 923.0, 1.0, date="2026-12-02T07:10:00+00:00")
     later = mtbench_row("none", 0, 1170.0, 1.0, date="2026-12-02T15:58:00+00:00")
     curve = [mtbench_row("eagle3", k, 2000.0 + k, 3.0, date=f"2026-12-02T07:{20 + k}:00+00:00") for k in (5, 6)]
-    assert plot_results.of_lease([then, later], curve) == [then]
+    assert plot_results.of_nearest_window([then, later], curve) == [then]
     earlier = mtbench_row("none", 0, 900.0, 1.0, date="2026-12-02T02:10:00+00:00")
-    assert plot_results.of_lease([earlier, later], curve) == [earlier]  # none in the curve's lease: the nearest
-    assert plot_results.of_lease([then, later], [mtbench_row("eagle3", 6, 2000.0, 3.0)]) == [then, later]
+    assert plot_results.of_nearest_window([earlier, later], curve) == [earlier]  # none in the curve's window: the nearest
+    assert plot_results.of_nearest_window([then, later], [mtbench_row("eagle3", 6, 2000.0, 3.0)]) == [then, later]
 
 
-def test_a_k_sweep_comes_from_one_lease():
-    """Acceptance moves from lease to lease: a method's curve is the lease with the most k values of
-    its newest head, not each k's latest row."""
+def test_a_k_sweep_comes_from_one_window():
+    """Acceptance moves from one measurement window to the next: a method's curve is the window with
+    the most k values of its newest head, not each k's latest row."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     import plot_results
-    first = [mtbench_row("eagle3", k, 1500.0 + k, 2.0 + k / 10, head="run 14", date=f"2026-12-02T00:2{k}:00")
+    first = [mtbench_row("eagle3", k, 1500.0 + k, 2.0 + k / 10, head=trained("2026-12-02 00:36"), date=f"2026-12-02T00:2{k}:00")
              for k in range(1, 8)]
-    second = [mtbench_row("eagle3", k, 1400.0 + k, 1.9 + k / 10, head="run 14", date=f"2026-12-02T02:5{k}:00")
+    second = [mtbench_row("eagle3", k, 1400.0 + k, 1.9 + k / 10, head=trained("2026-12-02 00:36"), date=f"2026-12-02T02:5{k}:00")
               for k in (5, 6)]
-    older_head = [mtbench_row("eagle3", k, 1000.0, 1.5, head="run 10", date="2026-12-01T12:00:00") for k in range(1, 9)]
+    older_head = [mtbench_row("eagle3", k, 1000.0, 1.5, head=trained("2026-12-01 12:22"), date="2026-12-01T12:00:00") for k in range(1, 9)]
     plain = mtbench_row("none", 0, 900.0, 1.0, date="2026-12-02T02:50:00")
     rows = first + second + older_head + [plain]
     shown = plot_results.latest_of_newest_head(rows)
-    chosen = plot_results.one_lease_sweeps(shown, rows)
+    chosen = plot_results.one_window_sweeps(shown, rows)
     assert sorted((r["k"], r["acceptance_length"]) for r in chosen if r["method"] == "eagle3") == [
         (r["k"], r["acceptance_length"]) for r in first]
     assert [r for r in chosen if r["method"] == "none"] == [plain]
-    # A later lease that measured every k as well is the newer sweep.
+    # A later window that measured every k as well is the newer sweep.
     again = [dict(r, date=r["date"].replace("T00:2", "T05:1"), acceptance_length=3.0) for r in first]
-    chosen = plot_results.one_lease_sweeps(plot_results.latest_of_newest_head(rows + again), rows + again)
+    chosen = plot_results.one_window_sweeps(plot_results.latest_of_newest_head(rows + again), rows + again)
     assert {r["acceptance_length"] for r in chosen if r["method"] == "eagle3"} == {3.0}
 
 
 def test_a_k_sweep_is_drawn_on_one_set_of_decode_kernels():
-    """Batch-1 sweeps ran on XLA's kernels, then on Pallas': a lease that measured a few k on each
-    is two runs, never one curve (k = 1-8 together, wider than the XLA sweep's 1-7); a later full
+    """Batch-1 sweeps ran on XLA's kernels, then on Pallas': a window that measured a few k on each
+    is two groups, never one curve (k = 1-8 together, wider than the XLA sweep's 1-7); a later full
     sweep on Pallas' kernels replaces XLA's."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     import plot_results
-    xla = [mtbench_row("eagle3", k, 1800.0 + k, 3.0, head="run 14", date=f"2026-12-02T00:2{k}:00") for k in range(1, 8)]
-    both = [mtbench_row("eagle3", k, 2000.0, 3.1, head="run 14", date=f"2026-12-02T11:1{k}:00", decode_kernels=kernels)
+    xla = [mtbench_row("eagle3", k, 1800.0 + k, 3.0, head=trained("2026-12-02 00:36"), date=f"2026-12-02T00:2{k}:00") for k in range(1, 8)]
+    both = [mtbench_row("eagle3", k, 2000.0, 3.1, head=trained("2026-12-02 00:36"), date=f"2026-12-02T11:1{k}:00", decode_kernels=kernels)
             for kernels, ks in (("pallas", (1, 2, 3, 4)), ("xla", (5, 6, 7, 8))) for k in ks]
     rows = plot_results.default_settings(xla + both, plot_results.SWEEP_KERNELS)
-    chosen = plot_results.one_lease_sweeps(plot_results.latest_of_newest_head(rows), rows)
+    chosen = plot_results.one_window_sweeps(plot_results.latest_of_newest_head(rows), rows)
     assert sorted((r["k"], r["output_tokens_per_second"]) for r in chosen) == [(r["k"], r["output_tokens_per_second"])
                                                                             for r in xla]
-    pallas = [mtbench_row("eagle3", k, 2050.0 + k, 3.2, head="run 14", date=f"2026-12-02T12:4{k}:00",
+    pallas = [mtbench_row("eagle3", k, 2050.0 + k, 3.2, head=trained("2026-12-02 00:36"), date=f"2026-12-02T12:4{k}:00",
                           decode_kernels="pallas") for k in range(1, 8)]
     rows = plot_results.default_settings(xla + both + pallas, plot_results.SWEEP_KERNELS)
-    chosen = plot_results.one_lease_sweeps(plot_results.latest_of_newest_head(rows), rows)
+    chosen = plot_results.one_window_sweeps(plot_results.latest_of_newest_head(rows), rows)
     assert sorted((r["k"], r["output_tokens_per_second"]) for r in chosen) == [
         (r["k"], r["output_tokens_per_second"]) for r in pallas]
-    # k_at_batch.png's batch-1 line fills a k its sweep lacks from its own kernels' runs only.
+    # k_at_batch.png's batch-1 line fills a k its sweep lacks from its own kernels' windows only.
     short = [r for r in pallas if r["k"] != 7]  # wider than XLA's k = 1-5, so drawn
     sweep = plot_results.k_sweeps_by_batch(xla[:5] + both + short, (80, 256))[1]
     assert sweep["tokens_per_s"] == {r["k"]: r["output_tokens_per_second"] for r in short}
@@ -283,9 +286,10 @@ def test_data_scaling_plot_keeps_one_point_per_size_and_steps(tmp_path, monkeypa
 
 
 def batch_row(method, k, tokens_per_second, batch_size, scheduler, date, **settings):
-    """A batch benchmark row as benchmarks/eagle.py writes them since the eleventh session: Pallas
-    kernels, one device, refill_at recorded on continuous rows (default a quarter of the slots)."""
-    row = mtbench_row(method, k, tokens_per_second, 3.0 if k else 1.0, date=date, note="lease 14 (...): batch_steps")
+    """A batch benchmark row as benchmarks/eagle.py writes them since 2026-12-01: Pallas kernels, one
+    device, refill_at recorded on continuous rows (default a quarter of the slots)."""
+    row = mtbench_row(method, k, tokens_per_second, 3.0 if k else 1.0, date=date, commit="16983ef",
+                      note="2026-12-01 (...): batch_steps")
     row.update(batch_size=batch_size, scheduler=scheduler, decode_kernels="pallas", tensor_parallel_size=1,
                steps_per_check=1, refill_at=max(1, batch_size // 4) if scheduler == "continuous" else None)
     row.update(settings)
@@ -314,26 +318,26 @@ def test_batch_plot_draws_the_newest_serving_rows_of_each_scheduler(tmp_path, mo
         batch_row("none", 0, 11000.0, 16, "static", day + "11:05", temperature=0.7),
         batch_row("none", 0, 11000.0, 16, "static", day + "11:06", num_prompts=10),
         batch_row("none", 0, 1000.0, 1, "static", day + "11:07"),  # batch 1: another plot
-        # A batch size measured only on XLA kernels (an older session's) gets no group.
+        # A batch size measured only on XLA kernels (an older commit's) gets no group.
         batch_row("none", 0, 16000.0, 32, "static", "2026-11-30T22:00", decode_kernels="xla"),
-        # EAGLE-3 at 16: the shipped run-10 head's static row beats a newer unshipped head's; the
+        # EAGLE-3 at 16: the shipped head's static row beats a newer unshipped head's; the
         # unshipped head's continuous row stands, no shipped head having that setting.
-        batch_row("eagle3", 5, 15000.0, 16, "static", day + "10:04", head="run 10", shipped=True),
-        batch_row("eagle3", 5, 13650.0, 16, "static", day + "12:00", head="run 13", shipped=False),
-        batch_row("eagle3", 5, 13120.0, 16, "continuous", day + "12:01", head="run 13", shipped=False),
+        batch_row("eagle3", 5, 15000.0, 16, "static", day + "10:04", head=trained("2026-12-01 12:22"), shipped=True),
+        batch_row("eagle3", 5, 13650.0, 16, "static", day + "12:00", head=trained("2026-12-01 21:11"), shipped=False),
+        batch_row("eagle3", 5, 13120.0, 16, "continuous", day + "12:01", head=trained("2026-12-01 21:11"), shipped=False),
         # ... and the k an unshipped head was measured at last is not the k of the group: a shipped head's is.
-        batch_row("eagle3", 7, 14000.0, 16, "static", day + "12:05", head="run 13", shipped=False),
+        batch_row("eagle3", 7, 14000.0, 16, "static", day + "12:05", head=trained("2026-12-01 21:11"), shipped=False),
         # EAGLE-3 at 64: k = 6 measured last, on continuous batching only; speculation disabled and
         # trees are other settings.
-        batch_row("eagle3", 5, 24000.0, 64, "static", day + "10:05", head="run 10"),
-        batch_row("eagle3", 5, 30000.0, 64, "continuous", day + "10:06", head="run 10"),
-        batch_row("eagle3", 6, 31000.0, 64, "continuous", day + "12:02", head="run 10"),
-        batch_row("eagle3", 6, 22000.0, 64, "static", day + "12:03", head="run 10",
+        batch_row("eagle3", 5, 24000.0, 64, "static", day + "10:05", head=trained("2026-12-01 12:22")),
+        batch_row("eagle3", 5, 30000.0, 64, "continuous", day + "10:06", head=trained("2026-12-01 12:22")),
+        batch_row("eagle3", 6, 31000.0, 64, "continuous", day + "12:02", head=trained("2026-12-01 12:22")),
+        batch_row("eagle3", 6, 22000.0, 64, "static", day + "12:03", head=trained("2026-12-01 12:22"),
                   speculative_disable_by_batch_size=16),
-        batch_row("eagle3", 6, 20000.0, 64, "static", day + "12:04", head="run 10", speculative_eagle_topk=4,
+        batch_row("eagle3", 6, 20000.0, 64, "static", day + "12:04", head=trained("2026-12-01 12:22"), speculative_eagle_topk=4,
                   speculative_num_steps=6, speculative_num_draft_tokens=16),
         # EAGLE-3 at 4 rows has no plain decoding to compare with: no group (k_at_batch.png has its sweep).
-        batch_row("eagle3", 4, 5500.0, 4, "continuous", day + "12:06", head="run 10"),
+        batch_row("eagle3", 4, 5500.0, 4, "continuous", day + "12:06", head=trained("2026-12-01 12:22")),
     ]
     chosen = plot_results.batch_rows(rows[::-1], (80, 256))  # in any order: "newest" goes by date
     assert [(r["batch_size"], r["method"], r["scheduler"], r["k"], r["output_tokens_per_second"]) for r in chosen] == [
@@ -359,36 +363,36 @@ def test_batch_plot_draws_the_newest_serving_rows_of_each_scheduler(tmp_path, mo
     heights, texts, sub = drawn["batch_scaling.png"]
     assert sorted(heights) == sorted(r["output_tokens_per_second"] for r in chosen)
     assert {"11,000", "13,120", "31,000"} <= set(texts)
-    assert "k=5, run 13\nnot shipped" in texts and "k=5, run 10 (shipped)" in texts
+    assert "k=5, head of 2026-12-01\nnot shipped" in texts and "k=5, head of 2026-12-01 (shipped)" in texts
     ratios = sorted(text.rsplit("\n", 1)[-1] for text in texts if text.startswith("continuous / static"))
     assert ratios == ["0.87x", "0.91x", "1.14x"]  # EAGLE-3 and plain at 16, plain at 64 (the heads differ at 16)
     assert [text for text in texts if "two heads" in text] == ["continuous / static,\ntwo heads\n0.87x"]
-    assert "pallas decode kernels" in sub and "2026-12-01 10:00-12:02 UTC (lease 14)" in sub
+    assert "pallas decode kernels" in sub and "2026-12-01 10:00-12:02 UTC (commit 16983ef)" in sub
 
 
-def test_k_at_batch_draws_one_lease_per_batch_size_and_the_clis_k(tmp_path, monkeypatch):
-    """k_at_batch.png: at each batch size the k sweep of one lease (the newest head's, the lease
-    with the most k values), a k's repeats averaged, relative to that size's best k, and a k it
-    lacks from the newest lease that has it; batch 1 from static rows, larger batches from
+def test_k_at_batch_draws_one_window_per_batch_size_and_the_clis_k(tmp_path, monkeypatch):
+    """k_at_batch.png: at each batch size the k sweep of one measurement window (the newest head's,
+    the window with the most k values), a k's repeats averaged, relative to that size's best k, and
+    a k it lacks from the newest window that has it; batch 1 from static rows, larger batches from
     continuous ones; a star where the CLI's k lies."""
     monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
     import plot_results
 
     day = "2026-12-02T"
-    batch1 = [mtbench_row("eagle3", k, 1800.0 + 40 * k, 3.0, head="run 14", date=f"{day}00:3{k}") for k in (4, 5, 6)]
+    batch1 = [mtbench_row("eagle3", k, 1800.0 + 40 * k, 3.0, head=trained("2026-12-02 00:36"), date=f"{day}00:3{k}") for k in (4, 5, 6)]
     rows = batch1 + [
-        mtbench_row("eagle3", 6, 2500.0, 3.0, head="run 14", date=f"{day}03:00"),  # another lease, a k of the sweep's: not used
-        batch_row("eagle3", 4, 3600.0, 2, "continuous", day + "05:50", head="run 14"),  # 2 rows: k = 4 in one lease,
-        batch_row("eagle3", 5, 3000.0, 2, "continuous", day + "08:30", head="run 14",
-                  note="lease 18 (...)"),  # k = 5 and 6 in a later one
-        batch_row("eagle3", 6, 2900.0, 2, "continuous", day + "08:31", head="run 14",
-                  note="lease 18 (...)"),
-        batch_row("eagle3", 4, 3900.0, 2, "continuous", day + "01:00", head="run 14"),  # an older lease's k = 4: not used
-        batch_row("eagle3", 3, 36000.0, 64, "continuous", day + "05:31", head="run 14"),
-        batch_row("eagle3", 4, 34000.0, 64, "continuous", day + "05:32", head="run 14"),
-        batch_row("eagle3", 3, 35000.0, 64, "continuous", day + "05:46", head="run 14"),  # a repeat: averaged
-        batch_row("eagle3", 3, 50000.0, 64, "static", day + "05:47", head="run 14"),  # static: not the CLI's at 64
-        batch_row("eagle3", 4, 40000.0, 64, "continuous", day + "05:48", head="run 13", shipped=False),
+        mtbench_row("eagle3", 6, 2500.0, 3.0, head=trained("2026-12-02 00:36"), date=f"{day}03:00"),  # another window, a k of the sweep's: not used
+        batch_row("eagle3", 4, 3600.0, 2, "continuous", day + "05:50", head=trained("2026-12-02 00:36")),  # 2 rows: k = 4 in one window,
+        batch_row("eagle3", 5, 3000.0, 2, "continuous", day + "08:30", head=trained("2026-12-02 00:36"),
+                  commit="b079150"),  # k = 5 and 6 in a later one
+        batch_row("eagle3", 6, 2900.0, 2, "continuous", day + "08:31", head=trained("2026-12-02 00:36"),
+                  commit="b079150"),
+        batch_row("eagle3", 4, 3900.0, 2, "continuous", day + "01:00", head=trained("2026-12-02 00:36")),  # an older window's k = 4: not used
+        batch_row("eagle3", 3, 36000.0, 64, "continuous", day + "05:31", head=trained("2026-12-02 00:36")),
+        batch_row("eagle3", 4, 34000.0, 64, "continuous", day + "05:32", head=trained("2026-12-02 00:36")),
+        batch_row("eagle3", 3, 35000.0, 64, "continuous", day + "05:46", head=trained("2026-12-02 00:36")),  # a repeat: averaged
+        batch_row("eagle3", 3, 50000.0, 64, "static", day + "05:47", head=trained("2026-12-02 00:36")),  # static: not the CLI's at 64
+        batch_row("eagle3", 4, 40000.0, 64, "continuous", day + "05:48", head=trained("2026-12-01 21:11"), shipped=False),
         batch_row("none", 0, 24000.0, 64, "continuous", day + "05:30"),
     ]
     sweeps = plot_results.k_sweeps_by_batch(rows[::-1], (80, 256))
@@ -402,14 +406,14 @@ def test_k_at_batch_draws_one_lease_per_batch_size_and_the_clis_k(tmp_path, monk
     plot_results.plot_k_at_batch(sweeps, (80, 256), {1: 6, 2: 4, 64: 4}.get, tmp_path)
     lines = drawn["k_at_batch.png"]
     curves = {label: (x, y) for x, y, label in lines if len(x) > 1}
-    assert curves["64 rows: best k = 3, 35,500 tok/s (lease 14)"] == ([3, 4], [1.0, 34000.0 / 35500.0])
+    assert curves["64 rows: best k = 3, 35,500 tok/s (commit 16983ef)"] == ([3, 4], [1.0, 34000.0 / 35500.0])
     assert curves["1 row: best k = 6, 2,040 tok/s"][1] == [1960.0 / 2040.0, 2000.0 / 2040.0, 1.0]
     stars = sorted((x[0], y[0]) for x, y, label in lines if len(x) == 1)
-    assert curves["2 rows: best k = 4, 3,600 tok/s (leases 14, 18)"][1] == [1.0, 3000.0 / 3600.0, 2900.0 / 3600.0]
+    assert curves["2 rows: best k = 4, 3,600 tok/s (commits 16983ef, b079150)"][1] == [1.0, 3000.0 / 3600.0, 2900.0 / 3600.0]
     assert stars == [(4, 34000.0 / 35500.0), (4, 1.0), (6, 1.0)]
 
     # Runs on 320 prompts (MT-Bench four times) are their own dashed lines, beside the 80-prompt ones.
-    longer = rows + [batch_row("eagle3", k, speed, 64, "continuous", day + f"11:2{k}", head="run 14", num_prompts=320)
+    longer = rows + [batch_row("eagle3", k, speed, 64, "continuous", day + f"11:2{k}", head=trained("2026-12-02 00:36"), num_prompts=320)
                      for k, speed in ((3, 38000.0), (4, 40000.0))]
     long_sweeps = plot_results.longer_sweeps(longer, (80, 256))
     assert list(long_sweeps) == [(64, 320)] and long_sweeps[64, 320]["tokens_per_s"] == {3: 38000.0, 4: 40000.0}
@@ -417,7 +421,7 @@ def test_k_at_batch_draws_one_lease_per_batch_size_and_the_clis_k(tmp_path, monk
     drawn.clear()
     plot_results.plot_k_at_batch(sweeps, (80, 256), {1: 6, 2: 4, 64: 4}.get, tmp_path, long_sweeps)
     curves = {label: (x, y) for x, y, label in drawn["k_at_batch.png"] if len(x) > 1}
-    assert curves["64 rows, 320 prompts: best k = 4, 40,000 tok/s (lease 14)"] == ([3, 4], [0.95, 1.0])
+    assert curves["64 rows, 320 prompts: best k = 4, 40,000 tok/s (commit 16983ef)"] == ([3, 4], [0.95, 1.0])
     assert len(curves) == 4
 
 
@@ -430,7 +434,7 @@ def test_scale_plot_keeps_the_last_comparison_of_one_gpu_with_two(tmp_path, monk
     def step(what, ms, size, date):
         return dict(kind="scale_8b", what=what, ms=ms, floor_ms=5.0 / size, ratio_to_floor=ms * size / 5.0,
                     tensor_parallel_size=size, date=date, model_shape="llama-3.1-8b", cache_length=1024,
-                    filled=512, device="NVIDIA H200", note=f"lease {7 if date < '2026-12' else 17} (...)")
+                    filled=512, device="NVIDIA H200", commit="1354955" if date < "2026-12" else "d9a5090")
     compared = [step("decode", 4.8, 1, "2026-11-30T22:17"), step("decode", 6.6, 2, "2026-11-30T22:17")]
     older = [step("decode", 6.0, 1, "2026-11-30T16:52"), step("decode", 8.5, 2, "2026-11-30T16:52")]
     baseline = [step("decode", 4.5, 1, "2026-12-02T05:44")]
@@ -439,7 +443,7 @@ def test_scale_plot_keeps_the_last_comparison_of_one_gpu_with_two(tmp_path, monk
         path.name, ([bar.get_height() for bar in ax.patches], sub)))
     plot_results.plot_scale(older + compared + baseline, tmp_path)
     heights, sub = drawn["scale_8b.png"]
-    assert heights == [4.8, 6.6, 5.0, 2.5] and "(lease 7)" in sub
+    assert heights == [4.8, 6.6, 5.0, 2.5] and "(commit 1354955)" in sub
 
 
 def test_scale_8b_times_several_steps_per_call(tmp_path):
@@ -469,9 +473,9 @@ def test_the_collectives_xla_placed_are_listed():
                                            "all-gather s32[1,2]": 1}
 
 
-def test_allreduce_latency_records_both_chains(tmp_path):
-    """tools/gpu/allreduce_latency.py on the test's forced CPU devices: a row per chain and width."""
-    sys.path.insert(0, str(REPO / "tools" / "gpu"))
+def test_allreduce_latency_records_both_chains(tmp_path, monkeypatch):
+    """benchmarks/allreduce_latency.py on the test's forced CPU devices: a row per chain and width."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
     import allreduce_latency
     out = tmp_path / "profile.json"
     allreduce_latency.main(["--count", "3", "--iterations", "1", "--sizes", "8,16", "--out", str(out)])
@@ -506,73 +510,6 @@ def test_vocab_init_probe_records_every_start(model_dir, random_head, save_head,
     assert all(len(r["top1_agreement_by_step"]) == 3 and r["added_tokens"] == 20 for r in rows)
     # The larger head's added columns are the embedding placement itself: those two drafts agree.
     assert rows[0]["top1_agreement_by_step"] == rows[2]["top1_agreement_by_step"]
-
-
-def test_train_cli_keeps_an_init_heads_draft_vocabulary(model_dir, random_head, save_head, tmp_path):  # noqa: F811
-    """`python -m eagle_jax.train --init-head` without `--draft-vocab-size` trains the head at its own
-    vocabulary (a fixed default of 8,192 refused a larger shipped head and cost a lease its training)."""
-    from eagle_jax.io import models
-    from eagle_jax.train import trainer as train
-
-    target, _ = models.load_target(model_dir, "float32")
-    tokens = np.random.default_rng(0).integers(0, 101, (6, 24))
-    data_path = data.save_dataset(dict(input_ids=tokens, loss_mask=np.ones_like(tokens, bool),
-                                     lengths=np.full(6, 24)), tmp_path / "data.npz")
-    head = random_head(target.config, "eagle3", seed=3, draft_vocab_size=40, feature_layers=(0, 1, 1))
-    init = save_head(head, tmp_path / "init")
-    argv = ["--method", "eagle3", "--model", str(model_dir), "--init-head", str(init), "--data", str(data_path),
-            "--steps", "0", "--batch-size", "4", "--eval-prompts", "0", "--dtype", "float32"]
-    assert train.main([*argv, "--output", str(tmp_path / "kept")]) == 0
-    assert models.load_head(tmp_path / "kept" / "head", target).config.draft_vocab_size == 40
-    assert train.main([*argv, "--output", str(tmp_path / "extended"), "--draft-vocab-size", "50"]) == 0
-    assert models.load_head(tmp_path / "extended" / "head", target).config.draft_vocab_size == 50
-    with pytest.raises(SystemExit):  # a vocabulary extends, never shrinks
-        train.main([*argv, "--output", str(tmp_path / "smaller"), "--draft-vocab-size", "30"])
-    with pytest.raises(ValueError, match="fewer than one batch"):  # 6 rows: it used to loop forever
-        train.main([*argv, "--output", str(tmp_path / "big"), "--batch-size", "8"])
-
-
-def test_gpu_poll_stops_at_a_done_line_and_fails_fast_without_a_log(tmp_path):
-    """tools/gpu/poll.sh: returns at the log's DONE line (its tail shown), and exits 1 with a
-    clear message when the log does not exist after the grace period (nothing was launched)."""
-    poll = REPO / "tools" / "gpu" / "poll.sh"
-    log = tmp_path / "bench.log"
-    log.write_text("step 1\r step 2\nBENCH DONE\n")
-    done = subprocess.run(["bash", str(poll), "600", str(log)], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0 and done.stdout.splitlines()[-1] == "BENCH DONE"
-    missing = subprocess.run(["bash", str(poll), "600", str(tmp_path / "never.log")], capture_output=True, text=True,
-                             timeout=60, env=dict(os.environ, POLL_GRACE_S="0"))
-    assert missing.returncode == 1 and "was the job launched?" in missing.stderr
-
-
-def test_gpu_launch_runs_the_carried_queue_in_its_own_environment(tmp_path):
-    """tools/gpu/launch.sh: `start` runs the staged queue detached from a copy of the code, with
-    the model cache and the code on its paths whatever the caller exported; its console and
-    results come back packed in $OUT; a restart keeps the first console; no queue, exit 2."""
-    launch = REPO / "tools" / "gpu" / "launch.sh"
-    stage, work, out = tmp_path / "stage", tmp_path / "work", tmp_path / "out"
-    out.mkdir()
-    env = {k: v for k, v in os.environ.items() if k not in ("EAGLE_JAX_CACHE_DIR", "PYTHONPATH")}
-    env.update(STAGE_ROOT=str(stage), WORK_ROOT=str(work), OUT=str(out))
-    call = lambda *args: subprocess.run(["bash", str(launch), *args], cwd=REPO, env=env, capture_output=True,
-                                        text=True, timeout=120)
-    stage.mkdir()
-    missing = call("start", "30")
-    assert missing.returncode == 2 and "carry the queue as .stage/queue.sh" in missing.stderr
-    (stage / "queue.sh").write_text('echo "cache=$EAGLE_JAX_CACHE_DIR path=$PYTHONPATH cwd=$PWD" > $RESULTS/env.txt\n'
-                                     'test -f eagle_jax/__init__.py && echo "code here"\necho BENCH DONE\n')
-    for _ in range(2):
-        done = call("start", "60")
-        assert done.returncode == 0, done.stderr
-        assert done.stdout.splitlines()[-2:-1] == ["BENCH DONE"] and "collect: 1 part(s)" in done.stdout
-    with tarfile.open(fileobj=io.BytesIO((out / "results.tar.part00").read_bytes())) as packed:
-        names = set(packed.getnames())
-        written = packed.extractfile("results/env.txt").read().decode()
-        console = packed.extractfile("results/bench_console.txt").read().decode()
-    assert written.split() == [f"cache={stage}/cache", f"path=/tmp/site:{work}", f"cwd={work}"]
-    assert console.splitlines() == ["code here", "BENCH DONE"]
-    assert len([n for n in names if n.startswith("results/bench_console.") and n != "results/bench_console.txt"]) == 1
-    assert call("poll", "30").returncode == 0
 
 
 @pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 devices (conftest forces 4 on a CPU)")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.append(str(REPO / "benchmarks"))  # the example scripts' helper modules
+sys.path.append(str(REPO / "benchmarks"))  # the benchmark scripts' helper modules
 
 import profile_step  # noqa: E402
 import step_trace  # noqa: E402
@@ -153,7 +153,7 @@ def test_step_trace_part_on_cpu(method, decode_kernels, tree, tiling, random_tar
 
 
 def test_train_step_profile_on_cpu(random_target):
-    import profile_train  # noqa: E402 (examples/ is on sys.path above)
+    import profile_train  # noqa: E402 (benchmarks/ is on sys.path above)
     from eagle_jax.train import trainer as train
     from eagle_jax.train import objective as train_objective
 

@@ -1,4 +1,4 @@
-"""Tests for eagle_jax.data with a tiny byte-level tokenizer and small JSON files."""
+"""Tests for eagle_jax.train.data with a tiny byte-level tokenizer and small JSON files."""
 
 import collections
 import json
@@ -124,6 +124,19 @@ def test_save_keeps_wide_ids(tmp_path):
     }
     loaded = data.load_dataset(data.save_dataset(arrays, tmp_path / "wide.npz"))
     np.testing.assert_array_equal(loaded["input_ids"], arrays["input_ids"])
+
+
+def test_ids_outside_the_vocabulary_are_refused_naming_the_file_and_row(tmp_path):
+    ids = np.array([[5, 1, 0], [3, 2, 0], [7, 8, 9]], np.int32)
+    arrays = {"input_ids": ids, "loss_mask": ids > 0, "lengths": np.array([2, 2, 3], np.int32)}
+    path = data.save_dataset(arrays, tmp_path / "part.npz")
+    assert data.load_dataset(path, vocab_size=10)["input_ids"].tolist() == ids.tolist()
+    with pytest.raises(ValueError, match=f"^{path}: row 2 holds token id 8 at position 1, outside the target's "
+                                         r"vocabulary of 8 ids \(1 of 3 rows hold such ids\)"):
+        data.load_dataset(path, vocab_size=8)
+    negative = dict(arrays, input_ids=np.where(ids == 3, -1, ids))
+    with pytest.raises(ValueError, match="^the training data: row 1 holds token id -1 at position 0"):
+        data.check_token_ids(negative, 10)
 
 
 def turn(speaker, text):

@@ -6,6 +6,7 @@ import numpy as np
 
 from eagle_jax.train import data
 from eagle_jax.train import distill
+from eagle_jax.serve import config as engine_config
 from eagle_jax.serve import engine
 
 CONVERSATION = [
@@ -68,7 +69,8 @@ def test_distill_conversations_builds_rounds_and_resumes(random_target, tmp_path
     rng = np.random.default_rng(0)
     conversations = [[rng.integers(3, 61, size=rng.integers(2, 6)).astype(np.int32)
                       for _ in range(rng.integers(1, 3))] for _ in range(10)]
-    generator = engine.Engine(target, batch_size=4, max_length=64, fixed_shapes=True)
+    generator = engine.Engine(target, config=engine_config.EngineConfig(batch_size=4, max_length=64,
+                                                                        fixed_shapes=True))
     eos = 2
     kwargs = dict(num_rounds=2, max_prompt_tokens=24, max_new_tokens=6, pad_id=0, eos_id=eos, progress=False)
     parts = distill.distill_conversations(generator, conversations, [0.0, 1.0], out_dir=tmp_path, **kwargs)
@@ -95,7 +97,8 @@ def test_another_seed_samples_fresh_answers_beside_the_first(random_target, tmp_
     target = random_target(seed=3, vocab_size=61, eos_token_id=None)
     rng = np.random.default_rng(1)
     conversations = [[rng.integers(3, 61, size=rng.integers(2, 6)).astype(np.int32)] for _ in range(6)]
-    generator = engine.Engine(target, batch_size=4, max_length=64, fixed_shapes=True)
+    generator = engine.Engine(target, config=engine_config.EngineConfig(batch_size=4, max_length=64,
+                                                                        fixed_shapes=True))
     kwargs = dict(num_rounds=1, max_prompt_tokens=24, max_new_tokens=6, pad_id=0, eos_id=2, progress=False)
     first = distill.distill_conversations(generator, conversations, [0.0, 1.0], out_dir=tmp_path, **kwargs)
     second = distill.distill_conversations(generator, conversations, [0.0, 1.0], out_dir=tmp_path, seed=5, **kwargs)

@@ -1,15 +1,21 @@
-"""EAGLE training: loss falls and acceptance rises on a tiny target; checkpoints resume; export round-trips."""
+"""EAGLE training: loss falls and acceptance rises on a tiny target; checkpoints resume, once verified;
+export round-trips; a diverging run or out-of-vocabulary data stops with an error naming where."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from eagle_jax.train import distill
+from eagle_jax.serve import config as engine_config
 from eagle_jax.serve import engine
 from eagle_jax.model import llama
+from eagle_jax.io import hf_files
 from eagle_jax.io import models
 from eagle_jax.train import trainer as train
 from eagle_jax.train import objective as train_objective
@@ -21,7 +27,7 @@ def target_and_data(tiny_config):
     target = llama.Llama(cfg, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 61, size=rng.integers(3, 10)).astype(np.int32) for _ in range(48)]
-    generator = engine.Engine(target, batch_size=16, max_length=64)
+    generator = engine.Engine(target, config=engine_config.EngineConfig(batch_size=16, max_length=64))
     dataset = distill.distill(generator, prompts, max_new_tokens=24, sequence_length=36, pad_id=0, progress=False)
     return target, dataset, prompts[:6]
 
@@ -254,3 +260,88 @@ def test_a_widened_head_computes_what_it_did(target_and_data, tmp_path, method):
     assert models.load_head(path, target, "float32").config.layer.intermediate_size == 96
     with pytest.raises(ValueError, match="widens"):
         train.widen_mlp(wide, 64)
+
+
+@pytest.mark.parametrize("learning_rate", [float("nan"), 1e30])
+def test_a_diverging_run_stops_at_its_step_and_saves_nothing_after_it(target_and_data, tmp_path, learning_rate):
+    """A NaN learning rate makes the first update NaN (its loss still finite); a huge one makes the
+    loss overflow later. Either stops training at that step, with no checkpoint of it or after it."""
+    target, dataset, _ = target_and_data
+    cfg = train.TrainConfig(method="eagle", steps=10, batch_size=4, learning_rate=learning_rate, warmup_steps=1,
+                            checkpoint_every=2)
+    with pytest.raises(train.DivergedError, match=r"training diverged at step \d") as raised:
+        train.train(target, dataset, cfg, tmp_path, progress=False)
+    assert isinstance(raised.value, ValueError) and f"step {raised.value.step}:" in str(raised.value)
+    # The NaN rate poisons step 1's update; warmup gives the huge one a rate of 0 at step 1, so its
+    # step 2 makes the parameters huge (finite, saved) and step 3's loss overflows.
+    assert raised.value.step == (1 if np.isnan(learning_rate) else 3)
+    trainer = train.Trainer(target, train.new_head(target.config, cfg), cfg)
+    manager = trainer.checkpoint_manager(tmp_path / "checkpoints")
+    assert all(step < raised.value.step for step in manager.all_steps())
+
+
+def test_a_head_with_non_finite_parameters_is_not_handed_out_for_export(target_and_data):
+    target, dataset, _ = target_and_data
+    cfg = train.TrainConfig(method="eagle", steps=0)
+    head = train.new_head(target.config, cfg)
+    head.fc.kernel[...] = head.fc.kernel[...].at[0, 0].set(jnp.inf)
+    trainer = train.Trainer(target, head, cfg)
+    with pytest.raises(train.DivergedError, match="non-finite parameters .*fc.*not exported"):
+        trainer.checked_head()
+
+
+def rewrite_checkpoint(trainer, directory, change):
+    """Replaces the latest checkpoint in `directory` by `change(state)`, as damaged files would read."""
+    import orbax.checkpoint as ocp
+
+    manager = trainer.checkpoint_manager(directory)
+    step = manager.latest_step()
+    state = manager.restore(step, args=ocp.args.StandardRestore(
+        jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": trainer.params, "opt_state": trainer.opt_state})))
+    manager.delete(step)
+    manager.save(step, args=ocp.args.StandardSave(change(state)))
+    manager.wait_until_finished()
+    manager.close()
+    return step
+
+
+def test_resuming_refuses_a_checkpoint_with_non_finite_values(target_and_data, tmp_path):
+    target, dataset, _ = target_and_data
+    cfg = train.TrainConfig(method="eagle", steps=4, batch_size=4, warmup_steps=1, checkpoint_every=2)
+    first, _ = train.train(target, dataset, cfg, tmp_path, progress=False)
+
+    def poison(state):
+        kernel = state["params"]["fc"]["kernel"]
+        state["params"]["fc"]["kernel"] = kernel.at[3, 1].set(jnp.nan)
+        return state
+
+    assert rewrite_checkpoint(first, tmp_path / "checkpoints", poison) == 4
+    longer = train.TrainConfig(method="eagle", steps=6, batch_size=4, warmup_steps=1, checkpoint_every=2)
+    with pytest.raises(hf_files.CheckpointError, match=r"step 4 .* non-finite values in 1 arrays "
+                                                        r"\(\['params'\]\['fc'\]\['kernel'\]\).*resume from step 2"):
+        train.train(target, dataset, longer, tmp_path, progress=False)
+
+
+def test_resuming_refuses_a_checkpoint_of_another_head(target_and_data, tmp_path):
+    """An output directory reused for a head of another width: named as such, not an orbax shape error."""
+    target, dataset, _ = target_and_data
+    cfg = train.TrainConfig(method="eagle", steps=2, batch_size=4, warmup_steps=1, checkpoint_every=2)
+    train.train(target, dataset, cfg, tmp_path, progress=False)
+    wider = dataclasses.replace(cfg, steps=4, head_intermediate_size=96)
+    with pytest.raises(hf_files.CheckpointError, match=r"step 2 .*written for another head: .*\(64, 32\) "
+                                                        r"there, \(96, 32\) here"):
+        train.train(target, dataset, wider, tmp_path, progress=False)
+    with pytest.raises(hf_files.CheckpointError, match="written for another head: it lacks"):
+        train.train(target, dataset, dataclasses.replace(cfg, method="eagle3", draft_vocab_size=40, steps=4), tmp_path,
+                    progress=False)
+
+
+def test_training_refuses_ids_past_the_vocabulary(target_and_data, tmp_path):
+    target, dataset, _ = target_and_data
+    bad = dict(dataset, input_ids=dataset["input_ids"].copy())
+    bad["input_ids"][5, 7] = 61  # the vocabulary has 61 ids
+    cfg = train.TrainConfig(method="eagle", steps=2, batch_size=4, warmup_steps=1)
+    with pytest.raises(ValueError, match="row 5 holds token id 61 at position 7, outside the target's vocabulary "
+                                         "of 61"):
+        train.train(target, bad, cfg, tmp_path, progress=False)
+    assert not (tmp_path / "checkpoints").exists()

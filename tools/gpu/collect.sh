@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# Packs what a lease has produced so far into $OUT, for a poll call to bring back: the results
-# folder, the EAGLE-1 and EAGLE-3 heads under the run folder (and a GPU1_VARIANT's) and the distilled parts, as one tar split into 15 MB parts
-# (a call returns at most 8 files of 16 MiB) with their sha256. Run it at the end of every poll,
-# so a machine released early loses only what came after the last poll.
+# Packs what the queue has produced so far into $OUT, for a poll call to bring back: the results
+# folder, the EAGLE-1 and EAGLE-3 heads under the run folder (and a GPU1_VARIANT's) and the
+# distilled parts, as one tar split into 15 MB parts (a call returns at most 8 files of 16 MiB)
+# with their sha256. Run it at the end of every poll, so that a machine released early loses only
+# what came after the last poll.
 #   bash tools/gpu/collect.sh [STAGE_DIR]      (default /root/stage)
-# Here: cat results.tar.part* > results.tar && sha256sum -c results.sha256 && tar -xf results.tar
+# On the development machine, in the call's files folder:
+#   cat results.tar.part* > results.tar && sha256sum -c results.sha256 && tar -xf results.tar
 set -e
 stage=${1:-/root/stage}; out=${OUT:?OUT is where a call returns files}
 cd "$stage"
-# run/distill/*.npz: the tokens distilled in this lease (~5 MB per 2.7 M tokens), to be carried into
+# run/distill/*.npz: the tokens distilled on this machine (~5 MB per 2.7 M tokens), to be carried to
 # the next one (stage_local.sh carries them; setup.sh unpacks them into run/distill, where the
 # pipeline reuses every part it finds and a new DISTILL_SEED adds fresh ones beside them).
 # The shipped kinds' heads only: the data-scaling runs' heads (run/scaling-*) stay, their rows come back.

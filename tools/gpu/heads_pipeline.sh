@@ -1,43 +1,44 @@
 #!/usr/bin/env bash
-# One lease's head pipeline over every GPU of the machine (one or two): profile the train step,
-# distil, train EAGLE-3 (and EAGLE-1 on a second GPU), evaluate. Stages write as they go; a rerun
-# reuses distilled parts and resumes training from its orbax checkpoint.
+# The head pipeline over every GPU of the machine (one or two): profile the train step, distil,
+# train EAGLE-3 (and EAGLE-1 on a second GPU), evaluate. Stages write as they go; a rerun reuses
+# distilled parts and resumes training from its orbax checkpoint.
 # From the repo root, after `source tools/gpu/setup.sh`, with .stage/turns.npz,
 # .stage/heldout.jsonl and .stage/mtbench_question.jsonl:
 #   RESULTS=DIR bash tools/gpu/heads_pipeline.sh RUN_DIR
 # Budgets (seconds): DISTILL_SECONDS (no new part starts after it), TRAIN_SECONDS (the step
 # count is set from the profiled step time so that the cosine schedule ends inside it).
-# SKIP_DISTILL=1 trains on the parts already in RUN_DIR/distill (carried from an earlier lease);
+# SKIP_DISTILL=1 trains on the parts already in RUN_DIR/distill (carried from an earlier machine);
 # INIT_FROM_SHIPPED=1 starts each head from the shipped one (eagle_jax/heads/) instead of random;
-# TRAIN_TOKENS=N trains on a nested random subset of N generated tokens (data-scaling runs).
+# TRAIN_TOKENS=N trains on a nested random subset of N generated tokens (data-scaling points).
 # TRAIN_PARTS="GLOB ..." trains on the parts of RUN_DIR/distill that match (e.g. "round* extra-round0-t0.npz"):
 # distilled and carried parts that match none are kept, not trained on.
-# LEARNING_RATE sets the peak rate (default eagle_jax.train's 5e-4), e.g. lower to continue a head.
+# LEARNING_RATE sets the peak rate (default eagle-jax-train's 5e-4), e.g. lower to continue a head.
 # BATCH_SIZE: sequences a step (default 64), the step count scaled down to fit the same time.
 # DRAFT_VOCAB_SIZE (EAGLE-3): with INIT_FROM_SHIPPED, a larger one extends the shipped head's vocabulary.
 # HEAD_INTERMEDIATE_SIZE: the head's MLP width; with INIT_FROM_SHIPPED, a larger one widens the shipped head.
 # HEAD_LAYERS (EAGLE-3): the head's decoder layers; with INIT_FROM_SHIPPED, more than the shipped head's
 # adds layers that start as the identity (`train.add_layers`).
 # PROFILE_FROM=FILE skips the profiling and sizes training from the fastest train_trace row of
-# each method in FILE (e.g. docs/results/profile.json: a step costs the same in every lease).
-# STEP_MS overrides that step time (ms at batch 64), e.g. a wider head's from its last run's
-# steps and seconds (run 7: 3,462 steps in 421 s, 122 ms).
-# HEADS=eagle3 trains EAGLE-3 alone (on GPU 0); a second GPU then runs tools/gpu/benchmark.sh
-# with the shipped heads (the sections in BENCH_SECTIONS, default all; "none" runs none), its rows in RESULTS/gpu1/.
+# each method in FILE (e.g. docs/results/profile_h200.json: a step costs the same on every H200).
+# STEP_MS overrides that step time (ms at batch 64), e.g. a wider head's, from the steps and
+# seconds in an earlier metrics.json of it (3,462 steps in 421 s: 122 ms).
+# HEADS=eagle3 trains EAGLE-3 alone (on GPU 0); a second GPU then runs benchmarks/gpu_benchmark.sh
+# with the shipped heads (the sections in BENCH_SECTIONS, default its own; "none" runs none), its rows in RESULTS/gpu1/.
 # Two heads with SKIP_DISTILL: GPU 1 runs BENCH_SECTIONS (default none) after EAGLE-1's evaluation.
+# DRAFT=DIR (an existing head directory) benchmarks that EAGLE-3 head in place of the shipped one.
 # SCALING_TOKENS="N1 N2 ..." (with HEADS=eagle3): GPU 1 first (one GPU: last) trains EAGLE-3 from
 # scratch on nested subsets of N tokens of the carried data, SCALING_SECONDS each (equal steps),
 # and evaluates each at k = 5 on MT-Bench (rows in RESULTS/scaling.json): the data-scaling curve.
 # EXTEND_UNTRAINED="N1 N2 ..." (HEADS=eagle3): before training, the shipped EAGLE-3 head extended to an
 # N-token draft vocabulary with no training (`train.extend_draft_vocabulary`'s placed columns,
-# train --steps 0) is evaluated at k = 5 and 6 on MT-Bench (rows in RESULTS/mtbench_eagle3-vocabN.json).
-# On one GPU, HEADS=eagle3 runs the head, then BENCH_SECTIONS (else the step traces), then the scaling runs.
-# GPU1_VARIANT="NAME=VALUE ..." (HEADS=eagle3 on two GPUs, in place of the scaling runs): GPU 1 trains a
+# eagle-jax-train --steps 0) is evaluated at k = 5 and 6 on MT-Bench (rows in RESULTS/mtbench_eagle3-vocabN.json).
+# On one GPU, HEADS=eagle3 runs the head, then BENCH_SECTIONS (else the step traces), then the scaling points.
+# GPU1_VARIANT="NAME=VALUE ..." (HEADS=eagle3 on two GPUs, in place of the scaling points): GPU 1 trains a
 # second EAGLE-3 head with these settings changed (e.g. "DRAFT_VOCAB_SIZE=16384"), into
-# RUN_DIR/eagle3-variant, evaluated as the first (rows in RESULTS/*_eagle3-variant.json): two levers, one lease.
-# A staged .stage/extra_turns.npz (prompt sources beyond ShareGPT, docs/TRAINING.md) is distilled
+# RUN_DIR/eagle3-variant, evaluated as the first (rows in RESULTS/*_eagle3-variant.json): two settings at once.
+# A staged .stage/extra_turns.npz (prompt sources beyond ShareGPT, docs/training.md) is distilled
 # too, at EXTRA_TEMPERATURES (default 0,0.8), into parts named extra-*.
-# Parts carried from earlier leases (stage_local.sh carry; setup.sh unpacks them into RUN_DIR/distill)
+# Parts carried from earlier machines (stage_local.sh carry; setup.sh unpacks them into RUN_DIR/distill)
 # are reused where their names match and trained on with the new ones: a new DISTILL_SEED adds fresh
 # sampled parts beside them, and the greedy parts are not distilled again.
 # One GPU: DISTILL_ROUNDS (default 3) and DISTILL_TEMPERATURES (default 0,0.8,1.0,0.7) set the ShareGPT
@@ -50,7 +51,7 @@ gpus=$(nvidia-smi -L | wc -l)
 train_seconds=${TRAIN_SECONDS:-540}
 
 distill() {  # distill GPU OUT_DIR ARGS...: greedy rounds need --rounds 3 --temperatures 0,...
-  CUDA_VISIBLE_DEVICES=$1 python3 -m eagle_jax.train.distill --turns .stage/turns.npz --out "$2" --max-prompt-tokens 384 \
+  CUDA_VISIBLE_DEVICES=$1 python3 -m eagle_jax.cli.distill --turns .stage/turns.npz --out "$2" --max-prompt-tokens 384 \
     --max-new-tokens 256 --batch-size 1024 --max-seconds "${DISTILL_SECONDS:-240}" --seed "${DISTILL_SEED:-0}" "${@:3}"
 }
 profile() {  # profile GPU METHOD ATTENTION [UNROLL]: one train_trace row in $r/profile.json
@@ -61,7 +62,7 @@ profile() {  # profile GPU METHOD ATTENTION [UNROLL]: one train_trace row in $r/
 fastest() {  # fastest METHOD: "attention step_ms" of the quickest profiled train step of METHOD
   python3 - "${PROFILE_FROM:-$r/profile.json}" "$1" "$PROFILE_FROM" <<'EOF'
 import json, sys
-# A profile of this lease has the label heads_pipeline; a carried file's rows all count.
+# A profile made by this pipeline has the label heads_pipeline; a carried file's rows all count.
 rows = [row for row in json.load(open(sys.argv[1])) if row.get("kind") == "train_trace" and row["method"] == sys.argv[2]
         and (sys.argv[3] or row.get("label") == "heads_pipeline")]
 best = min(rows, key=lambda row: row["step_ms"])
@@ -104,7 +105,7 @@ evaluate() {  # evaluate GPU METHOD [NAME]: $run/NAME's head on held-out ShareGP
 variant() {  # variant GPU: EAGLE-3 again with GPU1_VARIANT's settings ("NAME=VALUE ..."), into $run/eagle3-variant
   ( export $GPU1_VARIANT; train "$1" eagle3 7 eagle3-variant; evaluate "$1" eagle3 eagle3-variant )
 }
-trace_steps() {  # trace_steps GPU: issue 10's step_trace rows (plain and EAGLE-3 k = 5 at batch 1, the distil step)
+trace_steps() {  # trace_steps GPU: step_trace rows (plain and EAGLE-3 k = 5 at batch 1, the distil step)
   t="CUDA_VISIBLE_DEVICES=$1 python3 benchmarks/profile_step.py --parts step_trace --out $r/profile.json"
   eval "$t --method none --cache-length 1024 --label baseline"
   eval "$t --method eagle3 --k 5 --cache-length 1024 --label baseline"
@@ -145,10 +146,10 @@ EOF
 distill_extra() {  # distill_extra GPU: .stage/extra_turns.npz (eagle_jax.cli.prepare_data --extra-turns-out), if staged
   [ -f .stage/extra_turns.npz ] || return 0
   mkdir -p "$run/distill-extra"
-  for part in "$run"/distill/extra-*.npz; do  # carried from an earlier lease: reused, not distilled again
+  for part in "$run"/distill/extra-*.npz; do  # carried from an earlier machine: reused, not distilled again
     [ -f "$part" ] && cp -n "$part" "$run/distill-extra/${part#"$run"/distill/extra-}"
   done
-  CUDA_VISIBLE_DEVICES=$1 python3 -m eagle_jax.train.distill --turns .stage/extra_turns.npz --out "$run/distill-extra" \
+  CUDA_VISIBLE_DEVICES=$1 python3 -m eagle_jax.cli.distill --turns .stage/extra_turns.npz --out "$run/distill-extra" \
     --max-prompt-tokens 384 --max-new-tokens 256 --batch-size 1024 --rounds 1 --temperatures "${EXTRA_TEMPERATURES:-0,0.8}" \
     --max-seconds "${DISTILL_SECONDS:-240}" --seed "${DISTILL_SEED:-0}"
   for part in "$run"/distill-extra/*.npz; do mv "$part" "$run/distill/extra-$(basename "$part")"; done
@@ -158,9 +159,12 @@ if [ -n "$SKIP_DISTILL" ]; then
   distill() { ls "$run/distill"; }  # the carried parts
 fi
 heads=${HEADS:-eagle3 eagle}
-bench() {  # bench GPU [SECTION ...]: tools/gpu/benchmark.sh on GPU (no sections: all; "none": none), rows in $r/gpuGPU/
-  [ "$2" = none ] && return 0
-  CUDA_VISIBLE_DEVICES=$1 RESULTS=$r/gpu$1 bash tools/gpu/benchmark.sh "${@:2}" > "$r/benchmark_log_gpu$1.txt" 2>&1
+bench() {  # bench GPU [SECTION ...]: benchmarks/gpu_benchmark.sh on GPU (no sections: its own; "none": none),
+  # rows in $r/gpuGPU/; a DRAFT head that failed to train leaves the shipped one
+  [ "${2:-}" = none ] && return 0
+  local draft=""; [ -d "${DRAFT:-}" ] && draft="--draft $DRAFT"
+  CUDA_VISIBLE_DEVICES=$1 bash benchmarks/gpu_benchmark.sh --results "$r/gpu$1" $draft "${@:2}" \
+    > "$r/benchmark_log_gpu$1.txt" 2>&1
 }
 if [ "$gpus" -ge 2 ] && [ "$heads" != eagle3 ] && [ -n "$SKIP_DISTILL" ]; then
   # Carried parts: EAGLE-1 trains on them at once on GPU 1, then that GPU runs BENCH_SECTIONS;

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# Runs a lease's queue on the GPU machine, detached, and polls it. Run it from the repo root of a call's tree:
+# Runs the staged queue on the GPU machine, detached, and polls it. From the repo root of a call's tree:
 #   bash tools/gpu/launch.sh start [POLL_S]   in the last staging call, after setup.sh: copies
-#                                                eagle_jax/, benchmarks/ and tools/ to $WORK_ROOT, starts
-#                                                $STAGE_ROOT/queue.sh (carried as .stage/queue.sh)
-#                                                under setsid, then polls it
+#                                              eagle_jax/, benchmarks/ and tools/ to $WORK_ROOT, starts
+#                                              $STAGE_ROOT/queue.sh (carried as .stage/queue.sh) under
+#                                              setsid, then polls it
 #   bash tools/gpu/launch.sh poll [POLL_S]    every later call
 # Both end by copying the console into $STAGE_ROOT/results and packing the results into $OUT
-# (collect.sh). Their exit status is poll.sh's. The queue's environment is set here, not taken
-# from the caller: lease 25 restarted a queue from a call that had not sourced setup.sh, and
-# every run failed to find the model (no EAGLE_JAX_CACHE_DIR). The queue is read where setup.sh
-# put it: leases 18, 21 and 25 each lost a call to `cp .stage/queue.sh /root/stage/queue.sh`,
-# which copies a file onto itself once .stage is setup.sh's link.
+# (collect.sh). Their exit status is poll.sh's. The queue's environment (the model cache, the
+# code's path) is set here, not taken from the caller: a call's shell does not keep what an
+# earlier call's setup.sh exported, and without EAGLE_JAX_CACHE_DIR every run would look for the
+# model online. The queue runs where setup.sh put it: once .stage is setup.sh's link to
+# $STAGE_ROOT, copying .stage/queue.sh there would copy the file onto itself and fail.
 set -euo pipefail
 mode=${1:?start or poll}; limit=${2:-540}
 stage=${STAGE_ROOT:-/root/stage}; work=${WORK_ROOT:-/root/work}; log=$stage/bench.log

@@ -5,7 +5,7 @@
 limit=${1:-540}; log=${2:?log}; grace=${POLL_GRACE_S:-30}; waited=0
 while [ $waited -lt $limit ]; do
   grep -qE "^[A-Z_]+ DONE$" "$log" 2>/dev/null && break
-  # (lease 18 lost 9 minutes polling for a job that never started)
+  # No log after the grace period: nothing was launched, so fail now rather than wait out the limit.
   [ -f "$log" ] || [ $waited -lt $grace ] || { echo "poll: no $log after $grace s: was the job launched?" >&2; exit 1; }
   sleep 10; waited=$((waited + 10))
 done

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prepares a bare GPU machine (no network) for eagle_jax runs. Source it from the repo root:
 #   source tools/gpu/setup.sh
-# Expects, carried in the ignored folders .stage/ and .whl/ (see docs/GPU_RUNS.md):
+# Expects, carried in the ignored folders .stage/ and .whl/ (tools/gpu/README.md, stage_local.sh):
 #   .stage/gguf.partNN (the SmolLM2 GGUF split so each call's tree stays under 64 MB; parts may
 #   arrive in separate calls), .stage/gguf.sha256, .stage/tokenizer/, .whl/gguf-*.whl.
 set -e
@@ -32,7 +32,7 @@ config, tensors = gguf_file.read_gguf('$gguf', progress=False)
 hf_files.save_tensors(tensors, '$models/SmolLM2-135M-Instruct-hf/model.safetensors', metadata={'format': 'pt'})
 print('model ready:', len(tensors), 'tensors')"
 fi
-# Distilled parts carried from earlier leases (stage_local.sh carry): unpacked into the run folder
+# Distilled parts carried from an earlier machine (stage_local.sh carry): unpacked into the run folder
 # once every tar part has arrived; their names go to .carried, so collect.sh does not send them back.
 carried=/root/stage/run/distill
 if compgen -G "/root/stage/distill.tar.part*" > /dev/null && [ ! -f "$carried/.carried" ]; then

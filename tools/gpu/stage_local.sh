@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
-# The development machine's half of staging a lease (docs/GPU_RUNS.md), from the repo root:
-#   bash tools/gpu/stage_local.sh prepare     once a machine: the model, its GGUF in parts (<= 15 MB, sized to the tree),
-#                                                ShareGPT turns, held-out prompts, the extra prompt sources
-#   bash tools/gpu/stage_local.sh prepare bench   the model and its GGUF parts only: enough for a
-#                                                lease that benchmarks and trains nothing
-#   bash tools/gpu/stage_local.sh carry       pack the distilled parts kept in $stage/distill (what
-#                                                collect.sh brought back: run/distill/*.npz) as tar
-#                                                parts, to carry into the next lease (after the GGUF parts)
-#   bash tools/gpu/stage_local.sh call N      fill .stage for staging call N (1: the small files;
-#                                                then one GGUF part, then one carried tar part, a call);
-#                                                prints the calls there are
+# The development machine's half of staging a GPU machine that has no network (tools/gpu/README.md).
+# From the repo root:
+#   bash tools/gpu/stage_local.sh prepare         once per development machine: the model, its GGUF in
+#                                                  parts (<= 15 MB, sized to fit a call beside the tree),
+#                                                  ShareGPT turns, held-out prompts, the extra prompt sources
+#   bash tools/gpu/stage_local.sh prepare bench   the model and its GGUF parts only: enough to benchmark
+#   bash tools/gpu/stage_local.sh carry           pack the distilled parts kept in $STAGE_DATA/distill (what
+#                                                  collect.sh brought back: run/distill/*.npz) as tar parts,
+#                                                  to carry to the next GPU machine (after the GGUF parts)
+#   bash tools/gpu/stage_local.sh call N          fill .stage for staging call N (1: the small files; then
+#                                                  one GGUF part, then one carried tar part, a call); prints
+#                                                  how many calls there are
 # Each call then runs `source tools/gpu/setup.sh > /tmp/setup.log 2>&1` on the GPU machine,
-# carrying [".stage", ".whl"]; the last one launches the pipeline.
+# carrying [".stage", ".whl"]; the last one launches the queue (launch.sh).
 set -euo pipefail
 stage=${STAGE_DATA:-$HOME/.cache/eagle_jax/stage}
 hf=${EAGLE_JAX_CACHE_DIR:-$HOME/.cache/eagle_jax}/models/SmolLM2-135M-Instruct-hf
@@ -19,7 +20,7 @@ gguf=${EAGLE_JAX_CACHE_DIR:-$HOME/.cache/eagle_jax}/models/SmolLM2-135M-Instruct
 call_limit=$((64 * 1024 * 1024))  # what a device call carries: the tracked tree, untracked files, the carried paths
 tree_bytes() { git ls-files -z | xargs -0 stat -c %s 2>/dev/null | awk '{ n += $1 } END { print n + 0 }'; }
 part_mb() {  # a part as large as a call carries beside the tree and .whl, 2 MB spare for the tree's
-  # growth, 15 at most (lease 25: a 15 MB part no longer fit beside the 51.9 MB tree)
+  # growth, 15 MB at most
   local mb=$(( (call_limit - $(tree_bytes) - $(du -sb .whl 2>/dev/null | cut -f1 || echo 0) - 2000000) / 1000000 ))
   (( mb >= 1 )) || { echo "the tracked tree leaves no room for a part in a call" >&2; exit 1; }
   echo $(( mb > 15 ? 15 : mb ))

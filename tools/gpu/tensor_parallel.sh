@@ -1,29 +1,30 @@
 #!/usr/bin/env bash
-# Issue 13 on two GPUs (nvidia-h200-x2), from the repo root after `source tools/gpu/setup.sh`:
+# Tensor parallelism on a machine with two GPUs, from the repo root after `source tools/gpu/setup.sh`:
 #   bash tools/gpu/tensor_parallel.sh [SECTION ...]   (links oneshot identity steps mtbench; default all)
 # 1. SmolLM2-135M greedy outputs at tensor parallel size 2 equal size 1 (float32; plain and EAGLE-3
 #    k = 5; 3 kv heads: attention replicated, MLP and vocabulary split). Prints IDENTICAL or DIFFER.
 # 2. Llama-3.1-8B-shaped plain and draft steps (random bf16 weights) at sizes 1 and 2, the heads
-#    whole on each GPU and then split (--split_heads: their MLPs and draft vocabulary, issue 13's
-#    "replicated or sharded, whichever measures faster").
+#    whole on each GPU and then split (--split_heads: their MLPs and draft vocabulary), to measure
+#    whether a head should be replicated or split.
 # 3. SmolLM2 MT-Bench throughput at sizes 1 and 2 (a 135M model is too small to gain from a split),
 #    EAGLE-3's head whole and split.
 # oneshot: XLA's one-shot all-reduce kernel (each GPU reads its peers' buffers over NVLink in one
 # kernel, no NCCL launch) for the small all-reduces of a batch-1 step, which NCCL ran at ~26 µs
-# each in lease 7: the latency probe and the 8B-shaped TP 2 steps with it (rows carry xla_flags).
+# each on two H200s on 2026-11-30 (commit 3134358, benchmarks/allreduce_latency.py --chain loop):
+# the latency probe and the 8B-shaped TP 2 steps with it (rows carry xla_flags).
 set -ex
 export EAGLE_JAX_MTBENCH=.stage/mtbench_question.jsonl
 r=${RESULTS:-docs/results}; mkdir -p $r
 head -n 20 $EAGLE_JAX_MTBENCH > /tmp/tp_prompts.jsonl
 links() {  # how the GPUs are linked and what one small all-reduce costs (unrolled and in a loop)
   nvidia-smi topo -m > $r/topology.txt 2>&1 || true
-  NCCL_DEBUG=INFO python3 tools/gpu/allreduce_latency.py --out $r/profile.json 2>&1 \
+  NCCL_DEBUG=INFO python3 benchmarks/allreduce_latency.py --out $r/profile.json 2>&1 \
     | grep -i "allreduce_latency\|via\|transport\|NCCL version" | head -40 > $r/allreduce_latency.txt || true
   cat $r/topology.txt $r/allreduce_latency.txt
 }
 oneshot() {
   local flags=--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=true
-  XLA_FLAGS=$flags python3 tools/gpu/allreduce_latency.py --out $r/profile.json 2>&1 | grep allreduce_latency || true
+  XLA_FLAGS=$flags python3 benchmarks/allreduce_latency.py --out $r/profile.json 2>&1 | grep allreduce_latency || true
   XLA_FLAGS=$flags python3 benchmarks/scale_8b.py --ks 5 --iterations 20 --tensor_parallel_size 2 --steps_per_call 16 --out $r/profile.json
 }
 identity() {  # SmolLM2 greedy outputs at TP 2 equal TP 1 (EAGLE-3 with its head whole, then split at TP 2)

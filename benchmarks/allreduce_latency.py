@@ -1,19 +1,20 @@
 """Time one small all-reduce across the local GPUs, the collective a tensor-parallel decode step
-runs twice a layer (issue 13).
+runs twice a layer.
 
-    python tools/gpu/allreduce_latency.py --sizes 4096,576 --out docs/results/profile.json
+    python benchmarks/allreduce_latency.py --sizes 4096,576 --out docs/results/profile_h200.json
 
 At batch 1 a Megatron layer all-reduces one [1, hidden] bf16 row after o_proj and another after
-down_proj, so a 32-layer step runs 65 of them back to back. On 2026-11-30 the Llama-3.1-8B-shaped
-decode step took 7.65 ms at TP 2 against 6.17 ms at TP 1 (16 steps per call): if the split
-halved the weight reads, ~4.5 ms went to collectives, ~70 µs each. That is far above NVLink
-latencies (~10-20 µs), so this script measures the collective alone, N all-reduces chained
-inside one jitted program (each depends on the previous, as in the model), and records µs per
-all-reduce. `--chain unrolled` writes the N all-reduces out, as the model's unrolled layers do;
-`--chain loop` runs them in a `lax.fori_loop`, whose every iteration also pays the loop's own
-cost on XLA:GPU (the condition is read back by the host), so the difference between the two
-measures that cost too (the 2026-11-30 rows, 25-27 µs, were loop rows). Run it with NCCL_DEBUG=INFO to see which transport NCCL chose (P2P/NVLink,
-SHM through the host, or sockets); `nvidia-smi topo -m` shows how the GPUs are linked.
+down_proj, so a 32-layer step runs 65 of them back to back. On two H200s on 2026-11-30 (commit
+f96b584, `benchmarks/scale_8b.py --tensor_parallel_size 1,2`) the Llama-3.1-8B-shaped decode
+step took 7.65 ms at TP 2 against 6.17 ms at TP 1: if the split halved the weight reads, ~4.5 ms
+went to collectives, ~70 µs each, far above NVLink latencies (~10-20 µs). So this script
+measures the collective alone, N all-reduces chained inside one jitted program (each depends on
+the previous, as in the model), and records µs per all-reduce. `--chain unrolled` writes the N
+all-reduces out, as the model's unrolled layers do; `--chain loop` runs them in a
+`lax.fori_loop`, whose every iteration also pays the loop's own cost on XLA:GPU (the condition
+is read back by the host), so the difference between the two measures that cost too. Run it
+with NCCL_DEBUG=INFO to see which transport NCCL chose (P2P/NVLink, SHM through the host, or
+sockets); `nvidia-smi topo -m` shows how the GPUs are linked.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+try:
+    import eagle_jax  # noqa: F401
+except ModuleNotFoundError:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax
 import jax.numpy as jnp
@@ -92,7 +95,7 @@ def main(argv=None) -> None:
                    chained=args.count, chain=chain, us_per_all_reduce=round(seconds * 1e6, 2), device=jax.devices()[0].device_kind,
                    platform=jax.default_backend(), jax_version=jax.__version__, xla_flags=os.environ.get("XLA_FLAGS") or None,
                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                   command="python " + shlex.join(["tools/gpu/allreduce_latency.py"] + sys.argv[1:]))
+                   command="python " + shlex.join(["benchmarks/allreduce_latency.py"] + sys.argv[1:]))
         print(f"[allreduce_latency] TP {args.tensor_parallel_size}, [1, {width}] {args.dtype}: "
               f"{row['us_per_all_reduce']} µs per all-reduce ({args.count} chained, {chain})")
         rows.append(row)
