@@ -256,6 +256,8 @@ class OnlineEngine:
         self.metrics.running.set(self._loop.num_running)
         self.metrics.waiting.set(self._loop.num_waiting + len(self._inbox))
         for event in events:
+            if event.result is not None:  # cancelled ones too: their drafts were verified
+                self.metrics.speculation(event.result.stats)
             handle = self._handles.get(event.request_id)
             if handle is None or handle.cancelled:
                 continue
@@ -270,7 +272,6 @@ class OnlineEngine:
                 self.metrics.generation_tokens.inc(len(event.token_ids))
                 handle._send(Chunk(event.token_ids))
             if event.result is not None:
-                self.metrics.speculation(event.result.stats)
                 self._end(handle, "length")
 
     def _end(self, handle: Handle, reason: str) -> None:

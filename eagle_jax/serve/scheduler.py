@@ -133,6 +133,7 @@ class SlotLoop:
         self._slots: list[Slot | None] = [None] * programs.batch_size
         self._next_id = 0
         self._steps = np.zeros(programs.batch_size, np.int64)  # each row's num_steps as of the last fetch
+        self._host = None  # the last fetched state (no caches): cancelled rows' results are read from it
 
     def add(self, prompt_ids: np.ndarray, budget: int) -> int:
         """Queues an int32 prompt (at most `programs.widths[-1]` tokens) with its max_new_tokens; returns its id."""
@@ -142,7 +143,11 @@ class SlotLoop:
         return request_id
 
     def cancel(self, request_id: int) -> None:
-        """Drops a queued request, or frees an active one's slot at the next round (no `Result`)."""
+        """Drops a queued request, or frees an active one's slot at the next round.
+
+        An active request's `Result` (its tokens and acceptance counters as of the last round) comes
+        in the next `step`'s events, so that its drafts are still counted; a queued one has none.
+        """
         self._queue = collections.deque(entry for entry in self._queue if entry[0] != request_id)
         for slot in self._slots:
             if slot is not None and slot.request_id == request_id:
@@ -169,10 +174,10 @@ class SlotLoop:
         Returns:
             An event for each request with new tokens or finished in this round.
         """
-        self._slots = [None if slot is not None and slot.cancelled else slot for slot in self._slots]
+        events = self._harvest_cancelled()
         self._refill()
         if all(slot is None for slot in self._slots):
-            return []
+            return events
         programs, calls = self.programs, self.calls
         running = [(slot.prompt_length, slot.budget, slot.generated) for slot in self._slots if slot is not None]
         # Leave the device loop to refill only when slots can be refilled, and as a batch.
@@ -185,9 +190,9 @@ class SlotLoop:
                                                pending_features=None, pending_count=None, next_token=None, rng=None))
         calls.run_steps += int(np.max(host.num_steps - self._steps))
         self._steps = np.array(host.num_steps, np.int64)
+        self._host = host
         now = time.perf_counter()
         stats = speculative.stats(host, programs.opts) if np.any(host.done) else None
-        events = []
         for row, slot in enumerate(self._slots):
             if slot is None:
                 continue
@@ -204,6 +209,23 @@ class SlotLoop:
                 self._slots[row] = None
             if new or result is not None:
                 events.append(Event(slot.request_id, new, result))
+        return events
+
+    def _harvest_cancelled(self) -> list[Event]:
+        """Frees the cancelled slots; each request's `Result` as of the last fetch (none before one)."""
+        events = []
+        stats = None
+        for row, slot in enumerate(self._slots):
+            if slot is None or not slot.cancelled:
+                continue
+            self._slots[row] = None
+            if self._host is None:
+                continue
+            stats = speculative.stats(self._host, self.programs.opts) if stats is None else stats
+            events.append(Event(slot.request_id, [], result_lib.Result(
+                token_ids=self._host.output[row, :slot.shown].tolist(), seconds=time.perf_counter() - slot.prefilled,
+                compile_seconds=self.programs.compile_seconds, stats=stats[row],
+                first_token_seconds=slot.first_token_seconds, finish_seconds=time.perf_counter() - self.began)))
         return events
 
     def _refill(self) -> None:

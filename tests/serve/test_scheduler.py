@@ -343,9 +343,10 @@ def test_run_steps_count_each_device_loop_iteration(target, prompts, eos_id, ref
 
 
 def test_a_slot_loop_takes_requests_between_rounds_and_frees_cancelled_slots(slot_programs, prompts, reference):
-    """`SlotLoop`, stepped by hand: requests added while others run, one cancelled while queued
-    and one while active, give no result; every other request's tokens (streamed, then in its
-    `Result`) are its batch-1 tokens; the loop is idle once all are out."""
+    """`SlotLoop`, stepped by hand: requests added while others run; one cancelled while queued
+    gives no result, one cancelled while active gives the tokens it had streamed (a prefix of its
+    batch-1 tokens) with its acceptance counters; every other request's tokens (streamed, then in
+    its `Result`) are its batch-1 tokens; the loop is idle once all are out."""
     expected = [r.token_ids for r in reference("eagle")]
     loop = scheduler_lib.SlotLoop(slot_programs("eagle"), jax.random.key(0), refill_at=1)
     assert loop.idle and loop.step() == []
@@ -366,6 +367,10 @@ def test_a_slot_loop_takes_requests_between_rounds_and_frees_cancelled_slots(slo
         if event.result is not None:
             results[event.request_id] = event.result
     done = set(ids) - {queued_cancel, active_cancel}
-    assert set(results) == done
+    assert set(results) == done | {active_cancel}
+    cut = results.pop(active_cancel)
+    assert cut.token_ids and cut.token_ids == streamed[active_cancel]
+    assert cut.token_ids == expected[ids[active_cancel]][:len(cut.token_ids)]
+    assert cut.stats["num_drafts"] > 0
     for request_id in done:
         assert results[request_id].token_ids == streamed[request_id] == expected[ids[request_id]]
