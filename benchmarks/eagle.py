@@ -136,6 +136,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--attention_tiling", "--attention-tiling", metavar="BLOCK_S/WARPS/STAGES/SPLITS[/QUERY_ROWS]",
                         help="the Pallas attention kernel's tiling (decode_attention.Tiling; with pallas kernels); "
                              "default: its own choice for the batch (Tiling.for_rows); recorded in each row when set")
+    parser.add_argument("--unroll_draft", "--unroll-draft", action="store_true",
+                        help="write the draft loop out in the step program (EngineConfig.unroll_draft)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top_p", "--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -208,7 +210,8 @@ def engine_config(args, **settings) -> config_lib.EngineConfig:
     """The `EngineConfig` of one setting: the flags shared by every setting, then `settings`."""
     shared = dict(eager=args.eager, steps_per_check=args.steps_per_check, steps_per_call=args.steps_per_call,
                   decode_kernels=args.decode_kernels, refill_at=args.refill_at, attention_tiling=args.attention_tiling,
-                  speculative_disable_by_batch_size=args.speculative_disable_by_batch_size)
+                  speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
+                  unroll_draft=args.unroll_draft)
     return config_lib.EngineConfig(**dict(shared, **settings))
 
 
@@ -398,6 +401,7 @@ def main(argv=None) -> int:
             steps_per_call=args.steps_per_call, steps_per_check=args.steps_per_check,
             decode_kernels=engine.kernels.decode_kernels, attention_tiling=args.attention_tiling and str(args.attention_tiling),
             refill_at=engine.config.resolved_refill_at if scheduler == "continuous" else None,
+            unroll_draft=args.unroll_draft,
             speculative_disable_by_batch_size=args.speculative_disable_by_batch_size if k else None,
             ttft_ms_p50=round(float(measured["ttft_ms_p50"]), 2),
             latency_s_p50=round(float(measured["latency_s_p50"]), 4),

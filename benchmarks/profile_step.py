@@ -110,6 +110,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     trace.add_argument("--top-kernels", type=int, default=10,
                        help="kernels (and kernel kinds) the row lists, heaviest first, each with its shortest "
                             "and longest call")
+    trace.add_argument("--unroll-draft", action="store_true", help="the draft loop written out (EngineConfig.unroll_draft)")
     trace.add_argument("--label", default="", help="free text saved in the step_trace row")
     trace.add_argument("--tree", metavar="TOPK,STEPS,N",
                        help="trace an EAGLE-2 tree step (--speculative-eagle-topk, --speculative-num-steps, "
@@ -341,7 +342,8 @@ def trace_part(args, target, head, prompt: list[int], head_is_random: bool) -> d
     drafting = dict(tree=args.tree) if args.tree is not None else dict(num_speculative_tokens=args.k)
     engine = engine_lib.Engine(target, head, config_lib.EngineConfig(
         batch_size=args.batch_size, steps_per_check=args.steps_per_check, decode_kernels=args.decode_kernels,
-        max_length=max(2048, args.cache_length or 0), attention_tiling=args.attention_tiling, **drafting))
+        max_length=max(2048, args.cache_length or 0), attention_tiling=args.attention_tiling,
+        unroll_draft=args.unroll_draft, **drafting))
     measured = step_trace.measure(engine, prompt, trace_steps=args.trace_steps, steps_per_call=args.steps_per_call,
                                   cache_length=args.cache_length, device=args.trace_device, trace_dir=args.trace_dir,
                                   top=args.top_kernels)
@@ -350,6 +352,7 @@ def trace_part(args, target, head, prompt: list[int], head_is_random: bool) -> d
           f"{measured['wall_us_per_step']} us wall per step", file=sys.stderr)
     tree = args.tree
     return dict(kind="step_trace", label=args.label, method=args.method, k=args.k, batch_size=args.batch_size,
+                unroll_draft=args.unroll_draft,
                 speculative_eagle_topk=tree and tree.topk, speculative_num_steps=tree and tree.num_steps,
                 speculative_num_draft_tokens=tree and tree.num_draft_tokens,
                 random_head=head_is_random, random_target=args.random_target, prompt_length=len(prompt), **measured)

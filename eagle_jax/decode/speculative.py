@@ -84,6 +84,10 @@ class Options:
     # "pallas_linear", and the Pallas attention kernel's tiling); "auto" is resolved before here.
     decode_kernels: str = struct.field(pytree_node=False, default="xla")
     attention_tiling: decode_attention.Tiling | None = struct.field(pytree_node=False, default=None)
+    # Write the draft loop out (`lax.fori_loop(..., unroll=True)`) instead of looping on the device:
+    # on GPU a device loop is not captured into the step's CUDA graph, so each iteration pays its
+    # launches; unrolled, the program grows with k.
+    unroll_draft: bool = struct.field(pytree_node=False, default=False)
 
     def __post_init__(self):
         if self.tree is not None and self.k != self.tree.num_steps:  # state shapes follow k
@@ -236,7 +240,8 @@ def draft(target: llama.Llama, head, state: DecodeState, opts: Options, rng: jax
             all_probs = all_probs.at[:, j].set(probs)
         return ids, all_probs, out[:, 0], cache
 
-    ids, all_probs, _, cache = jax.lax.fori_loop(1, k, body, (ids, all_probs, feature, cache))
+    ids, all_probs, _, cache = jax.lax.fori_loop(1, k, body, (ids, all_probs, feature, cache),
+                                                 unroll=opts.unroll_draft)
     return ids, all_probs, cache
 
 
@@ -294,7 +299,8 @@ def draft_tree(target: llama.Llama, head, state: DecodeState, opts: Options):
     """
     features, logits, draft_cache = read_pending(target, head, state, kernels=opts.kernels)
     return tree_draft.draft(target, head, draft_cache, last_pending(state, features), last_pending(state, logits),
-                            state.next_token, state.cache.lengths, opts.tree, opts.sampling, opts.kernels)
+                            state.next_token, state.cache.lengths, opts.tree, opts.sampling, opts.kernels,
+                            unroll=opts.unroll_draft)
 
 
 def _tree_step(target: llama.Llama, head, state: DecodeState, opts: Options) -> DecodeState:

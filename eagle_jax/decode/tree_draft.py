@@ -24,7 +24,7 @@ from eagle_jax.decode import tree as tree_lib
 def draft(target: llama.Llama, head, cache: kv_cache_lib.KVCache, root_feature: jax.Array, root_logits: jax.Array,
           root_token: jax.Array, committed: jax.Array, opts: tree_lib.TreeOptions,
           sampling: sampling_lib.Sampling,
-          kernels: layers.Kernels = layers.XLA) -> tuple[tree_lib.Tree, kv_cache_lib.KVCache]:
+          kernels: layers.Kernels = layers.XLA, unroll: bool = False) -> tuple[tree_lib.Tree, kv_cache_lib.KVCache]:
     """Grows the candidate pool depth by depth and returns the reranked tree.
 
     Args:
@@ -34,6 +34,7 @@ def draft(target: llama.Llama, head, cache: kv_cache_lib.KVCache, root_feature: 
         root_token: [B] int32 the root's token (emitted last step).
         committed: [B] int32 the target's committed length L (the root's position).
         kernels: the head's cached-call kernels (`layers.Kernels`, static).
+        unroll: write the loop over depths out (`speculative.Options.unroll_draft`).
     Returns:
         (the tree, the draft cache with scratch entries past L).
     """
@@ -73,5 +74,5 @@ def draft(target: llama.Llama, head, cache: kv_cache_lib.KVCache, root_feature: 
             return frontier, pool, cache
 
         _, (pool_tokens, pool_scores, pool_parents), cache = jax.lax.fori_loop(
-            1, depth, body, (frontier, (pool_tokens, pool_scores, pool_parents), cache))
+            1, depth, body, (frontier, (pool_tokens, pool_scores, pool_parents), cache), unroll=unroll)
     return tree_lib.select(pool_tokens, pool_scores, pool_parents, root_token, opts), cache

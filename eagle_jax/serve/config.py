@@ -62,6 +62,8 @@ class EngineConfig:
         attention_tiling: the Pallas attention kernel's block size and launch settings
             (`decode_attention.Tiling`); needs decode_kernels "pallas" (or "auto"). None: the
             kernel's own choice for the batch.
+        unroll_draft: write the draft loop out in the step program instead of looping on the
+            device (`speculative.Options.unroll_draft`).
         tensor_parallel_size: devices the target is split over, Megatron-style (`sharding`).
         draft_tensor_parallel_size: 1 keeps the head whole on every device; the tensor
             parallel size splits its MLPs and draft vocabulary too.
@@ -82,6 +84,7 @@ class EngineConfig:
     speculative_disable_by_batch_size: int | None = None
     decode_kernels: Literal["auto", "xla", "pallas", "pallas_linear"] = "auto"
     attention_tiling: decode_attention.Tiling | None = None
+    unroll_draft: bool = False
     tensor_parallel_size: int = 1
     draft_tensor_parallel_size: int = 1
     fixed_shapes: bool = False

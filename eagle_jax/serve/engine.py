@@ -79,7 +79,8 @@ class Engine:
         return speculative.Options(k=self.k, tree=self.config.tree,
                                    disable_by_batch_size=self.config.speculative_disable_by_batch_size,
                                    decode_kernels=self.kernels.decode_kernels,
-                                   attention_tiling=self.kernels.attention_tiling, **settings)
+                                   attention_tiling=self.kernels.attention_tiling,
+                                   unroll_draft=self.config.unroll_draft, **settings)
 
     def check_prompts(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int]) -> list[np.ndarray]:
         """The prompts as int32 arrays, each checked to be in the vocabulary and to fit the cache (`inputs`)."""

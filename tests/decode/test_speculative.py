@@ -267,3 +267,13 @@ def test_checking_for_done_rows_less_often_changes_nothing(target, prompts, make
     assert [r.token_ids for r in results] == [r.token_ids for r in expected]
     assert [r.stats for r in results] == [r.stats for r in expected]
 
+
+
+@pytest.mark.parametrize("kind, k", [("eagle-noisy", 3), ("eagle3-biased", 4)])
+def test_the_draft_loop_written_out_changes_nothing(target, prompts, make_head, run, kind, k):
+    engine = engine_lib.Engine(target, make_head(kind), config=config_lib.EngineConfig(
+        steps_per_call=4, num_speculative_tokens=k, max_length=64, unroll_draft=True))
+    results = engine.generate(prompts, max_new_tokens=MAX_NEW, ignore_eos=True)
+    expected = run(kind, k, 1)
+    assert [r.token_ids for r in results] == [r.token_ids for r in expected]
+    assert [r.stats for r in results] == [r.stats for r in expected]

@@ -186,6 +186,17 @@ def test_tree_greedy_is_lossless(run_tree, reference, case):  # noqa: F811
     assert [r.token_ids for r in run_tree(*case)] == reference
 
 
+def test_the_tree_draft_loop_written_out_changes_nothing(target, prompts, make_head, run_tree):  # noqa: F811
+    kind, topk, num_steps, num_draft_tokens = "eagle3-biased", 2, 3, 5
+    engine = engine_lib.Engine(target, make_head(kind), config=config_lib.EngineConfig(
+        steps_per_call=4, tree=tree_lib.TreeOptions(topk, num_steps, num_draft_tokens), max_length=64,
+        unroll_draft=True))
+    results = engine.generate(prompts, max_new_tokens=MAX_NEW, ignore_eos=True)
+    expected = run_tree(kind, topk, num_steps, num_draft_tokens, 1)
+    assert [r.token_ids for r in results] == [r.token_ids for r in expected]
+    assert [r.stats for r in results] == [r.stats for r in expected]
+
+
 @pytest.mark.parametrize("shape, k", [((2, 3, 16384), 8), ((1, 4, 5000), 4), ((3, 1100), 1), ((2, 300), 8)])
 def test_two_stage_top_k_equals_lax_top_k(shape, k):
     """Values and indices equal `lax.top_k`'s, ties (few distinct values) and -inf included, for

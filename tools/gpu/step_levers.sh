@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Decode-step levers with no model to stage: SmolLM2-135M's shapes with random target weights and the
+# shipped EAGLE-3 head (step times do not depend on the weights), against the torch peer on random
+# weights of the same shapes, on the same GPU. Run from the repo root of a device call that carries
+# .stage/ holding smollm2_config.json and torch_step_peer.py:
+#   bash tools/gpu/step_levers.sh base     plain and EAGLE-3 k = 6 steps, the draft loop written out, the peer
+#   bash tools/gpu/step_levers.sh pdl      the same steps under XLA's programmatic dependent launch flag
+# Rows go to $OUT/profile.json and $OUT/torch_peer.jsonl; the console to $OUT/console_<phase>.txt.
+set -uo pipefail
+phase=${1:?base or pdl}
+out=${OUT:?}; export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 EAGLE_JAX_CACHE_DIR=/tmp/eagle_jax_cache
+exec > >(tee -a "$out/console_$phase.txt") 2>&1
+config=.stage/smollm2_config.json
+[ -f /tmp/device.txt ] || {
+  nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem --format=csv
+  python3 -c "import jax, jaxlib, flax, torch; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'flax', flax.__version__, 'torch', torch.__version__)"
+} > /tmp/device.txt 2>&1
+cp /tmp/device.txt "$out/device.txt"; cat /tmp/device.txt
+prof() {  # label, then profile_step flags
+  local label=$1; shift
+  timeout 200 python3 benchmarks/profile_step.py --parts step_trace --decode-kernels pallas --random-target "$config" \
+    --trace-steps 64 --out "$out/profile.json" --label "$label" "$@" 2>&1 | grep -E "\] step_trace|Error|error" | tail -3
+}
+case $phase in
+  base)
+    echo "== plain and EAGLE-3 k = 6, default flags (PTX dumped for the plain step)"
+    rm -rf /tmp/dump_default
+    XLA_FLAGS=--xla_dump_to=/tmp/dump_default prof "plain, default flags" --method none
+    echo "ptx files: $(ls /tmp/dump_default/*.ptx 2>/dev/null | wc -l), with griddepcontrol: $(grep -l griddepcontrol /tmp/dump_default/*.ptx 2>/dev/null | wc -l)"
+    prof "eagle3 k=6, default flags" --method eagle3 --k 6
+    prof "eagle3 k=6, draft loop written out" --method eagle3 --k 6 --unroll-draft
+    echo "== torch peer on random weights of the same shapes (torch.compile reduce-overhead + CUDA graphs)"
+    python3 - <<'EOF'
+import json, torch, transformers
+config = transformers.LlamaConfig(**{k: v for k, v in json.load(open(".stage/smollm2_config.json")).items()
+                                     if k not in ("architectures", "torch_dtype")})
+torch.manual_seed(0)
+model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+model.save_pretrained("/tmp/peer_model", safe_serialization=True)
+print("random peer model saved")
+EOF
+    timeout 300 python3 .stage/torch_step_peer.py --model /tmp/peer_model --batch 1 --k 6 --max-len 512 \
+      --out "$out/torch_peer.jsonl" 2>&1 | grep -v -i warn | tail -8 ;;
+  pdl)
+    echo "== XLA's programmatic dependent launch"
+    rm -rf /tmp/dump_pdl
+    XLA_FLAGS="--xla_gpu_enable_pdl=true --xla_dump_to=/tmp/dump_pdl" prof "plain, --xla_gpu_enable_pdl=true" --method none
+    echo "ptx files: $(ls /tmp/dump_pdl/*.ptx 2>/dev/null | wc -l), with griddepcontrol: $(grep -l griddepcontrol /tmp/dump_pdl/*.ptx 2>/dev/null | wc -l)"
+    XLA_FLAGS=--xla_gpu_enable_pdl=true prof "eagle3 k=6, --xla_gpu_enable_pdl=true" --method eagle3 --k 6
+    XLA_FLAGS=--xla_gpu_enable_pdl=false prof "plain, --xla_gpu_enable_pdl=false" --method none
+    XLA_FLAGS=--xla_gpu_enable_pdl=true prof "eagle3 k=6, pdl, draft loop written out" --method eagle3 --k 6 --unroll-draft
+    prof "plain, default flags, again" --method none ;;
+esac
+echo "$phase DONE"
