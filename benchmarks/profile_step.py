@@ -349,7 +349,8 @@ def trace_part(args, target, head, prompt: list[int], head_is_random: bool) -> d
                                   top=args.top_kernels)
     print(f"[profile_step.py] step_trace {args.method} k={args.k} batch {args.batch_size}: "
           f"{measured['kernels_per_step']} kernels, {measured['busy_us_per_step']} us busy, "
-          f"{measured['wall_us_per_step']} us wall per step", file=sys.stderr)
+          f"{measured['wall_us_per_step']} us wall per step traced, {measured['untraced_us_per_step']} untraced",
+          file=sys.stderr)
     tree = args.tree
     return dict(kind="step_trace", label=args.label, method=args.method, k=args.k, batch_size=args.batch_size,
                 unroll_draft=args.unroll_draft,

@@ -5,10 +5,13 @@
 # .stage/ holding smollm2_config.json and torch_step_peer.py:
 #   bash tools/gpu/step_levers.sh base     plain and EAGLE-3 k = 6 steps, the draft loop written out, the peer
 #   bash tools/gpu/step_levers.sh pdl      the same steps under XLA's programmatic dependent launch flag
+#   bash tools/gpu/step_levers.sh repeat   plain, k = 6 and k = 6 written out, twice each, in alternation
+#   bash tools/gpu/step_levers.sh cache    plain and k = 6 on caches of one length (1024; plain at 512 too, as the
+#                                          peer's), Pallas and XLA kernels
 # Rows go to $OUT/profile.json and $OUT/torch_peer.jsonl; the console to $OUT/console_<phase>.txt.
 set -uo pipefail
-phase=${1:?base or pdl}
-out=${OUT:?}; export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 EAGLE_JAX_CACHE_DIR=/tmp/eagle_jax_cache
+phase=${1:?base, pdl, repeat or cache}
+out=${OUT:?}; export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 EAGLE_JAX_CACHE_DIR=/tmp/eagle_jax_cache
 exec > >(tee -a "$out/console_$phase.txt") 2>&1
 config=.stage/smollm2_config.json
 [ -f /tmp/device.txt ] || {
@@ -50,5 +53,17 @@ EOF
     XLA_FLAGS=--xla_gpu_enable_pdl=false prof "plain, --xla_gpu_enable_pdl=false" --method none
     XLA_FLAGS=--xla_gpu_enable_pdl=true prof "eagle3 k=6, pdl, draft loop written out" --method eagle3 --k 6 --unroll-draft
     prof "plain, default flags, again" --method none ;;
+  repeat)
+    for pass in 1 2; do
+      prof "plain, pass $pass" --method none --trace-steps 128
+      prof "eagle3 k=6, pass $pass" --method eagle3 --k 6 --trace-steps 128
+      prof "eagle3 k=6, draft loop written out, pass $pass" --method eagle3 --k 6 --unroll-draft --trace-steps 128
+    done ;;
+  cache)
+    prof "plain, cache 512" --method none --cache-length 512
+    prof "plain, cache 1024" --method none --cache-length 1024
+    prof "eagle3 k=6, cache 1024" --method eagle3 --k 6 --cache-length 1024
+    prof "plain, cache 1024, XLA kernels" --method none --cache-length 1024 --decode-kernels xla
+    prof "eagle3 k=6, cache 1024, XLA kernels" --method eagle3 --k 6 --cache-length 1024 --decode-kernels xla ;;
 esac
 echo "$phase DONE"
