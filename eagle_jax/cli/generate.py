@@ -2,7 +2,7 @@
 
 With no `--model` it runs the embedded default model, SmolLM2-135M-Instruct, with its shipped
 EAGLE head as the draft (on a CPU without one unless asked: speculation measured slower there).
-Text streams to the terminal; `--json` prints one object per prompt.
+Text streams to the terminal; `--json` prints one object per prompt, a line each, as each finishes.
 """
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ import json
 import math
 import os
 import sys
-from pathlib import Path
 
 import jax
 
 from eagle_jax import heads
+from eagle_jax.cli import output
+from eagle_jax.cli import user_input
 from eagle_jax.decode import sampling as sampling_lib
 from eagle_jax.decode import tree as tree_lib
 from eagle_jax.io import hf_files
@@ -36,7 +37,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m eagle_jax.generate", description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="HF directory, converted directory or .gguf (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
-    parser.add_argument("--prompts-file", help="JSONL with a 'prompt' field or MT-Bench 'turns' (first turn used)")
+    parser.add_argument("--prompts-file", help="JSONL with a 'prompt' field or MT-Bench 'turns' (first turn used; "
+                                               "a string is one turn)")
     parser.add_argument("--no-chat", action="store_true", help="feed raw text, without the chat template")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
@@ -44,7 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=sorted(models.DTYPES), default="float32")
     parser.add_argument("--ignore-eos", action="store_true")
-    parser.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
+    parser.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout, a line each, "
+                                                            "written as each finishes")
     parser.add_argument("--draft", help="EAGLE head directory; 'none' disables (default: the shipped head "
                                         "when the model is the default one)")
     parser.add_argument("--method", choices=["eagle", "eagle3"],
@@ -123,22 +126,6 @@ def tree_settings(args) -> tuple[int | None, int | None, int | None] | None:
     return None if tree == (None, None, None) else tree
 
 
-def read_prompts(args) -> list[str]:
-    prompts = list(args.prompt)
-    if args.prompts_file:
-        for number, line in enumerate(Path(args.prompts_file).read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                prompts.append(record["prompt"] if "prompt" in record else record["turns"][0])
-            except (json.JSONDecodeError, KeyError, IndexError, TypeError):
-                raise config_lib.InputError(f"{args.prompts_file}:{number}: expected JSON with 'prompt' or 'turns'")
-    if not prompts:
-        prompts = ["Write a short poem about the sea."]
-    return prompts
-
-
 def choose_scheduler(args, num_prompts: int) -> str:
     """--scheduler, or by default continuous where there is something to refill slots with."""
     if args.scheduler is not None:
@@ -177,13 +164,16 @@ def streams(args) -> bool:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    progress = output.Progress()
     try:
         config = check_flags(args)
+        user_input.check_seed(args.seed)
         if sharding.initialize_distributed() and jax.process_index() > 0:
             # Every process computes the same tokens: process 0 prints them (fd 1, for native libraries too).
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sampling = sampling_lib.Sampling(temperature=args.temperature, top_p=args.top_p)
-        prompts = read_prompts(args)
+        prompts = user_input.prompts(args.prompt, args.prompts_file)
+        progress.total = len(prompts)
         engine, tokenizer, method, token_ids = load(args, prompts, config)
         engine.check_prompts(token_ids, args.max_new_tokens)  # all of them, before anything streams
         stream = streams(args)
@@ -198,19 +188,23 @@ def main(argv=None) -> int:
         if stream:  # one prompt at a time, so each streams as it is made
             for index, ids in enumerate(token_ids):
                 print(f"\n>>> {prompts[index]}\n", flush=True)
-                [result] = engine.generate([ids], seed=args.seed + index, on_tokens=on_tokens, **options)
-                report(args, prompts[index], tokenizer, result, method, engine, stream)
-        else:  # batched (static batches or decode slots); results come back in input order
-            results = engine.generate(token_ids, seed=args.seed, **options)
-            for prompt, result in zip(prompts, results):
-                report(args, prompt, tokenizer, result, method, engine, stream)
+                [result] = engine.generate([ids], seed=user_input.prompt_seed(args.seed, index), on_tokens=on_tokens,
+                                           **options)
+                report(args, index, prompts[index], tokenizer, result, method, engine, stream, progress)
+        else:  # batched (static batches or decode slots): each result is written as soon as it is done
+            engine.generate(token_ids, seed=args.seed, **options, on_result=lambda index, result: report(
+                args, index, prompts[index], tokenizer, result, method, engine, stream, progress))
     except (config_lib.InputError, hf_files.CheckpointError, FileNotFoundError, ValueError, RuntimeError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return progress.interrupted()
+    except BrokenPipeError:
+        return output.reader_gone()
     return 0
 
 
-def report(args, prompt, tokenizer, result, method, engine, streamed) -> None:
+def report(args, index, prompt, tokenizer, result, method, engine, streamed, progress) -> None:
     text = tokenizer.decode(result.token_ids, skip_special_tokens=True)
     config = engine.config
     k, tree = config.k, config.tree
@@ -225,16 +219,17 @@ def report(args, prompt, tokenizer, result, method, engine, streamed) -> None:
                       scheduler=config.scheduler, batch_size=config.batch_size,
                       decode_kernels=engine.kernels.decode_kernels, tensor_parallel_size=config.tensor_parallel_size,
                       draft_tensor_parallel_size=config.draft_tensor_parallel_size, **result.stats)
-        print(json.dumps(record), flush=True)
+        progress.write_result(json.dumps(dict(index=index, **record)))  # `index`: continuous slots finish out of order
         return
     if not streamed:
-        print(f"\n>>> {prompt}\n{text}")
+        print(f"\n>>> {prompt}\n{text}", flush=True)
     summary = f"{result.num_tokens} tokens in {result.seconds:.2f} s, {result.tokens_per_second:.1f} tokens/s"
     if k:
         drafting = (f"tree topk={tree.topk} steps={tree.num_steps} draft tokens={tree.num_draft_tokens}" if tree
                     else f"k={k}")
         summary += f", acceptance length {result.stats['acceptance_length']:.2f} ({method}, {drafting})"
     print(f"\n[{summary}; compile {result.compile_seconds:.1f} s]", file=sys.stderr)
+    progress.finished += 1
 
 
 if __name__ == "__main__":

@@ -89,10 +89,31 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def encode(tokenizer, text: str, chat: bool) -> list[int]:
-    """Prompt ids for one user message, through the chat template when asked and there is one."""
+    """Prompt ids for one user message, through the chat template when asked and there is one.
+
+    Raises:
+        ChatTemplateError: the template raised; the message names the file it came from.
+    """
     if chat and tokenizer.chat_template:
-        return encode_messages(tokenizer, [{"role": "user", "content": text}])
+        try:
+            return encode_messages(tokenizer, [{"role": "user", "content": text}])
+        except ChatTemplateError as error:
+            raise ChatTemplateError(f"{template_file(tokenizer)}: {error}") from None
     return tokenizer(text)["input_ids"]
+
+
+class ChatTemplateError(ValueError):
+    """A chat template that raised while rendering: a jinja error, its own `raise_exception`, a
+    recursive macro that ran out of stack (jinja has no unbounded loop, only recursion)."""
+
+
+def template_file(tokenizer) -> str:
+    """The file in the tokenizer's directory that holds its chat template, for error messages."""
+    directory = Path(tokenizer.name_or_path or ".")
+    for name in ("chat_template.jinja", "chat_template.json", "tokenizer_config.json"):
+        if (directory / name).is_file():
+            return str(directory / name)
+    return str(directory)
 
 
 def check_messages(messages) -> list[dict]:
@@ -121,5 +142,7 @@ def encode_messages(tokenizer, messages) -> list[int]:
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     except Exception as error:  # a template that raises (a jinja error, a role it refuses) is the input's fault
-        raise ValueError(f"the chat template refused these messages: {error}") from None
+        # No path in the message: the server sends it to its clients (`encode` adds the file).
+        raise ChatTemplateError(f"the chat template failed on these messages ({type(error).__name__}: "
+                                f"{error})") from None
     return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -90,7 +90,8 @@ class Engine:
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequence[int] = 128,
                  sampling: sampling_lib.Sampling = sampling_lib.Sampling(), seed: int = 0, ignore_eos: bool = False,
                  eos_ids: Sequence[int] | None = None,
-                 on_tokens: Callable[[int, list[int]], None] | None = None) -> list[result_lib.Result]:
+                 on_tokens: Callable[[int, list[int]], None] | None = None,
+                 on_result: Callable[[int, result_lib.Result], None] | None = None) -> list[result_lib.Result]:
         """Generates for each prompt (lists or arrays of token ids, any integer dtype); results in input order.
 
         Args:
@@ -98,6 +99,10 @@ class Engine:
             eos_ids: the ids that end a row; None: the model's. ignore_eos: none end a row.
             on_tokens: called as `on_tokens(prompt_index, new_ids)` after each device call, for
                 streaming (a smaller `steps_per_call` streams more smoothly).
+            on_result: called as `on_result(prompt_index, result)` as soon as a prompt is done
+                (static batches: at the end of its batch, in input order; continuous: in the order
+                they finish, without the `calls` counters, which cover the whole call), so a
+                caller can write each result before the others finish.
 
         Raises:
             config.InputError: naming the first bad prompt, token id or budget.
@@ -112,7 +117,7 @@ class Engine:
         if continuous:
             programs = self.compiler.slot_programs(sampling, eos)
             return scheduler_lib.generate(programs, prompts, budgets, jax.random.key(seed), on_tokens, began,
-                                          self.config.resolved_refill_at)
+                                          self.config.resolved_refill_at, on_result)
         opts = self.options(sampling=sampling, eos_ids=eos, max_new_tokens=int(max_new_tokens))
         results, rng, rows = [], jax.random.key(seed), self.config.batch_size
         for first in range(0, len(prompts), rows):
@@ -123,6 +128,9 @@ class Engine:
                 max(len(p) for p in batch) + opts.max_new_tokens + self.headroom, self.max_length)
             programs = self.compiler.batch_programs(batch, batch_rng, opts.replace(cache_length=cache_length))
             results += scheduler_lib.generate_static(programs, len(batch), emit, began)
+            for index in range(first, len(results)):
+                if on_result is not None:
+                    on_result(index, results[index])
         return results
 
     def slot_programs(self, sampling: sampling_lib.Sampling, eos_ids: tuple[int, ...],

@@ -252,7 +252,8 @@ class SlotLoop:
 
 def generate(programs: programs_lib.SlotPrograms, prompts: Sequence[np.ndarray], budgets: Sequence[int],
              rng: jax.Array, on_tokens: Callable[[int, list[int]], None] | None = None,
-             began: float | None = None, refill_at: int = 1) -> list[result_lib.Result]:
+             began: float | None = None, refill_at: int = 1,
+             on_result: Callable[[int, result_lib.Result], None] | None = None) -> list[result_lib.Result]:
     """Generates for every prompt through the slots (`SlotLoop`); results in input order.
 
     Args:
@@ -263,6 +264,8 @@ def generate(programs: programs_lib.SlotPrograms, prompts: Sequence[np.ndarray],
         began: `time.perf_counter()` at the caller's start, which every prompt's times count
             from (as if all arrived then); default now.
         refill_at: how many rows must finish before a run call returns (1 to batch_size).
+        on_result: called as `on_result(prompt_index, result)` as each prompt finishes (its
+            `calls` left empty: they count the whole call).
     """
     loop_began = time.perf_counter()
     loop = SlotLoop(programs, rng, refill_at, began)
@@ -275,6 +278,8 @@ def generate(programs: programs_lib.SlotPrograms, prompts: Sequence[np.ndarray],
                 on_tokens(event.request_id, event.token_ids)
             if event.result is not None:
                 results[event.request_id] = event.result
+                if on_result is not None:
+                    on_result(event.request_id, event.result)
     loop.calls.host_seconds = time.perf_counter() - loop_began - loop.calls.sync_seconds
     calls = loop.calls.as_dict()
     return [dataclasses.replace(result, calls=calls) for result in results]

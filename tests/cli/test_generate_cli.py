@@ -76,6 +76,13 @@ def records(out: str) -> list[dict]:
     return [json.loads(line) for line in out.splitlines() if line.strip()]
 
 
+def in_input_order(out: str) -> list[dict]:
+    """The records sorted by `index` (the continuous scheduler writes each as it finishes), each index once."""
+    got = sorted(records(out), key=lambda record: record["index"])
+    assert [record["index"] for record in got] == list(range(len(got)))
+    return got
+
+
 def chat_ids(model_dir, text: str) -> list[int]:
     """The ids the CLI should feed the engine: `text` as a user message through the chat template."""
     import transformers
@@ -94,8 +101,9 @@ def test_json_output(model_dir, cache_dir, capsys):
     assert code == 0, err
     first, second = records(out)
     assert [first["prompt"], second["prompt"]] == ["write a poem", "the blue sky"]
+    assert [first["index"], second["index"]] == [0, 1]
     for record in (first, second):
-        assert set(record) >= {"prompt", "text", "token_ids", "num_tokens", "seconds", "tokens_per_second",
+        assert set(record) >= {"index", "prompt", "text", "token_ids", "num_tokens", "seconds", "tokens_per_second",
                                "compile_seconds", "method", "num_speculative_tokens", "acceptance_length",
                                "acceptance_rate_per_position", "num_drafts", "num_draft_tokens", "num_accepted_tokens"}
         assert record["num_tokens"] == len(record["token_ids"]) == MAX_NEW
@@ -189,7 +197,8 @@ def test_tree_flags_draft_a_tree(aligned_model_dir, head_dir, cache_dir, capsys)
 
 def test_batches_come_back_in_input_order(model_dir, cache_dir, capsys):
     """Three ragged prompts through two rows: each output is the prompt's own batch-1 generation,
-    whichever scheduler runs them; with more than one prompt and row the default is continuous."""
+    whichever scheduler runs them; with more than one prompt and row the default is continuous.
+    Static batches write in input order; continuous slots as they finish, each with its `index`."""
     texts = ["write a short poem about the sea and the sky", "a", "the blue sky"]
     argv = [arg for text in texts for arg in ("--prompt", text)] + ["--json", "--ignore-eos", "--max-num-seqs", 2]
     target, _ = models.load_target(model_dir)
@@ -200,8 +209,8 @@ def test_batches_come_back_in_input_order(model_dir, cache_dir, capsys):
     for extra, scheduler in (((), "continuous"), (("--scheduler", "static"), "static")):
         code, out, err = run(capsys, model_dir, cache_dir, *argv, *extra)
         assert code == 0, err
-        got = records(out)
-        assert [r["prompt"] for r in got] == texts
+        got = in_input_order(out) if scheduler == "continuous" else records(out)
+        assert [r["prompt"] for r in got] == texts and [r["index"] for r in got] == [0, 1, 2]
         assert [r["token_ids"] for r in got] == expected
         assert {(r["scheduler"], r["batch_size"]) for r in got} == {(scheduler, 2)}
     # One prompt, or one row: nothing to refill, so static batching.
@@ -218,11 +227,11 @@ def test_speculation_disabled_by_batch_size(aligned_model_dir, head_dir, cache_d
     argv = [arg for text in texts for arg in ("--prompt", text)] + ["--json", "--ignore-eos", "--max-num-seqs", 2]
     code, out, err = run(capsys, aligned_model_dir, cache_dir, *argv, "--draft", "none")
     assert code == 0, err
-    expected = [r["token_ids"] for r in records(out)]
+    expected = [r["token_ids"] for r in in_input_order(out)]
     code, out, err = run(capsys, aligned_model_dir, cache_dir, *argv, "--draft", head_dir, "--num-speculative-tokens",
                          2, "--speculative-disable-by-batch-size", 1)
     assert code == 0, err
-    got = records(out)
+    got = in_input_order(out)
     assert [r["token_ids"] for r in got] == expected
     assert sum(r["num_drafts"] for r in got) > 0
     assert any(r["num_tokens"] - 1 - r["num_drafts"] - r["num_accepted_tokens"] >= 1 for r in got)  # plain steps

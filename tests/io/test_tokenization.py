@@ -48,6 +48,22 @@ def test_encode_applies_the_chat_template_only_when_asked(tmp_path, chat):
     assert (tokenizer.convert_tokens_to_ids("<|assistant|>") in ids) == chat
 
 
+def test_a_chat_template_that_raises_names_its_file_for_the_cli_only(tmp_path):
+    save_tokenizer(tmp_path, 101)
+    tokenizer = tokenization.load(tmp_path)
+    tokenizer.chat_template = "{% macro down(n) %}{{ down(n + 1) }}{% endmacro %}{{ down(0) }}"
+    with pytest.raises(tokenization.ChatTemplateError) as error:
+        tokenization.encode(tokenizer, "the sea", chat=True)
+    assert str(error.value).startswith(f"{tmp_path / 'chat_template.jinja'}: the chat template failed on these "
+                                       "messages (RecursionError: maximum recursion depth exceeded")
+    # The server sends encode_messages' message to its clients: no path of the machine in it.
+    with pytest.raises(tokenization.ChatTemplateError) as error:
+        tokenization.encode_messages(tokenizer, [{"role": "user", "content": "the sea"}])
+    assert str(error.value).startswith("the chat template failed on these messages (RecursionError:")
+    assert str(tmp_path) not in str(error.value)
+    assert tokenization.encode(tokenizer, "the sea", chat=False)  # no template, no error
+
+
 # ---- no code from a model directory ever runs, and nothing is asked ----
 
 EVIL_MODULE = """

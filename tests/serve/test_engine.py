@@ -108,6 +108,24 @@ def test_streaming_receives_exactly_the_result(target):
     assert calls.count(0) > 1 and calls.count(1) > 1  # tokens arrived in pieces, not once at the end
 
 
+@pytest.mark.parametrize("scheduler", ["static", "continuous"])
+def test_each_result_is_handed_over_once_as_it_finishes(target, scheduler):
+    """Three prompts through two rows: on_result gets every prompt's result once, as `generate` returns it
+    (but for the continuous call's shared `calls` counters), the first before the last batch or slot is done."""
+    engine = engine_lib.Engine(target, config=config_lib.EngineConfig(max_length=64, batch_size=2,
+                                                                      scheduler=scheduler))
+    prompts = [prompt(9, seed=3), prompt(12, seed=4), prompt(5, seed=5)]
+    calls = []
+    results = engine.generate(prompts, max_new_tokens=[MAX_NEW, 2, MAX_NEW] if scheduler == "continuous" else MAX_NEW,
+                              ignore_eos=True, on_result=lambda index, result: calls.append((index, result)))
+    handed = dict(calls)
+    assert len(calls) == 3 and sorted(handed) == [0, 1, 2]
+    assert [handed[index].token_ids for index in range(3)] == [result.token_ids for result in results]
+    assert [handed[index].stats for index in range(3)] == [result.stats for result in results]
+    # Static: the first batch's two come before the second batch's one; continuous: the short budget first.
+    assert list(handed)[0] == (1 if scheduler == "continuous" else 0)
+
+
 def test_eos_stops_a_row(target):
     """Two rows in one batch: the row that produces the EOS token stops there, the other runs on."""
     engine = engine_lib.Engine(target, config=config_lib.EngineConfig(max_length=64, batch_size=2))

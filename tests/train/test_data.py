@@ -274,6 +274,12 @@ def test_load_mtbench_rejects_a_question_without_turns(tmp_path):
         data.load_mtbench(path)
 
 
+def test_load_mtbench_reads_a_byte_order_mark_and_a_string_of_turns(tmp_path):
+    path = write_questions(tmp_path / "question.jsonl", [dict(MTBENCH_QUESTIONS[0], turns="One turn only.")])
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    assert data.load_mtbench(path) == [dict(MTBENCH_QUESTIONS[0], turns=["One turn only."])]
+
+
 def test_default_guard_holds_out_mtbench(mtbench_package, tmp_path):
     write_questions(mtbench_package, MTBENCH_QUESTIONS)
     question = MTBENCH_QUESTIONS[1]["turns"][0]
