@@ -237,6 +237,9 @@ class OnlineEngine:
                     loop.cancel(handle.request_id)
                     self._end(handle, handle.finish_reason)
             if loop.idle:
+                # Cancels may have emptied the queue with no round to follow, which would leave the
+                # gauges where the last round set them (counting a request that is gone).
+                self._set_gauges()
                 if self._draining and not self._inbox:
                     return
                 continue
@@ -253,8 +256,7 @@ class OnlineEngine:
 
     def _record(self, events: list[scheduler_lib.Event]) -> None:
         now = time.perf_counter()
-        self.metrics.running.set(self._loop.num_running)
-        self.metrics.waiting.set(self._loop.num_waiting + len(self._inbox))
+        self._set_gauges()
         for event in events:
             if event.result is not None:  # cancelled ones too: their drafts were verified
                 self.metrics.speculation(event.result.stats)
@@ -273,6 +275,10 @@ class OnlineEngine:
                 handle._send(Chunk(event.token_ids))
             if event.result is not None:
                 self._end(handle, "length")
+
+    def _set_gauges(self) -> None:
+        self.metrics.running.set(self._loop.num_running)
+        self.metrics.waiting.set(self._loop.num_waiting + len(self._inbox))
 
     def _end(self, handle: Handle, reason: str) -> None:
         if self._handles.pop(handle.request_id, None) is None:

@@ -143,7 +143,8 @@ class SlotLoop:
         return request_id
 
     def cancel(self, request_id: int) -> None:
-        """Drops a queued request, or frees an active one's slot at the next round.
+        """Drops a queued request, or frees an active one's slot at the next round, where its row
+        is marked done on the device: it takes no more steps, whether or not the slot is refilled.
 
         An active request's `Result` (its tokens and acceptance counters as of the last round) comes
         in the next `step`'s events, so that its drafts are still counted; a queued one has none.
@@ -212,20 +213,29 @@ class SlotLoop:
         return events
 
     def _harvest_cancelled(self) -> list[Event]:
-        """Frees the cancelled slots; each request's `Result` as of the last fetch (none before one)."""
+        """Frees the cancelled slots; each request's `Result` as of the last fetch (none before one).
+
+        A freed row is marked done on the device too: otherwise it would keep stepping (and count
+        as running in the device loop's exit test and `disable_by_batch_size`) until a refill
+        overwrote it, computing tokens for a client that has gone.
+        """
         events = []
         stats = None
+        stopped = []
         for row, slot in enumerate(self._slots):
             if slot is None or not slot.cancelled:
                 continue
             self._slots[row] = None
             if self._host is None:
                 continue
+            stopped.append(row)
             stats = speculative.stats(self._host, self.programs.opts) if stats is None else stats
             events.append(Event(slot.request_id, [], result_lib.Result(
                 token_ids=self._host.output[row, :slot.shown].tolist(), seconds=time.perf_counter() - slot.prefilled,
                 compile_seconds=self.programs.compile_seconds, stats=stats[row],
                 first_token_seconds=slot.first_token_seconds, finish_seconds=time.perf_counter() - self.began)))
+        if stopped:
+            self._state = stop_rows(self._state, self._host.done, stopped)
         return events
 
     def _refill(self) -> None:
@@ -328,6 +338,15 @@ def generate_static(programs: programs_lib.BatchPrograms, num_rows: int,
                               compile_seconds=programs.compile_seconds, stats=stats[row],
                               first_token_seconds=first_token, finish_seconds=float(finish[row]), calls=calls.as_dict())
             for row in range(num_rows)]
+
+
+def stop_rows(state: speculative.DecodeState, done: np.ndarray, rows: Sequence[int]) -> speculative.DecodeState:
+    """`state` with `rows` marked done, from `done`, the host copy of the last fetch (no device call
+    has changed the state since): a new [B] bool array put where the state keeps `done`, rather
+    than an update traced on the device, which would compile at a server's first cancel."""
+    mask = np.array(done, bool)
+    mask[list(rows)] = True
+    return state.replace(done=jax.device_put(mask, state.done.sharding))
 
 
 def _stream(output: np.ndarray, counts: np.ndarray, shown: np.ndarray, owner: Sequence[int | None],

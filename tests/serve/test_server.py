@@ -266,3 +266,36 @@ def test_a_full_queue_answers_429_and_a_freed_place_is_taken_again(offline):
             await asyncio.gather(queued[1], again, return_exceptions=True)
 
     asyncio.run(scenario())
+
+
+def test_a_request_cancelled_before_the_device_thread_takes_it_leaves_the_gauges_at_0(offline):
+    """A client gone while its request is still in the inbox, after a round counted it waiting:
+    the device thread adds and cancels it in one pass, and with no round to follow (nothing else
+    in flight) must still set the gauges, which a soak reads as 0 once everything is done."""
+    import asyncio
+
+    from prometheus_client import parser
+
+    from eagle_jax.serve import online
+
+    engine, tokenizer = offline
+    backend = online.OnlineEngine(engine, tokenizer, MODEL)
+    backend.compile()
+
+    def gauge(name):
+        text = backend.metrics.exposition()[0].decode()
+        return sum(s.value for f in parser.text_string_to_metric_families(text) for s in f.samples
+                   if s.name == f"eagle_jax:num_requests_{name}")
+
+    async def scenario():
+        handle = backend.submit([5, 6, 7], 4, online.RequestParams())
+        backend._record([])  # what a round ending now would record: the request waits in the inbox
+        assert gauge("waiting") == 1
+        handle.cancel()
+        backend._draining = True  # the device thread's loop returns once nothing is left
+        backend._run()  # on this thread: one pass takes the request and its cancel
+        assert [chunk async for chunk in handle.events()] == [] and handle.finish_reason == "abort"
+
+    asyncio.run(scenario())
+    assert gauge("waiting") == 0 and gauge("running") == 0
+    assert "abort" in backend.metrics.exposition()[0].decode()
