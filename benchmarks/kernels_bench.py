@@ -77,6 +77,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from eagle_jax.model import config as config_lib
 from eagle_jax.model import layers
+from eagle_jax.model import rotary
 from eagle_jax.io import models
 from eagle_jax.decode import tree
 from eagle_jax.kernels import compact_cache
@@ -321,7 +322,8 @@ def attention_case(cfg: config_lib.LlamaConfig, rows: int, tokens: int, dtype, c
         positions = positions[:, :1] + jnp.asarray(depths)[None, :]
         new_visible = jnp.broadcast_to(jnp.asarray(ancestors), (rows, tokens, tokens))
     kw = dict(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-              attend_length=attend_length, inv_freq=layers.rope_inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
+              attend_length=attend_length,
+              inv_freq=rotary.rope_inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
               implementation=implementation, new_visible=new_visible) | (dict(tiling=tiling) if tiling else {})
     step = jax.jit(lambda qkv, keys, values: decode_attention.attend(qkv, positions, keys, values, **kw),
                    donate_argnums=(1, 2))

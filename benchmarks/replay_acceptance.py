@@ -23,7 +23,7 @@ the fact. For an EAGLE-3 head it reports how much of the answers its draft vocab
 share of rejections whose target token lies outside it, and the "full vocabulary upper bound":
 the acceptance if every such token were drafted right. With `--train-data` (distilled .npz parts,
 as `eagle_jax.train --data` reads them) and `--vocab-sizes`, the same upper bound for a draft
-vocabulary of the N most frequent trained tokens (`train.draft_vocabulary`): tokens it adds
+vocabulary of the N most frequent trained tokens (`draft_vocabulary.draft_vocabulary`): tokens it adds
 drafted right, tokens it drops always missed, the rest as the head drafts them.
 Float32; prints a summary and, with `--out`, writes it as a JSON object.
 """
@@ -56,7 +56,7 @@ from eagle_jax.serve import inputs
 from eagle_jax import heads
 from eagle_jax.io import models
 from eagle_jax.io import tokenization
-from eagle_jax.train import trainer as train
+from eagle_jax.train import draft_vocabulary as draft_vocabulary_lib
 from eagle_jax.train import objective as train_objective
 from eagle_jax.cli import errors as script_errors
 
@@ -257,7 +257,7 @@ def vocabulary_costs(records, drafts, k, replays, draft_vocabulary, train_counts
         costs["train_coverage"] = trained(draft_vocabulary)
     for size in vocab_sizes:
         top = np.zeros_like(draft_vocabulary)
-        top[np.arange(size) + train.draft_vocabulary(train_counts, size)] = True  # draft id i -> target id i + d2t[i]
+        top[np.arange(size) + draft_vocabulary_lib.draft_vocabulary(train_counts, size)] = True  # draft id i -> target id i + d2t[i]
         costs[f"top_{size}"] = dict(output_coverage=covers(top), train_coverage=trained(top), upper_bound=bound(top))
     return costs
 
@@ -309,7 +309,7 @@ def main(argv=None) -> int:
         script_errors.fail(f"--vocab-sizes needs an EAGLE-3 head; {draft_path} drafts from the whole vocabulary")
     train_counts = None
     if args.train_data:
-        train_counts = train.token_counts(data_lib.load_dataset(args.train_data), target.config.vocab_size)
+        train_counts = draft_vocabulary_lib.token_counts(data_lib.load_dataset(args.train_data), target.config.vocab_size)
     drafts, agreeing = unrolled_drafts(target, head, records, args.k, args.batch_size)
     summary = dict(outputs=str(outputs), head=str(draft_path), method=head.config.method,
                    **summarise(records, drafts, args.k, draft_vocabulary, train_counts, args.vocab_sizes))

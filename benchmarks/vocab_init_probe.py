@@ -5,7 +5,7 @@
 
 `--head` is an EAGLE-3 head whose draft vocabulary extended `--smaller-head`'s (`train
 --draft-vocab-size` with `--init-head`) and was trained on. Its lm_head columns of the added tokens
-are replaced by each start `train.extend_draft_vocabulary` could give them, the rest of the trained
+are replaced by each start `draft_vocabulary.extend_draft_vocabulary` could give them, the rest of the trained
 head kept, and every variant drafts on --rows sequences of distilled tokens with the target's own
 features (teacher-forced, 3 unrolled steps): the share of positions where the draft's top-1 token
 is the target's (over the whole vocabulary). Variants: "trained" (the head as it is), "mean"
@@ -35,7 +35,7 @@ import numpy as np
 
 from eagle_jax.train import data as data_lib
 from eagle_jax.io import models
-from eagle_jax.train import trainer as train
+from eagle_jax.train import draft_vocabulary
 from eagle_jax.train import objective as train_objective
 from eagle_jax.cli import errors as script_errors
 from results_file import append_rows
@@ -75,14 +75,14 @@ def main(argv=None) -> int:
     target, _ = models.load_target(args.model, "float32")
     head = models.load_head(args.head, target, "float32")
     smaller = models.load_head(args.smaller_head, target, "float32")
-    counts = train.token_counts(data_lib.load_dataset(args.counts), target.config.vocab_size)
+    counts = draft_vocabulary.token_counts(data_lib.load_dataset(args.counts), target.config.vocab_size)
     dataset = data_lib.load_dataset(args.data)
     rows = np.random.default_rng(0).choice(len(dataset["input_ids"]), min(args.rows, len(dataset["input_ids"])),
                                            replace=False)
     tokens, loss_mask = jnp.asarray(dataset["input_ids"][rows], jnp.int32), jnp.asarray(dataset["loss_mask"][rows])
     embedding = np.asarray(target.output_embedding())
     # The smaller head extended again, by the rule under test, then given the trained head's other columns.
-    placed = train.extend_draft_vocabulary(smaller, counts, head.config.draft_vocab_size, embedding)
+    placed = draft_vocabulary.extend_draft_vocabulary(smaller, counts, head.config.draft_vocab_size, embedding)
     if not np.array_equal(np.asarray(placed.d2t[...]), np.asarray(head.d2t[...])):
         raise SystemExit("error: --head's draft vocabulary is not --smaller-head's extended by these counts")
     # Extensions keep the head's feature layers, so every variant reads the same target outputs.
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
         results.append(dict(common, variant=name, top1_agreement_by_step=measure(head)))
     head.lm_head.kernel[...] = jnp.asarray(trained)
     for size in [int(size) for size in args.extend_to.split(",") if size.strip()]:
-        extended = train.extend_draft_vocabulary(head, counts, size, embedding)
+        extended = draft_vocabulary.extend_draft_vocabulary(head, counts, size, embedding)
         results.append(dict(common, variant=f"extended to {size}, untrained", top1_agreement_by_step=measure(extended)))
     results.append(dict(common, variant="smaller head", top1_agreement_by_step=measure(smaller)))
     for row in results:

@@ -23,6 +23,8 @@ from eagle_jax.io import models
 from eagle_jax.io import tokenization
 from eagle_jax.model import eagle
 from eagle_jax.train import data as data_lib
+from eagle_jax.train import draft_vocabulary
+from eagle_jax.train import head_growth
 from eagle_jax.train import objective as train_objective
 from eagle_jax.train import trainer as trainer_lib
 
@@ -85,16 +87,16 @@ def initial_head(parser: argparse.ArgumentParser, args: argparse.Namespace, targ
         parser.error(f"--init-head {args.init_head} has an MLP {width} wide, more than --head-intermediate-size "
                      f"{args.head_intermediate_size} (a head widens, never narrows)")
     if args.head_intermediate_size and args.head_intermediate_size > width:
-        head = trainer_lib.widen_mlp(head, args.head_intermediate_size)
+        head = head_growth.widen_mlp(head, args.head_intermediate_size)
     if args.head_layers and args.head_layers < head.config.num_layers:
         parser.error(f"--init-head {args.init_head} has {head.config.num_layers} layers, more than --head-layers "
                      f"{args.head_layers} (a head deepens, never loses layers)")
     if args.head_layers and args.head_layers > head.config.num_layers:
-        head = trainer_lib.add_layers(head, args.head_layers)
+        head = head_growth.add_layers(head, args.head_layers)
     if kind == "eagle3" and head.config.draft_vocab_size < draft_vocab_size:
-        counts = trainer_lib.token_counts(dataset, target.config.vocab_size)
-        head = trainer_lib.extend_draft_vocabulary(head, counts, draft_vocab_size,
-                                                   np.asarray(target.output_embedding()))
+        counts = draft_vocabulary.token_counts(dataset, target.config.vocab_size)
+        head = draft_vocabulary.extend_draft_vocabulary(head, counts, draft_vocab_size,
+                                                        np.asarray(target.output_embedding()))
     return head, draft_vocab_size
 
 
@@ -129,7 +131,7 @@ def train_head(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
                    num_sequences=len(dataset["input_ids"]), sequence_length=int(dataset["input_ids"].shape[1]),
                    num_trained_tokens=int(dataset["loss_mask"].sum()))
     if args.method == "eagle3":  # how much of the trained text the draft vocabulary can express
-        counts = trainer_lib.token_counts(dataset, target.config.vocab_size)
+        counts = draft_vocabulary.token_counts(dataset, target.config.vocab_size)
         chosen = np.arange(cfg.draft_vocab_size) + np.asarray(head.d2t[...])  # the head's own (an extended one's too)
         summary["draft_vocab_coverage"] = float(counts[chosen].sum() / counts.sum())
     if args.eval_prompts:

@@ -81,17 +81,7 @@ def load_tensors(directory, progress=True):
         CheckpointError: If no weights are found, a shard named by an index is missing or
             outside the directory, a key appears twice, or a file is malformed or unsafe.
     """
-    files, index_keys = _weight_files(pathlib.Path(directory))
-    tensors = {}
-    bar = tqdm.tqdm(files, desc="Loading weights", unit="file", disable=not progress or len(files) < 2)
-    for path in bar:
-        reader = _read_safetensors if path.suffix == ".safetensors" else _read_torch
-        for name, array in reader(path).items():
-            if name in tensors:
-                raise CheckpointError(f"{path}: duplicate tensor key {name!r}")
-            tensors[name] = array
-    _check_index_keys(directory, index_keys, tensors)
-    return tensors
+    return _merge_files(directory, _read_weight_file, progress)
 
 
 def tensor_shapes(directory):
@@ -107,19 +97,12 @@ def tensor_shapes(directory):
     Raises:
         CheckpointError: As `load_tensors`, for what it reads.
     """
-    files, index_keys = _weight_files(pathlib.Path(directory))
-    shapes = {}
-    for path in files:
+    def described(path):
         if path.suffix == ".safetensors":
-            found = {name: (tuple(entry["shape"]), entry["dtype"]) for name, entry in _header(path)[0].items()}
-        else:
-            found = {name: (array.shape, array.dtype.name) for name, array in _read_torch(path).items()}
-        for name, described in found.items():
-            if name in shapes:
-                raise CheckpointError(f"{path}: duplicate tensor key {name!r}")
-            shapes[name] = described
-    _check_index_keys(directory, index_keys, shapes)
-    return shapes
+            return {name: (tuple(entry["shape"]), entry["dtype"]) for name, entry in _header(path)[0].items()}
+        return {name: (array.shape, array.dtype.name) for name, array in _read_torch(path).items()}
+
+    return _merge_files(directory, described)
 
 
 def tensor_names(directory):
@@ -177,6 +160,29 @@ def save_tensors(tensors, path, metadata=None):
             if code := re.search(r"os error (\d+)", str(error)):
                 raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from None
             raise CheckpointError(f"{path}: cannot write safetensors ({error})") from None
+
+
+def _merge_files(directory, read, progress=False):
+    """`read(path)` (tensor name to anything) of each weight file of a checkpoint, merged into one dict.
+
+    A name in two files is an error rather than the later file's silently winning, and every
+    name an index promises must be found.
+    """
+    files, index_keys = _weight_files(pathlib.Path(directory))
+    merged = {}
+    bar = tqdm.tqdm(files, desc="Loading weights", unit="file", disable=not progress or len(files) < 2)
+    for path in bar:
+        for name, value in read(path).items():
+            if name in merged:
+                raise CheckpointError(f"{path}: duplicate tensor key {name!r}")
+            merged[name] = value
+    _check_index_keys(directory, index_keys, merged)
+    return merged
+
+
+def _read_weight_file(path):
+    """Tensor name to numpy array of one `.safetensors` or `pytorch_model.bin` file."""
+    return _read_safetensors(path) if path.suffix == ".safetensors" else _read_torch(path)
 
 
 def _check_index_keys(directory, index_keys, found):

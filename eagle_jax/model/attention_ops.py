@@ -1,7 +1,7 @@
 """Attention math shared by `layers` and the decode kernel's XLA reference (`kernels.decode_attention`).
 
-Pure functions of arrays: rotate-half rotary embeddings, per-row cache writes and grouped
-softmax attention. Einsum letters as in `layers`.
+Pure functions of arrays: per-row cache writes, grouped softmax attention and a tree's cache
+visibility (rotary embeddings are `rotary`'s). Einsum letters as in `layers`.
 """
 
 from __future__ import annotations
@@ -15,23 +15,6 @@ import numpy as np
 # A large finite negative instead of -inf: a fully masked row (a padded query) then gives a
 # uniform softmax instead of NaNs that would poison the cache through later layers.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
-
-
-def apply_rotary(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate-half rotary embedding (HF convention, so q/k weights need no permutation).
-
-    Args:
-        x: [B, T, N, H] queries or keys.
-        positions: [B, T] int32 absolute positions.
-        inv_freq: [H/2] inverse frequencies.
-    """
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, H/2]
-    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, :, None, :]
-    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, :, None, :]
-    x32 = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
-    return (x32 * cos + rotated * sin).astype(x.dtype)
 
 
 def write_rows(cache: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Array:

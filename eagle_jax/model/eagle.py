@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from eagle_jax.model import config as config_lib
+from eagle_jax.model import float32_logits
 from eagle_jax.model import kv_cache as kv_cache_lib
 from eagle_jax.model import layers
 from eagle_jax.model import llama
@@ -137,7 +138,7 @@ class Eagle3Head(nnx.Module):
         return self.layers
 
     def logits(self, out, target: llama.Llama):
-        return layers.float32_logits(self.norm(out), self.lm_head.kernel[...])
+        return float32_logits.float32_logits(self.norm(out), self.lm_head.kernel[...])
 
     def __call__(self, tokens, features, positions, cache: kv_cache_lib.KVCache, target: llama.Llama,
                  mask: layers.SlotMask | None = None, attend_length: int | None = None,

@@ -1,5 +1,7 @@
-"""Llama building blocks: RMSNorm, rotary embeddings (incl. llama3 scaling), attention, MLP.
+"""Llama building blocks: RMSNorm, attention over a KV cache, MLP, the decoder layer, and which
+kernels (XLA's or the fused Pallas ones) its cached calls run.
 
+Rotary embeddings live in `rotary`, the cache-free attention of training in `causal_attention`.
 Submodule and parameter names follow HF (`self_attn.o_proj`, `mlp.down_proj`, ...) so that
 weight conversion is a short table; HF's q/k/v and gate/up projections are stored fused
 (`self_attn.qkv_proj`, `mlp.gate_up_proj`), concatenated along the output axis.
@@ -15,11 +17,12 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from eagle_jax.model import attention_ops
+from eagle_jax.model import causal_attention
 from eagle_jax.model import config as config_lib
+from eagle_jax.model import rotary
 from eagle_jax.kernels import decode_attention
 from eagle_jax.kernels import fused_linear
 
@@ -77,52 +80,6 @@ class RMSNorm(nnx.Module):
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return self.weight[...].astype(self.dtype) * x32.astype(self.dtype)
-
-
-@jax.custom_vjp
-def float32_logits(x: jax.Array, weight: jax.Array) -> jax.Array:
-    """x [..., D] @ weight [D, V] accumulated and returned in float32, its gradients in x's dtype.
-
-    The float32 logits feed softmaxes and cross-entropies. Their cotangent is float32 too, and
-    a plain einsum's backward would promote the bf16 operands to float32 and run both gradient
-    GEMMs in TF32 (on the H200, 19 ms of a 121 ms EAGLE-3 train step and 35 ms of an EAGLE-1
-    one). Here the cotangent is cast to x's dtype first, as mixed-precision training does, so
-    the backward GEMMs run in bf16 with float32 accumulation. Float32 inputs are unaffected.
-    """
-    return jnp.einsum("...d,dv->...v", x, weight.astype(x.dtype), preferred_element_type=jnp.float32)
-
-
-def _float32_logits_forward(x, weight):
-    return float32_logits(x, weight), (x, weight)
-
-
-def _float32_logits_backward(residuals, cotangent):
-    x, weight = residuals
-    cotangent = cotangent.astype(x.dtype)
-    grad_x = jnp.einsum("...v,dv->...d", cotangent, weight.astype(x.dtype), preferred_element_type=jnp.float32)
-    grad_w = jnp.einsum("...d,...v->dv", x, cotangent, preferred_element_type=jnp.float32)
-    return grad_x.astype(x.dtype), grad_w.astype(weight.dtype)
-
-
-float32_logits.defvjp(_float32_logits_forward, _float32_logits_backward)
-
-
-def rope_inverse_frequencies(head_dim: int, theta: float, scaling: config_lib.RopeScaling | None) -> np.ndarray:
-    """Rotary inverse frequencies [H/2], with the `llama3` long-context rescaling when given."""
-    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-    if scaling is None:
-        return inv_freq.astype(np.float32)
-    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
-    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
-    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor
-    )
-    interpolated = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
-    scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-    between = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return np.where(between, interpolated, scaled).astype(np.float32)
 
 
 class SlotMask(NamedTuple):
@@ -186,8 +143,8 @@ class Attention(nnx.Module):
         q = q.reshape(batch, length, self.num_heads, self.head_dim)
         k = k.reshape(batch, length, self.num_kv_heads, self.head_dim)
         v = v.reshape(batch, length, self.num_kv_heads, self.head_dim)
-        inv_freq = rope_inverse_frequencies(*self.rope)
-        rotate = lambda x: attention_ops.apply_rotary(x, positions, inv_freq)
+        inv_freq = rotary.rope_inverse_frequencies(*self.rope)
+        rotate = lambda x: rotary.apply_rotary(x, positions, inv_freq)
         return rotate(q), rotate(k), v
 
     def __call__(self, x: jax.Array, positions: jax.Array, keys: jax.Array | None, values: jax.Array | None,
@@ -199,7 +156,7 @@ class Attention(nnx.Module):
             positions: [B, T] int32 positions, contiguous per row; they are also the cache slots.
             keys, values: [B, S, K, H] this layer's cache, or None for cache-free causal
                 self-attention among the inputs (then None is returned for both).
-            implementation: of the cache-free attention (`causal_attention`).
+            implementation: of the cache-free attention (`causal_attention.causal_attention`).
             mask: where to write and what to see when positions are not slots (a tree's nodes).
             attend_length: read only cache slots [0, attend_length) (None: all S). The caller
                 guarantees that every visible slot lies below it; the writes may go anywhere.
@@ -210,7 +167,7 @@ class Attention(nnx.Module):
         """
         q, k, v = self.project(x, positions)
         if keys is None:  # no cache: causal self-attention over the T inputs (training features)
-            return self.output(causal_attention(q, k, v, implementation)), None, None
+            return self.output(causal_attention.causal_attention(q, k, v, implementation)), None, None
         attended, keys, values = self.attend(q, k, v, positions, keys, values, mask, attend_length)
         return self.output(attended), keys, values
 
@@ -239,79 +196,6 @@ class Attention(nnx.Module):
         """o_proj of attended values [B, T, N, H]."""
         batch, length = attended.shape[:2]
         return self.o_proj(attended.reshape(batch, length, self.num_heads * self.head_dim))
-
-
-def causal_attention(q: jax.Array, keys: jax.Array, values: jax.Array, implementation: str = "xla",
-                     extra_keys: tuple[jax.Array, ...] = (), extra_values: tuple[jax.Array, ...] = ()) -> jax.Array:
-    """Causal self-attention of T queries over their own T keys, plus optional per-query extras.
-
-    Args:
-        q: [B, T, N, H]; keys, values: [B, T, K, H] (query t sees keys 0..t).
-        implementation: "xla" (`grouped_attention`, the reference) or "cudnn" (fused flash
-            attention; GPU, bf16/fp16 only).
-        extra_keys, extra_values: J arrays [B, T, K, H]: query t also sees extra_keys[j][:, t]
-            (the training-time test's "diagonal": a query's own earlier draft steps).
-    Returns:
-        [B, T, N, H] attended values.
-    """
-    batch, length = q.shape[:2]
-    causal = jnp.tril(jnp.ones((length, length), bool))
-    if implementation == "xla":
-        if not extra_keys:
-            return attention_ops.grouped_attention(q, keys, values, jnp.broadcast_to(causal, (batch, length, length)))
-        return _grouped_attention_with_extras(q, keys, values, causal, extra_keys, extra_values)
-    if implementation != "cudnn":
-        raise ValueError(f"unknown attention implementation {implementation!r} (xla, cudnn)")
-    if not extra_keys:  # causal, so no real query sees the pad
-        out = jax.nn.dot_product_attention(_even_length(q), _even_length(keys), _even_length(values), is_causal=True,
-                                           implementation="cudnn")
-        return out[:, :length]
-    return _masked_attention_with_extras(q, keys, values, extra_keys, extra_values, "cudnn")
-
-
-def _masked_attention_with_extras(q, keys, values, extra_keys, extra_values, implementation: str):
-    """One `jax.nn.dot_product_attention` call over [keys; extra_0; ...] with a static block mask.
-
-    The mask is causal in the first block and the diagonal in each extra block.
-    """
-    length = q.shape[1]
-    q, keys, values = _even_length(q), _even_length(keys), _even_length(values)
-    extra_keys, extra_values = tuple(map(_even_length, extra_keys)), tuple(map(_even_length, extra_values))
-    padded = q.shape[1]
-    causal = jnp.tril(jnp.ones((padded, padded), bool))
-    eye = jnp.eye(padded, dtype=bool)
-    mask = jnp.concatenate([causal] + [eye] * len(extra_keys), axis=1)[None, None]  # [1, 1, T, (1+J)T]
-    all_keys = jnp.concatenate((keys,) + extra_keys, axis=1)
-    all_values = jnp.concatenate((values,) + extra_values, axis=1)
-    out = jax.nn.dot_product_attention(q, all_keys, all_values, mask=mask, implementation=implementation)
-    return out[:, :length]
-
-
-def _even_length(x: jax.Array) -> jax.Array:
-    """x [B, T, ...] padded by one position at the end of T if T is odd (its output is dropped).
-
-    cuDNN's fused attention trains only on even lengths; the head sees T - 1 = 639 positions.
-    """
-    pad = [(0, 0)] * x.ndim
-    pad[1] = (0, x.shape[1] % 2)
-    return jnp.pad(x, pad)
-
-
-def _grouped_attention_with_extras(q, keys, values, causal, extra_keys, extra_values):
-    """XLA reference of `causal_attention` with extras: one softmax over the causal keys and the extras."""
-    batch, length, num_heads, head_dim = q.shape
-    num_kv_heads = keys.shape[2]
-    q = q.reshape(batch, length, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scale = 1.0 / math.sqrt(head_dim)
-    scores0 = jnp.einsum("btkgh,bskh->bkgts", q, keys, preferred_element_type=jnp.float32) * scale
-    scores0 = jnp.where(causal[None, None, None], scores0, attention_ops.MASK_VALUE)
-    extra_k = jnp.stack(extra_keys, axis=-2)  # [B, T, K, J, H]
-    extra_v = jnp.stack(extra_values, axis=-2)
-    scores_e = jnp.einsum("btkgh,btkjh->bkgtj", q, extra_k, preferred_element_type=jnp.float32) * scale
-    probs = jax.nn.softmax(jnp.concatenate([scores0, scores_e], axis=-1), axis=-1).astype(q.dtype)
-    probs0, probs_e = probs[..., :length], probs[..., length:]
-    out = jnp.einsum("bkgts,bskh->btkgh", probs0, values) + jnp.einsum("bkgtj,btkjh->btkgh", probs_e, extra_v)
-    return out.reshape(batch, length, num_heads, head_dim)
 
 
 class MLP(nnx.Module):
@@ -422,6 +306,7 @@ def kernel_attend(attention: Attention, qkv: jax.Array, positions: jax.Array, ke
     `uses_attention_kernel`): (attended [B, T, N, H], keys, values), before o_proj."""
     return decode_attention.attend(
         qkv, positions, keys, values, num_heads=attention.num_heads, num_kv_heads=attention.num_kv_heads,
-        head_dim=attention.head_dim, inv_freq=rope_inverse_frequencies(*attention.rope), attend_length=attend_length,
-        implementation="pallas", tiling=tiling, new_visible=None if mask is None else mask.among_new)
+        head_dim=attention.head_dim, inv_freq=rotary.rope_inverse_frequencies(*attention.rope),
+        attend_length=attend_length, implementation="pallas", tiling=tiling,
+        new_visible=None if mask is None else mask.among_new)
 

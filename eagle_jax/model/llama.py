@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from eagle_jax.model import config as config_lib
+from eagle_jax.model import float32_logits
 from eagle_jax.model import kv_cache as kv_cache_lib
 from eagle_jax.model import layers
 
@@ -39,7 +40,7 @@ class Llama(nnx.Module):
             positions: [B, T] int32 positions (contiguous per row; also the cache slots).
             cache: the KV cache; `cache.lengths` is left for the caller to advance. None runs
                 causal self-attention among the T tokens without a cache (training features),
-                with `implementation` "xla" or "cudnn" (`layers.causal_attention`).
+                with `implementation` "xla" or "cudnn" (`causal_attention.causal_attention`).
             capture_layers: layer indices whose *inputs* (the residual stream) are returned,
                 concatenated, for EAGLE-3 features.
             mask: cache slots and visibility when positions are not slots (tree verification).
@@ -73,7 +74,7 @@ class Llama(nnx.Module):
         weight = self.output_embedding()
         if vocab_ids is not None:  # gather rows first: a slice of the product costs the full product
             weight = jnp.take(weight, vocab_ids, axis=0)
-        return layers.float32_logits(hidden, weight.T)
+        return float32_logits.float32_logits(hidden, weight.T)
 
     def init_cache(self, batch_size: int, max_length: int, dtype=None) -> kv_cache_lib.KVCache:
         cfg = self.config

@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from eagle_jax.model import causal_attention
 from eagle_jax.model import eagle
-from eagle_jax.model import layers
 from eagle_jax.model import llama
 
 
@@ -34,7 +34,7 @@ class Objective:
     feature_noise: float = 0.2  # EAGLE-1: width of the uniform noise added to target features
     regression_weight: float = 1.0  # EAGLE-1
     distribution_weight: float = 0.1  # EAGLE-1 (EAGLE-3 uses CE alone, weight 1)
-    attention: str = "xla"  # target and head attention: "xla" or "cudnn" (`layers.causal_attention`)
+    attention: str = "xla"  # target and head attention: "xla" or "cudnn" (`causal_attention.causal_attention`)
 
 
 def target_outputs(target: llama.Llama, tokens: jax.Array, capture_layers: tuple[int, ...],
@@ -65,7 +65,7 @@ def unrolled_head(head, target: llama.Llama, tokens: jax.Array, features: jax.Ar
     Args:
         tokens: [B, T] the full token sequences.
         features: [B, n] head-space features of positions 0..n-1 (n = T - 1).
-        implementation: of the attention (`layers.causal_attention`).
+        implementation: of the attention (`causal_attention.causal_attention`).
     Returns:
         list over steps of (out [B, n, D], logits [B, n, V_draft]).
     """
@@ -85,8 +85,8 @@ def unrolled_head(head, target: llama.Llama, tokens: jax.Array, features: jax.Ar
             else:
                 diagonal_keys[index].append(k)
                 diagonal_values[index].append(v)
-            attended = layers.causal_attention(q, first_keys[index], first_values[index], implementation,
-                                               tuple(diagonal_keys[index]), tuple(diagonal_values[index]))
+            attended = causal_attention.causal_attention(q, first_keys[index], first_values[index], implementation,
+                                                         tuple(diagonal_keys[index]), tuple(diagonal_values[index]))
             return attention.output(attended)
 
         out = eagle.forward_layers(head, target.embed_tokens(_shift(tokens, 1 + step, n)), features, attend)

@@ -490,17 +490,17 @@ def test_vocab_init_probe_records_every_start(model_dir, random_head, save_head,
     sys.path.insert(0, str(REPO / "benchmarks"))
     import vocab_init_probe
     from eagle_jax.io import models
-    from eagle_jax.train import trainer as train
+    from eagle_jax.train import draft_vocabulary
 
     target, _ = models.load_target(model_dir, "float32")
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 101, (6, 24))
     data_path = data.save_dataset(dict(input_ids=tokens, loss_mask=np.ones_like(tokens, bool),
                                      lengths=np.full(6, 24)), tmp_path / "data.npz")
-    counts = train.token_counts(data.load_dataset(data_path), 101)
+    counts = draft_vocabulary.token_counts(data.load_dataset(data_path), 101)
     smaller = random_head(target.config, "eagle3", seed=3, draft_vocab_size=40, feature_layers=(0, 1, 1))
-    smaller.d2t[...] = train.draft_vocabulary(counts, 40)
-    larger = train.extend_draft_vocabulary(smaller, counts, 60, np.asarray(target.output_embedding()))
+    smaller.d2t[...] = draft_vocabulary.draft_vocabulary(counts, 40)
+    larger = draft_vocabulary.extend_draft_vocabulary(smaller, counts, 60, np.asarray(target.output_embedding()))
     out = tmp_path / "rows.json"
     assert vocab_init_probe.main(["--model", str(model_dir), "--head", str(save_head(larger, tmp_path / "larger")),
                                   "--smaller-head", str(save_head(smaller, tmp_path / "smaller")), "--data", str(data_path),

@@ -19,6 +19,7 @@ from flax import nnx
 from eagle_jax.model import eagle
 from eagle_jax.serve import config as config_lib
 from eagle_jax.serve import engine as engine_lib
+from tests.decode import speculation_fixtures
 
 MAX_NEW = 12
 # With 12 new tokens and k <= 5 every prompt needs a 32-slot cache and a 16-wide prefill, so
@@ -26,15 +27,8 @@ MAX_NEW = 12
 PROMPT_LENGTHS = (4, 9, 14)
 DRAFT_VOCAB = 64
 
-
-@pytest.fixture(scope="module")
-def target(speculation_target):
-    return speculation_target
-
-
-@pytest.fixture(scope="module")
-def prompts(random_prompts):
-    return random_prompts(PROMPT_LENGTHS)
+target = speculation_fixtures.target
+prompts = speculation_fixtures.prompts_fixture(PROMPT_LENGTHS)
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ import pytest
 from eagle_jax.serve import config as config_lib
 from eagle_jax.serve import engine as engine_lib
 from eagle_jax.decode import tree as tree_lib
+from tests.decode import speculation_fixtures
 
 MAX_LENGTH = 64  # fixed_shapes: prompts up to 32 tokens, one 32-wide prefill and one 64-slot cache
 MAX_NEW = 14  # not a multiple of k + 1 for either k below
@@ -30,15 +31,8 @@ K = {"eagle": 3, "eagle3": 4}
 TREES = {"eagle": tree_lib.TreeOptions(2, 3, 6), "eagle3": tree_lib.TreeOptions(3, 4, 8)}  # EAGLE-2 trees
 EOS_STEP = 5  # the EOS id is a token that plain greedy first emits at about this index
 
-
-@pytest.fixture(scope="module")
-def target(speculation_target):
-    return speculation_target
-
-
-@pytest.fixture(scope="module")
-def prompts(random_prompts):
-    return random_prompts(PROMPT_LENGTHS)
+target = speculation_fixtures.target
+prompts = speculation_fixtures.prompts_fixture(PROMPT_LENGTHS)
 
 
 @pytest.fixture(scope="module")

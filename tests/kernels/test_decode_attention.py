@@ -1,4 +1,5 @@
-"""Decode attention (`kernels.decode_attention`): Pallas against the XLA reference, and in the model.
+"""Decode attention (`kernels.decode_attention`, its kernels `kernels.decode_attention_pallas`): Pallas
+against the XLA reference, and in the model.
 
 On CPU the kernel runs in Pallas interpret mode; lowering it for CUDA checks, without a GPU, that
 the decoder layer's program holds five Triton calls (six with the cache split over programs) and
@@ -21,15 +22,17 @@ from eagle_jax.model import eagle
 from eagle_jax.serve import config as engine_config
 from eagle_jax.serve import engine as engine_lib
 from eagle_jax.model import layers
+from eagle_jax.model import rotary
 from eagle_jax.serve import scheduler as scheduler_lib
 from eagle_jax.decode import tree as tree_lib
 from eagle_jax.kernels import decode_attention
+from eagle_jax.kernels import decode_attention_pallas
 
 # SmolLM2-135M's attention: 9 query heads, 3 kv heads (groups of 3), head dim 64.
 REAL = dict(num_heads=9, num_kv_heads=3, head_dim=64)
 # One kv head for 4 query heads, and a head dim below Triton's 16 (padded and masked).
 NARROW = dict(num_heads=4, num_kv_heads=1, head_dim=8)
-INV_FREQ = {h: layers.rope_inverse_frequencies(h, 10000.0, None) for h in (8, 64)}
+INV_FREQ = {h: rotary.rope_inverse_frequencies(h, 10000.0, None) for h in (8, 64)}
 
 
 def operands(heads: dict, batch: int, length: int, cache_length: int, starts, dtype, seed: int = 0):
@@ -117,11 +120,11 @@ def test_a_split_wider_than_the_chunks_leaves_neutral_partials():
 
     @jax.jit
     def split(heads, positions, keys, values):
-        partials = decode_attention._attention_call(heads, positions, keys, values, NARROW["num_heads"], INV_FREQ[8],
-                                                    128, tiling, True)
+        partials = decode_attention_pallas.attention_call(heads, positions, keys, values, NARROW["num_heads"],
+                                                          INV_FREQ[8], 128, tiling, True)
         outputs, _, _, maxima, sums = partials
-        attended = decode_attention._combine_call(outputs, maxima, sums, (2, length), NARROW["num_heads"],
-                                                  NARROW["num_kv_heads"], 8, jnp.float32, True, tiling)
+        attended = decode_attention_pallas.combine_call(outputs, maxima, sums, (2, length), NARROW["num_heads"],
+                                                        NARROW["num_kv_heads"], 8, jnp.float32, True, tiling)
         return attended, partials
 
     attended, (outputs, _, _, maxima, sums) = split(heads, positions, keys, values)
@@ -131,7 +134,7 @@ def test_a_split_wider_than_the_chunks_leaves_neutral_partials():
         chunks = -(-start // tiling.block_s)
         empty = [p for p in range(1, splits) if p * chunks // splits == (p + 1) * chunks // splits]
         assert len(empty) == splits - 1 - chunks  # and part 0's range: fewer chunks than parts leave it none
-        assert np.all(np.asarray(maxima)[row, :, empty] == decode_attention.attention_ops.MASK_VALUE)
+        assert np.all(np.asarray(maxima)[row, :, empty] == attention_ops.MASK_VALUE)
         assert not np.any(np.asarray(sums)[row, :, empty]) and not np.any(np.asarray(outputs)[row, :, empty])
     assert np.isfinite(np.asarray(outputs)).all() and np.isfinite(np.asarray(sums)).all()
 

@@ -1,7 +1,7 @@
 """The training attention paths agree with the einsum reference they replace.
 
-`layers.causal_attention` is what the train step runs: the target's cache-free forward and the
-head's training-time test (causal keys plus each query's own earlier draft steps). The cuDNN
+`causal_attention.causal_attention` is what the train step runs: the target's cache-free forward
+and the head's training-time test (causal keys plus each query's own earlier draft steps). The cuDNN
 variant needs a GPU; its block mask and odd-length padding are checked here through the same
 `jax.nn.dot_product_attention` call with JAX's XLA implementation.
 """
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from eagle_jax.model import causal_attention
 from eagle_jax.model import config as config_lib
-from eagle_jax.model import layers
 from eagle_jax.model import llama
 
 
@@ -46,21 +46,21 @@ def _loop_reference(q, k, v, extra_k, extra_v):
 @pytest.mark.parametrize("length,extras", [(5, 0), (6, 2), (7, 3)])
 def test_xla_causal_attention_matches_a_per_query_loop(length, extras):
     q, k, v, extra_k, extra_v = _qkv(length, extras)
-    out = layers.causal_attention(q, k, v, "xla", extra_k, extra_v)
+    out = causal_attention.causal_attention(q, k, v, "xla", extra_k, extra_v)
     np.testing.assert_allclose(out, _loop_reference(q, k, v, extra_k, extra_v), atol=1e-5)
 
 
 @pytest.mark.parametrize("length,extras", [(6, 1), (7, 3)])  # 7: the odd length is padded to 8
 def test_block_mask_call_matches_the_reference(length, extras):
     q, k, v, extra_k, extra_v = _qkv(length, extras, seed=1)
-    fused = layers._masked_attention_with_extras(q, k, v, extra_k, extra_v, implementation="xla")
-    np.testing.assert_allclose(fused, layers.causal_attention(q, k, v, "xla", extra_k, extra_v), atol=1e-5)
+    fused = causal_attention._masked_attention_with_extras(q, k, v, extra_k, extra_v, implementation="xla")
+    np.testing.assert_allclose(fused, causal_attention.causal_attention(q, k, v, "xla", extra_k, extra_v), atol=1e-5)
 
 
 def test_unknown_implementation_is_an_error():
     q, k, v, _, _ = _qkv(4, 0)
     with pytest.raises(ValueError, match="unknown attention implementation"):
-        layers.causal_attention(q, k, v, "flash")
+        causal_attention.causal_attention(q, k, v, "flash")
 
 
 def test_cache_free_forward_equals_the_cached_prefill():

@@ -1,11 +1,11 @@
-"""`layers.float32_logits`: float32 logits whose gradients run in the inputs' dtype."""
+"""`float32_logits.float32_logits`: float32 logits whose gradients run in the inputs' dtype."""
 
 import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle_jax.model import layers
+from eagle_jax.model import float32_logits
 
 
 def _inputs(dtype):
@@ -25,8 +25,8 @@ def _reference(x, weight):
 
 def test_values_and_float32_gradients_equal_a_plain_einsum():
     x, weight = _inputs(jnp.float32)
-    np.testing.assert_allclose(layers.float32_logits(x, weight), _reference(x, weight), rtol=1e-6)
-    ours = jax.grad(functools.partial(_loss, layers.float32_logits), argnums=(0, 1))(x, weight)
+    np.testing.assert_allclose(float32_logits.float32_logits(x, weight), _reference(x, weight), rtol=1e-6)
+    ours = jax.grad(functools.partial(_loss, float32_logits.float32_logits), argnums=(0, 1))(x, weight)
     plain = jax.grad(functools.partial(_loss, _reference), argnums=(0, 1))(x, weight)
     for a, b in zip(ours, plain):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -47,7 +47,7 @@ def _dots(jaxpr):
 
 def test_bfloat16_backward_has_no_float32_matmul():
     x, weight = _inputs(jnp.bfloat16)
-    ours = functools.partial(_loss, layers.float32_logits)
+    ours = functools.partial(_loss, float32_logits.float32_logits)
     plain = functools.partial(_loss, _reference)
     dots = _dots(jax.make_jaxpr(jax.grad(ours, argnums=(0, 1)))(x, weight).jaxpr)
     assert len(dots) == 3  # the forward and the two gradient GEMMs

@@ -3,7 +3,8 @@
 cd /root/work
 r=$RESULTS; d="--dataset /root/stage/mtbench_question.jsonl"
 m="--num_prompts 80 --max_new_tokens 256 $d --out $r/mtbench.json"
-hf=$EAGLE_JAX_CACHE_DIR/models/SmolLM2-135M-Instruct-hf
+# The default model's HF directory for the torch peer: setup.sh's export, else where eagle_jax converted it.
+hf=${EAGLE_JAX_MODEL_DIR:-$(python3 -c "from eagle_jax.io import default_model; print(default_model.default_model_dir())")}
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem --format=csv | tee $r/device.txt
 python3 -c "import jax, jaxlib, flax, torch; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'flax', flax.__version__, 'torch', torch.__version__)" | tee -a $r/device.txt
 echo "== kernel check"

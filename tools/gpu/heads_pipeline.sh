@@ -17,7 +17,7 @@
 # DRAFT_VOCAB_SIZE (EAGLE-3): with INIT_FROM_SHIPPED, a larger one extends the shipped head's vocabulary.
 # HEAD_INTERMEDIATE_SIZE: the head's MLP width; with INIT_FROM_SHIPPED, a larger one widens the shipped head.
 # HEAD_LAYERS (EAGLE-3): the head's decoder layers; with INIT_FROM_SHIPPED, more than the shipped head's
-# adds layers that start as the identity (`train.add_layers`).
+# adds layers that start as the identity (`head_growth.add_layers`).
 # PROFILE_FROM=FILE skips the profiling and sizes training from the fastest train_trace row of
 # each method in FILE (e.g. docs/results/profile_h200.json: a step costs the same on every H200).
 # STEP_MS overrides that step time (ms at batch 64), e.g. a wider head's, from the steps and
@@ -30,7 +30,7 @@
 # scratch on nested subsets of N tokens of the carried data, SCALING_SECONDS each (equal steps),
 # and evaluates each at k = 5 on MT-Bench (rows in RESULTS/scaling.json): the data-scaling curve.
 # EXTEND_UNTRAINED="N1 N2 ..." (HEADS=eagle3): before training, the shipped EAGLE-3 head extended to an
-# N-token draft vocabulary with no training (`train.extend_draft_vocabulary`'s placed columns,
+# N-token draft vocabulary with no training (`draft_vocabulary.extend_draft_vocabulary`'s placed columns,
 # eagle-jax-train --steps 0) is evaluated at k = 5 and 6 on MT-Bench (rows in RESULTS/mtbench_eagle3-vocabN.json).
 # On one GPU, HEADS=eagle3 runs the head, then BENCH_SECTIONS (else the step traces), then the scaling points.
 # GPU1_VARIANT="NAME=VALUE ..." (HEADS=eagle3 on two GPUs, in place of the scaling points): GPU 1 trains a

@@ -3,7 +3,10 @@
 #   source tools/gpu/setup.sh
 # Expects, carried in the ignored folders .stage/ and .whl/ (tools/gpu/README.md, stage_local.sh):
 #   .stage/gguf.partNN (the SmolLM2 GGUF split so each call's tree stays under 64 MB; parts may
-#   arrive in separate calls), .stage/gguf.sha256, .stage/tokenizer/, .whl/gguf-*.whl.
+#   arrive in separate calls), .stage/gguf.sha256, .whl/gguf-*.whl.
+# Once the GGUF is whole, the model is converted where eagle_jax looks for it
+# (`default_model.default_model_dir()`: <cache>/models/gguf-<sha256>, tokenizer included) and
+# EAGLE_JAX_MODEL_DIR names that HF directory, for what reads one directly (the torch peer).
 set -e
 # Whatever each call carries in .stage accumulates in /root/stage, which .stage then points to.
 mkdir -p /root/stage
@@ -13,7 +16,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 export EAGLE_JAX_CACHE_DIR=/root/stage/cache
 models=$EAGLE_JAX_CACHE_DIR/models
-gguf=$models/SmolLM2-135M-Instruct.Q4_1.gguf
+gguf=$models/SmolLM2-135M-Instruct.Q4_1.gguf  # where default_model.default_gguf_path() finds it offline
 if [ ! -f "$gguf" ]; then  # join once every part has arrived (the checksum says so)
   mkdir -p "$models"
   cat /root/stage/gguf.part* > "$gguf.joining"
@@ -23,14 +26,10 @@ if [ ! -f "$gguf" ]; then  # join once every part has arrived (the checksum says
     rm "$gguf.joining"; echo "gguf parts so far: $(ls /root/stage | grep -c "^gguf.part")"
   fi
 fi
-if [ -f "$gguf" ] && [ ! -f "$models/SmolLM2-135M-Instruct-hf/model.safetensors" ]; then
-  mkdir -p "$models/SmolLM2-135M-Instruct-hf"
-  cp .stage/tokenizer/* "$models/SmolLM2-135M-Instruct-hf/"
-  python3 -c "
-from eagle_jax.io import gguf_file, hf_files
-config, tensors = gguf_file.read_gguf('$gguf', progress=False)
-hf_files.save_tensors(tensors, '$models/SmolLM2-135M-Instruct-hf/model.safetensors', metadata={'format': 'pt'})
-print('model ready:', len(tensors), 'tensors')"
+if [ -f "$gguf" ]; then  # converts on the first call only; later calls find the conversion by the file's sha256
+  EAGLE_JAX_MODEL_DIR=$(python3 -c "from eagle_jax.io import default_model; print(default_model.default_model_dir())")
+  export EAGLE_JAX_MODEL_DIR
+  echo "model ready: $EAGLE_JAX_MODEL_DIR"
 fi
 # Distilled parts carried from an earlier machine (stage_local.sh carry): unpacked into the run folder
 # once every tar part has arrived; their names go to .carried, so collect.sh does not send them back.

