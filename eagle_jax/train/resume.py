@@ -4,11 +4,20 @@ A run resumes from the latest checkpoint in its output directory. That directory
 checkpoint of another head (an output directory reused with another method, width or draft
 vocabulary) or damaged files; either is refused with a `hf_files.CheckpointError` that says
 which and what to do, not an orbax shape error or a silently poisoned run.
+
+Each checkpoint carries the sha256 of its arrays (`DIGEST_FILE` in its step directory), so that
+damage that leaves every value finite (a flipped bit in a stored weight) is caught on resume too.
+A checkpoint written without one (by an older eagle_jax) resumes with a warning.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import sys
 from pathlib import Path
+
+import numpy as np
 
 import jax
 import orbax.checkpoint as ocp
@@ -25,10 +34,29 @@ def checkpoint_manager(directory: Path) -> ocp.CheckpointManager:
     return ocp.CheckpointManager(directory.resolve(), options=options, item_handlers=ocp.StandardCheckpointHandler())
 
 
+DIGEST_FILE = "eagle_jax_digest.json"
+
+
 def save(manager: ocp.CheckpointManager, step: int, state: dict) -> None:
-    """Checkpoints `state` ({"params": ..., "opt_state": ...}) as `step`, waiting until it is written."""
+    """Checkpoints `state` ({"params": ..., "opt_state": ...}) as `step`, waiting until it is written,
+    with the digest of its arrays beside it."""
     manager.save(step, args=ocp.args.StandardSave(state))
     manager.wait_until_finished()
+    digest_path(manager, step).write_text(json.dumps({"sha256": state_digest(state)}) + "\n")
+
+
+def digest_path(manager: ocp.CheckpointManager, step: int) -> Path:
+    return Path(manager.directory) / str(step) / DIGEST_FILE
+
+
+def state_digest(state) -> str:
+    """sha256 over every array's path, dtype, shape and bytes, in tree order."""
+    digest = hashlib.sha256()
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        array = np.ascontiguousarray(jax.device_get(leaf))
+        digest.update(f"{jax.tree_util.keystr(path)}|{array.dtype.str}|{array.shape}|".encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()
 
 
 def restore(manager: ocp.CheckpointManager, state: dict) -> tuple[dict, int] | None:
@@ -53,13 +81,24 @@ def restore(manager: ocp.CheckpointManager, state: dict) -> tuple[dict, int] | N
         restored = manager.restore(step, args=ocp.args.StandardRestore(abstract))
     except ValueError as error:
         raise hf_files.CheckpointError(f"{where} cannot be restored into this head and optimizer: {error}") from error
+    earlier = [s for s in manager.all_steps() if s < step]
+    instead = (f"delete {Path(manager.directory) / str(step)} to resume from step {earlier[-1]}" if earlier
+               else f"delete {manager.directory} to start over")
     bad = divergence.non_finite_paths(restored)
     if bad:
-        earlier = [s for s in manager.all_steps() if s < step]
-        instead = (f"delete {Path(manager.directory) / str(step)} to resume from step {earlier[-1]}" if earlier
-                   else f"delete {manager.directory} to start over")
         raise hf_files.CheckpointError(f"{where} holds non-finite values in {len(bad)} arrays "
                                        f"({', '.join(bad[:3])}): {instead}")
+    try:
+        expected = json.loads(digest_path(manager, step).read_text())["sha256"]
+    except FileNotFoundError:
+        print(f"eagle_jax: warning: {where} has no {DIGEST_FILE} (written by an older eagle_jax): "
+              "resuming without checking its bytes", file=sys.stderr)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise hf_files.CheckpointError(f"{where}: its {DIGEST_FILE} cannot be read ({error!r}): {instead}") from None
+    else:
+        if state_digest(restored) != expected:
+            raise hf_files.CheckpointError(f"{where} does not match the sha256 written with it (its files were "
+                                           f"damaged or changed): {instead}")
     return restored, int(step)
 
 

@@ -1,5 +1,5 @@
 """Training resumes (`train.resume`): from its latest checkpoint, identically, and only once that
-checkpoint is verified (finite values, this head's tree and shapes)."""
+checkpoint is verified (finite values, the sha256 written with it, this head's tree and shapes)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 
 from eagle_jax.io import hf_files
 from eagle_jax.train import objective as train_objective
+from eagle_jax.train import resume
 from eagle_jax.train import trainer as train
 
 
@@ -53,18 +54,54 @@ def test_resumed_training_continues_identically(target_and_data, tmp_path, metho
 
 
 def rewrite_checkpoint(trainer, directory, change):
-    """Replaces the latest checkpoint in `directory` by `change(state)`, as damaged files would read."""
+    """Replaces the latest checkpoint in `directory` by `change(state)`, as damaged files would read:
+    the arrays change, the digest written with them stays."""
     import orbax.checkpoint as ocp
 
     manager = trainer.checkpoint_manager(directory)
     step = manager.latest_step()
     state = manager.restore(step, args=ocp.args.StandardRestore(
         jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": trainer.params, "opt_state": trainer.opt_state})))
+    digest = resume.digest_path(manager, step).read_text()
     manager.delete(step)
     manager.save(step, args=ocp.args.StandardSave(change(state)))
     manager.wait_until_finished()
+    resume.digest_path(manager, step).write_text(digest)
     manager.close()
     return step
+
+
+def flip_a_bit(state):
+    """One bit of one float32 weight flipped: the value stays finite, so only the digest can tell."""
+    kernel = np.array(state["params"]["fc"]["kernel"])
+    bits = kernel.view(np.uint32)
+    bits[3, 1] ^= 1 << 12
+    assert np.all(np.isfinite(kernel))
+    state["params"]["fc"]["kernel"] = jnp.asarray(kernel)
+    return state
+
+
+def test_resuming_refuses_a_checkpoint_whose_bytes_changed(target_and_data, tmp_path):
+    target, dataset, _ = target_and_data
+    cfg = train.TrainConfig(method="eagle", steps=4, batch_size=4, warmup_steps=1, checkpoint_every=2)
+    first, _ = train.train(target, dataset, cfg, tmp_path, progress=False)
+    assert rewrite_checkpoint(first, tmp_path / "checkpoints", flip_a_bit) == 4
+    longer = train.TrainConfig(method="eagle", steps=6, batch_size=4, warmup_steps=1, checkpoint_every=2)
+    with pytest.raises(hf_files.CheckpointError, match=r"step 4 .* does not match the sha256 written with it.*"
+                                                        r"resume from step 2"):
+        train.train(target, dataset, longer, tmp_path, progress=False)
+
+
+def test_a_checkpoint_without_a_digest_resumes_with_a_warning(target_and_data, tmp_path, capsys):
+    target, dataset, _ = target_and_data
+    cfg = train.TrainConfig(method="eagle", steps=2, batch_size=4, warmup_steps=1, checkpoint_every=2)
+    first, _ = train.train(target, dataset, cfg, tmp_path, progress=False)
+    manager = first.checkpoint_manager(tmp_path / "checkpoints")
+    resume.digest_path(manager, 2).unlink()
+    longer = train.TrainConfig(method="eagle", steps=3, batch_size=4, warmup_steps=1, checkpoint_every=2)
+    resumed, _ = train.train(target, dataset, longer, tmp_path, progress=False)
+    assert resumed.step == 3
+    assert "has no eagle_jax_digest.json" in capsys.readouterr().err
 
 
 def test_resuming_refuses_a_checkpoint_with_non_finite_values(target_and_data, tmp_path):
