@@ -249,7 +249,7 @@ def emitted_ids(drafts: jax.Array, num_accepted: jax.Array, next_token: jax.Arra
     """[B, k+1]: the token emitted at each verified position (drafts, next_token at num_accepted,
     `NO_TOKEN` after it), as `logprobs` wants them."""
     k = drafts.shape[1]
-    padded = jnp.concatenate([drafts, jnp.full_like(drafts[:, :1], NO_TOKEN)], axis=1)
+    padded = jnp.concatenate([drafts, jnp.full((drafts.shape[0], 1), NO_TOKEN, drafts.dtype)], axis=1)  # k may be 0
     position = jnp.arange(k + 1)[None, :]
     ids = jnp.where(position < num_accepted[:, None], padded, NO_TOKEN)
     return jnp.where(position == num_accepted[:, None], next_token[:, None], ids).astype(jnp.int32)

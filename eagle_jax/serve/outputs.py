@@ -51,7 +51,8 @@ class RowOutput:
             logprobs: the row's logprobs buffers (host copies, [C] and [C, N]), or None.
         Returns:
             (the new token ids the request keeps, their logprob entries): the ids stop at a stop
-            string; nothing once the row has finished.
+            string; nothing once the row has finished. A stop string whose text waited for a
+            character's last bytes may cut ids an earlier call returned: `token_ids` is the output.
         """
         if self.finished or count <= self.shown:
             return [], []
@@ -61,10 +62,15 @@ class RowOutput:
         self.shown = count
         stop_at = next((index for index, token in enumerate(ids) if token in self.stop_ids), None)
         if self.stream is not None:
-            before = len(self.stream.ids)
             self.pieces.append(self.stream.push(ids if stop_at is None else ids[:stop_at]))  # a stop id is no text
             if self.stream.stopped:  # a stop string: keep the ids up to the one that completed it
-                ids = ids[:len(self.stream.ids) - before]
+                # Usually in this chunk; an earlier one when the text waited on an incomplete
+                # character (those ids were already returned: `token_ids` is what counts).
+                keep = len(self.stream.ids)
+                ids = ids[:max(0, keep - len(self.token_ids))]
+                del self.token_ids[keep:]
+                if self.logprobs is not None:
+                    del self.logprobs[keep:]
                 self.finish_reason, self.stop_reason = "stop", self.stream.matched
                 stop_at = None
         if stop_at is not None:
