@@ -1,6 +1,6 @@
 """Greedy rows with per-request settings: speculation (chains and trees, EAGLE-1 and EAGLE-3 heads)
-gives plain greedy decoding's tokens, token for token, under penalties, stop token ids, EOS,
-ignore_eos and min_tokens, all mixed in one batch; and plain greedy decoding under penalties and
+gives plain greedy decoding's tokens, token for token, under penalties, stop token ids, stop
+strings, EOS, ignore_eos and min_tokens, all mixed in one batch; and plain greedy decoding under penalties and
 min_tokens is what a NumPy reference over full forwards gives.
 
 Heads and target are test_speculative_stops.py's (conftest's `speculation_target`, an EAGLE-1
@@ -51,12 +51,13 @@ def _engine(target, head, drafting):
         max_length=64, batch_size=len(PROMPT_LENGTHS), steps_per_call=3, **speculation))
 
 
-def generate(target, head, drafting, prompts, settings, eos):
-    return _engine(target, head, drafting).generate(prompts, max_new_tokens=MAX_NEW, sampling=settings, eos_ids=[eos])
+def generate(target, head, drafting, prompts, settings, eos, tokenizer):
+    return _engine(target, head, drafting).generate(prompts, max_new_tokens=MAX_NEW, sampling=settings, eos_ids=[eos],
+                                                     tokenizer=tokenizer)
 
 
 def outcome(results):
-    return [(r.token_ids, r.finish_reason, r.stop_reason) for r in results]
+    return [(r.token_ids, r.finish_reason, r.stop_reason, r.text) for r in results]
 
 
 @pytest.fixture(scope="module")
@@ -69,16 +70,19 @@ def free(target, prompts):
 
 
 @pytest.fixture(scope="module")
-def mixed(free):
-    """(settings per row, EOS id): row 0 stops at a token it first emits at index 5, row 1 is plain,
-    row 2 is held by min_tokens past the EOS it first emits at index 2, and row 3, which emits that
-    EOS early and repeats tokens later, is penalised and ignores EOS."""
+def mixed(free, chat_tokenizer):
+    """(settings per row, EOS id): row 0 stops at a token it first emits at index 5, row 1 at the
+    text of its tokens 3 and 4 (chat_tokenizer: one token a byte), row 2 is held by min_tokens past
+    the EOS it first emits at index 2, and row 3, which emits that EOS early and repeats tokens
+    later, is penalised and ignores EOS."""
     def first_new(row, index):
         return next(free[row][i] for i in range(index, MAX_NEW) if free[row][i] not in free[row][:i])
 
     eos = first_new(2, 2)
     assert eos in free[3][:5] and len(set(free[3])) < MAX_NEW  # row 3 would stop early, and repeats itself
-    settings = [sampling.Sampling(stop_token_ids=(first_new(0, 5),)), sampling.Sampling(),
+    stop = chat_tokenizer.decode(free[1][3:5])
+    assert len(stop) == 2 and stop not in chat_tokenizer.decode(free[1][:4])
+    settings = [sampling.Sampling(stop_token_ids=(first_new(0, 5),)), sampling.Sampling(stop=stop),
                 sampling.Sampling(min_tokens=free[2].index(eos) + 5), dataclasses.replace(PENALTIES, ignore_eos=True)]
     return settings, eos
 
@@ -104,13 +108,14 @@ def reference(target, prompt, settings: sampling.Sampling, eos: int) -> list[int
     return output
 
 
-def test_plain_greedy_follows_the_numpy_reference(target, prompts, free, mixed):
+def test_plain_greedy_follows_the_numpy_reference(target, prompts, free, mixed, chat_tokenizer):
     settings, eos = mixed
-    results = generate(target, None, 0, prompts, settings, eos)
+    results = generate(target, None, 0, prompts, settings, eos, chat_tokenizer)
     tokens, reasons = [r.token_ids for r in results], [r.finish_reason for r in results]
     stop = settings[0].stop_token_ids[0]
     assert tokens[0] == free[0][:free[0].index(stop) + 1] and (reasons[0], results[0].stop_reason) == ("stop", stop)
-    assert tokens[1] == reference(target, prompts[1], settings[1], eos)
+    assert tokens[1] == free[1][:5] and results[1].text == chat_tokenizer.decode(free[1][:3])
+    assert (reasons[1], results[1].stop_reason) == ("stop", settings[1].stop[0])
     assert tokens[2] == reference(target, prompts[2], settings[2], eos)
     assert eos not in tokens[2][:settings[2].min_tokens] and eos in free[2][:settings[2].min_tokens]
     assert tokens[3] == reference(target, prompts[3], settings[3], eos)
@@ -118,13 +123,14 @@ def test_plain_greedy_follows_the_numpy_reference(target, prompts, free, mixed):
 
 
 @pytest.mark.parametrize("drafting", sorted(DRAFTING))
-def test_speculation_equals_plain_greedy(target, prompts, mixed, agreeing_head, biased_eagle3_head, free, drafting):
+def test_speculation_equals_plain_greedy(target, prompts, mixed, agreeing_head, biased_eagle3_head, free, drafting,
+                                        chat_tokenizer):
     settings, eos = mixed
     kind, steps = DRAFTING[drafting]
     frequent = np.argsort(-np.bincount(np.concatenate(free), minlength=target.config.vocab_size))[:2]
     head = (agreeing_head(target.config, 0.0) if kind == "eagle"
             else biased_eagle3_head(target.config, frequent, DRAFT_VOCAB, seed=3))
-    results = generate(target, head, steps, prompts, settings, eos)
-    assert outcome(results) == outcome(generate(target, None, 0, prompts, settings, eos))
+    results = generate(target, head, steps, prompts, settings, eos, chat_tokenizer)
+    assert outcome(results) == outcome(generate(target, None, 0, prompts, settings, eos, chat_tokenizer))
     if kind == "eagle":  # drafts were accepted, so the penalties and stops saw accepted drafts
         assert sum(r.stats["num_accepted_tokens"] for r in results) > 0
