@@ -57,11 +57,11 @@ from eagle_jax import heads
 from eagle_jax.io import models
 from eagle_jax.decode import sampling as sampling_lib
 from eagle_jax.serve import sharding
-from eagle_jax.decode import speculative
 from eagle_jax.io import tokenization
 from eagle_jax.decode import tree as tree_lib
 from eagle_jax.kernels import decode_attention
 from eagle_jax.cli import errors as script_errors
+from eagle_jax.decode import state as state_lib
 import step_trace
 from results_file import append_rows
 
@@ -364,7 +364,7 @@ def main(argv=None) -> int:
         head, head_path = drafts.get(method, (None, None))
         longest = max(len(p) for p in prompts)
         # One prefill width and one cache length for every prompt: two compiled programs per setting.
-        headroom = speculative.Options(k=k, tree=tree).cache_headroom
+        headroom = state_lib.Options(k=k, tree=tree).cache_headroom
         max_length = inputs.fixed_max_length(longest, args.max_new_tokens, headroom,
                                                  target.config.max_position_embeddings)
         drafting = dict(tree=tree) if tree else dict(num_speculative_tokens=k)

@@ -5,7 +5,7 @@
     python benchmarks/profile_step.py --parts step_trace --method none --decode-kernels pallas --label "fused kernels"
 
 Four measurements, each appended as a row to `--out` (a JSON list); the first three run by default:
-  * draft_forward: `speculative.draft` (k head forwards + their lm_head) jitted vs the same
+  * draft_forward: `chain.draft` (k head forwards + their lm_head) jitted vs the same
     code op by op under `jax.disable_jit()` (vLLM reported 2.5x from compiling its draft).
   * step_breakdown: jitted `draft` alone, a jitted target forward over k+1 tokens (verify,
     with logits and argmax), and the jitted full `speculative.step`; the draft's share of a step.
@@ -63,6 +63,8 @@ from eagle_jax.decode import tree as tree_lib
 from eagle_jax.train import trainer as train
 from eagle_jax.kernels import decode_attention
 from eagle_jax.cli import errors as script_errors
+from eagle_jax.decode import chain
+from eagle_jax.decode import state as state_lib
 import step_trace
 from results_file import append_rows
 
@@ -224,7 +226,7 @@ def cold_warm(args, draft_path: Path) -> dict:
 class Programs:
     """Jitted draft, step and verify over split params (the engine's jit boundary)."""
 
-    def __init__(self, target, head, opts: speculative.Options):
+    def __init__(self, target, head, opts: state_lib.Options):
         self.target, self.head, self.opts = target, head, opts
         self.target_def, self.target_params = nnx.split(target)
         self.head_def, self.head_params = nnx.split(head)
@@ -233,8 +235,8 @@ class Programs:
         def start(tp, hp, tokens, lengths, rng):
             return speculative.start(*merge(tp, hp), tokens, lengths, rng, opts)
 
-        def draft(tp, hp, state, rng):
-            ids, _, cache = speculative.draft(*merge(tp, hp), state, opts, rng)
+        def draft(tp, hp, state):  # greedy drafts: no keys
+            ids, _, cache = chain.draft(*merge(tp, hp), state, opts)
             return ids, state.replace(draft_cache=cache)  # same lengths: every call does the same work
 
         def step(tp, hp, state):
@@ -259,8 +261,8 @@ def in_process(args, target, head, prompt: list[int], head_is_random: bool) -> l
                                             target.config.max_position_embeddings)
     kernels = config_lib.EngineConfig(decode_kernels=args.decode_kernels,
                                       attention_tiling=args.attention_tiling).kernels(jax.default_backend())
-    opts = speculative.Options(k=k, eos_ids=(), max_new_tokens=cache_length, cache_length=cache_length,
-                               decode_kernels=kernels.decode_kernels, attention_tiling=kernels.attention_tiling)
+    opts = state_lib.Options(k=k, max_new_tokens=cache_length, cache_length=cache_length,
+                             decode_kernels=kernels.decode_kernels, attention_tiling=kernels.attention_tiling)
     programs = Programs(target, head, opts)
     width = inputs.bucket_length(len(prompt), cache_length)
     tokens = np.zeros((1, width), np.int32)
@@ -270,7 +272,6 @@ def in_process(args, target, head, prompt: list[int], head_is_random: bool) -> l
     state = programs.start(*args_start)
     for _ in range(4):  # a few real steps: a steady-state cache and pending pairs
         state = programs.step(programs.target_params, programs.head_params, state)
-    rng = jax.random.key(1)
     common = dict(method=args.method, k=k, batch_size=1, cache_length=cache_length, prompt_tokens=len(prompt),
                   iterations=args.iterations, random_head=head_is_random)
 
@@ -278,7 +279,7 @@ def in_process(args, target, head, prompt: list[int], head_is_random: bool) -> l
         holder = {"state": state}
 
         def run_draft():
-            ids, holder["state"] = programs.draft(programs.target_params, programs.head_params, holder["state"], rng)
+            ids, holder["state"] = programs.draft(programs.target_params, programs.head_params, holder["state"])
             return ids
 
         for _ in range(3):
@@ -289,7 +290,7 @@ def in_process(args, target, head, prompt: list[int], head_is_random: bool) -> l
     if "draft_forward" in args.parts:
         def run_eager():
             with jax.disable_jit():
-                return speculative.draft(target, head, state, opts, rng)[0]
+                return chain.draft(target, head, state, opts)[0]
 
         jax.block_until_ready(run_eager())  # op-by-op programs compile on first use
         eager_ms = median_ms(run_eager, args.eager_iterations, "draft (op by op)")
@@ -323,7 +324,7 @@ def in_process(args, target, head, prompt: list[int], head_is_random: bool) -> l
             jax.block_until_ready(run_step())
         step_ms = median_ms(run_step, args.iterations, "step (jit)")
         final = holder["state"]
-        stats = speculative.stats(final, opts)[0]
+        stats = state_lib.stats(final, opts)[0]
         rows.append(dict(kind="step_breakdown", draft_ms=round(draft_ms, 4), verify_ms=round(verify_ms[k + 1], 4),
                          step_ms=round(step_ms, 4), plain_decode_ms=round(verify_ms[1], 4),
                          draft_share=round(draft_ms / step_ms, 4), verify_share=round(verify_ms[k + 1] / step_ms, 4),

@@ -237,7 +237,7 @@ def measure(engine: engine_lib.Engine, prompt, *, trace_steps: int = 64, steps_p
         raise config_lib.InputError(f"{calls + 1} calls of {steps_per_call} steps at k={k} after a {len(prompt)}-token "
                                     f"prompt need {needed} cache slots; cache_length={cache_length}, "
                                     f"max_length={engine.max_length}")
-    opts = engine.options(eos_ids=(), max_new_tokens=max_new_tokens, cache_length=cache_length)  # chain or tree
+    opts = engine.options(max_new_tokens=max_new_tokens, cache_length=cache_length)  # chain or tree
     programs = engine.batch_programs([prompt] * engine.config.batch_size, jax.random.key(seed), opts, steps_per_call)
     state = programs.step(programs.prefill())  # warm-up
     steps_before = jax.device_get(state.num_steps)

@@ -16,6 +16,7 @@ import eagle_jax
 from eagle_jax import heads
 from eagle_jax.decode import speculative
 from eagle_jax.io import tokenization
+from eagle_jax.decode import state as state_lib
 
 
 def main(argv=None) -> None:
@@ -30,8 +31,8 @@ def main(argv=None) -> None:
     tokenizer = tokenization.load(tokenizer_dir)
     ids = tokenization.encode(tokenizer, args.prompt, chat=True)
     # Static settings: a chain of 3 drafts, greedy, room for the prompt, the budget and one step's headroom.
-    opts = speculative.Options(k=3, eos_ids=(), max_new_tokens=args.max_new_tokens,
-                               cache_length=len(ids) + args.max_new_tokens + 4)
+    opts = state_lib.Options(k=3, max_new_tokens=args.max_new_tokens,
+                             cache_length=len(ids) + args.max_new_tokens + 4)
     graph, params = nnx.split((target, head))  # jit takes arrays: the modules are merged inside
     start = jax.jit(lambda params, tokens, lengths: speculative.start(
         *nnx.merge(graph, params), tokens, lengths, jax.random.key(0), opts))
@@ -41,7 +42,7 @@ def main(argv=None) -> None:
     tokens = state.output[0, :int(state.num_generated[0])].tolist()
     print(tokenizer.decode(tokens, skip_special_tokens=True))
     print(f"{len(tokens)} tokens in {int(state.num_steps[0])} steps, "
-          f"acceptance length {speculative.stats(jax.device_get(state), opts)[0]['acceptance_length']:.2f}")
+          f"acceptance length {state_lib.stats(jax.device_get(state), opts)[0]['acceptance_length']:.2f}")
 
 
 if __name__ == "__main__":

@@ -18,8 +18,8 @@ import jax
 
 from eagle_jax import heads
 from eagle_jax.cli import output
+from eagle_jax.cli import sampling_flags
 from eagle_jax.cli import user_input
-from eagle_jax.decode import sampling as sampling_lib
 from eagle_jax.decode import tree as tree_lib
 from eagle_jax.io import hf_files
 from eagle_jax.io import models
@@ -85,6 +85,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--cache-dir", help=f"compilation cache root (default: ${compile_cache.ENV_VAR}/xla or "
                                             "~/.cache/eagle_jax/xla)")
     parser.add_argument("--no-compile-cache", action="store_true")
+    sampling_flags.add_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -126,6 +127,14 @@ def tree_settings(args) -> tuple[int | None, int | None, int | None] | None:
     return None if tree == (None, None, None) else tree
 
 
+def read_prompts(args) -> list[str | list[dict]]:
+    """--prompt, --prompts-file, then --messages-file; the default prompt when none is given."""
+    messages = sampling_flags.read_messages(args.messages_file) if args.messages_file else []
+    if messages and not args.prompt and not args.prompts_file:
+        return messages
+    return user_input.prompts(args.prompt, args.prompts_file) + messages
+
+
 def choose_scheduler(args, num_prompts: int) -> str:
     """--scheduler, or by default continuous where there is something to refill slots with."""
     if args.scheduler is not None:
@@ -137,7 +146,7 @@ def load(args, prompts: list[str], config: config_lib.EngineConfig):
     """(engine, tokenizer, method, the prompts' token ids) for the parsed arguments (`config`: `check_flags`'s)."""
     target, tokenizer_dir = models.load_target(args.model, args.dtype)
     tokenizer = tokenization.load(tokenizer_dir)
-    token_ids = [tokenization.encode(tokenizer, text, not args.no_chat) for text in prompts]
+    token_ids = [sampling_flags.encode(tokenizer, prompt, not args.no_chat) for prompt in prompts]
     platform = jax.devices()[0].platform
     tree = tree_settings(args)
     asked_k = args.num_speculative_tokens if tree is None else args.speculative_num_steps  # a tree always speculates
@@ -159,7 +168,7 @@ def load(args, prompts: list[str], config: config_lib.EngineConfig):
 
 def streams(args) -> bool:
     """Whether text streams to the terminal (one prompt at a time)."""
-    return not args.json and args.batch_size == 1
+    return not args.json and args.batch_size == 1 and args.n == 1
 
 
 def main(argv=None) -> int:
@@ -171,29 +180,25 @@ def main(argv=None) -> int:
         if sharding.initialize_distributed() and jax.process_index() > 0:
             # Every process computes the same tokens: process 0 prints them (fd 1, for native libraries too).
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        sampling = sampling_lib.Sampling(temperature=args.temperature, top_p=args.top_p)
-        prompts = user_input.prompts(args.prompt, args.prompts_file)
-        progress.total = len(prompts)
+        sampling = sampling_flags.sampling(args)
+        prompts = read_prompts(args)
+        progress.total = len(prompts) * sampling.n
         engine, tokenizer, method, token_ids = load(args, prompts, config)
         engine.check_prompts(token_ids, args.max_new_tokens)  # all of them, before anything streams
         stream = streams(args)
-        streamed = {}
-
-        def on_tokens(index, new_ids):
-            previous = tokenizer.decode(streamed.get(index, []), skip_special_tokens=True)
-            streamed[index] = streamed.get(index, []) + new_ids
-            print(tokenizer.decode(streamed[index], skip_special_tokens=True)[len(previous):], end="", flush=True)
-
-        options = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, ignore_eos=args.ignore_eos)
+        options = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, tokenizer=tokenizer)
         if stream:  # one prompt at a time, so each streams as it is made
             for index, ids in enumerate(token_ids):
-                print(f"\n>>> {prompts[index]}\n", flush=True)
+                print(f"\n>>> {sampling_flags.shown(prompts[index])}\n", flush=True)
+                on_tokens, finish = sampling_flags.streamer(tokenizer, sampling)
                 [result] = engine.generate([ids], seed=user_input.prompt_seed(args.seed, index), on_tokens=on_tokens,
                                            **options)
+                finish()
                 report(args, index, prompts[index], tokenizer, result, method, engine, stream, progress)
         else:  # batched (static batches or decode slots): each result is written as soon as it is done
-            engine.generate(token_ids, seed=args.seed, **options, on_result=lambda index, result: report(
-                args, index, prompts[index], tokenizer, result, method, engine, stream, progress))
+            shown_prompts = sampling_flags.per_sample(prompts, sampling)  # results come n to a prompt
+            engine.generate(token_ids, seed=args.seed, **options, on_result=lambda row, result: report(
+                args, row, shown_prompts[row], tokenizer, result, method, engine, stream, progress))
     except (config_lib.InputError, hf_files.CheckpointError, FileNotFoundError, ValueError, RuntimeError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -205,7 +210,7 @@ def main(argv=None) -> int:
 
 
 def report(args, index, prompt, tokenizer, result, method, engine, streamed, progress) -> None:
-    text = tokenizer.decode(result.token_ids, skip_special_tokens=True)
+    text = result.text  # decoded by the engine, cut before a stop string
     config = engine.config
     k, tree = config.k, config.tree
     if args.json:
@@ -218,11 +223,12 @@ def report(args, index, prompt, tokenizer, result, method, engine, streamed, pro
                       speculative_num_draft_tokens=tree and tree.num_draft_tokens,
                       scheduler=config.scheduler, batch_size=config.batch_size,
                       decode_kernels=engine.kernels.decode_kernels, tensor_parallel_size=config.tensor_parallel_size,
-                      draft_tensor_parallel_size=config.draft_tensor_parallel_size, **result.stats)
+                      draft_tensor_parallel_size=config.draft_tensor_parallel_size, **result.stats,
+                      **sampling_flags.json_fields(result))
         progress.write_result(json.dumps(dict(index=index, **record)))  # `index`: continuous slots finish out of order
         return
     if not streamed:
-        print(f"\n>>> {prompt}\n{text}", flush=True)
+        print(f"\n>>> {sampling_flags.shown(prompt)}\n{text}", flush=True)
     summary = f"{result.num_tokens} tokens in {result.seconds:.2f} s, {result.tokens_per_second:.1f} tokens/s"
     if k:
         drafting = (f"tree topk={tree.topk} steps={tree.num_steps} draft tokens={tree.num_draft_tokens}" if tree

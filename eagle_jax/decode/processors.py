@@ -1,11 +1,12 @@
-"""Logit processors as pure array functions: penalties, temperature, min-p / top-k / top-p
-masks, and the token counts the penalties read, position by position under speculation.
+"""Logit processors as pure array functions: the min_tokens stop mask, penalties, temperature,
+min-p / top-k / top-p masks, and the token counts the penalties read, position by position under
+speculation.
 
 Every function takes logits [B, T, V] (T positions per row: 1 for plain decoding, k + 1 for a
 chain verify, the node count for a tree) and per-row settings as [B] arrays
 (`sampling.SamplingParams`), and returns float32 logits with removed tokens at -inf, so one
 compiled program serves rows with different settings. `process` applies them in vLLM's order:
-penalties, temperature, min-p, then top-k and top-p. The rejection sampler reproduces whatever
+the min_tokens mask, penalties, temperature, min-p, then top-k and top-p. The rejection sampler reproduces whatever
 distribution the target's processed logits give, so speculation stays exact under any of them
 (vLLM applies them to the target before its rejection sampler in the same way).
 
@@ -22,13 +23,14 @@ What a decode step carries, per row, in its (donated) state:
   ``TokenCounts.create(prompt_ids, prompt_lengths, V)``; after the prefill's first token:
   ``counts.add(first[:, None])``; after each step: ``counts.commit(drafts, num_accepted,
   next_token)``. 5 B x V bytes per row (246 KB at V = 49,152).
-* a per-row counter for seeded rows (the row's number of emitted tokens):
-  ``sampling.row_keys(params, rng, counter)`` gives each row its own key.
+* a per-row counter for seeded rows (the row's number of emitted tokens, `num_generated`):
+  ``sampling.row_keys(params, rng, counter)`` gives each row its own key. The same count, plus
+  the position's depth, is what ``emitted`` passes for the min_tokens mask.
 
 Where the step calls what:
 
-1. Prefill's first token: ``sampling.sample(process(logits[:, None], params, mode, counts),
-   params, keys)`` (T = 1, no prefix); ``sampling.argmax`` when ``not mode.sample``.
+1. Prefill's first token: ``sampling.sample(process(logits[:, None], params, mode, counts,
+   emitted=0), params, keys)`` (T = 1, no prefix); ``sampling.argmax`` when ``not mode.sample``.
 2. Draft step j of a chain: the draft's logits [B, 1, V] in target vocabulary through
    ``process(..., counts, prefix=drafts_so_far[:, None])`` (drafts not drawn yet are
    `NO_TOKEN`), so q is the draft's own distribution under the same processors; draw with
@@ -77,6 +79,25 @@ def chain_prefix(drafts: jax.Array) -> jax.Array:
     k = drafts.shape[1]
     before = jnp.arange(k)[None, :] < jnp.arange(k + 1)[:, None]  # [k+1, k]
     return jnp.where(before[None], drafts[:, None, :], NO_TOKEN).astype(jnp.int32)
+
+
+def mask_stop_ids(logits: jax.Array, stop_ids: jax.Array, min_tokens: jax.Array, emitted: jax.Array) -> jax.Array:
+    """vLLM's min_tokens: a row's stop ids (EOS included) get -inf at positions where it has emitted
+    fewer than min_tokens tokens, so that no position may end the row too early.
+
+    Args:
+        logits: [B, T, V].
+        stop_ids: [B, S] int32, `NO_TOKEN`-padded.
+        min_tokens: [B] int32.
+        emitted: [B, T] int32, the row's tokens emitted before each position (a draft or verify
+            position j of a chain: `num_generated + j`; a tree node: `num_generated + depth`).
+    """
+    batch, positions, vocab = logits.shape
+    blocked = (emitted < min_tokens[:, None])[..., None] & (stop_ids >= 0)[:, None, :]  # [B, T, S]
+    columns = jnp.where(blocked, jnp.broadcast_to(stop_ids[:, None, :], blocked.shape), vocab)  # vocab: dropped
+    rows = jnp.arange(batch)[:, None, None]
+    steps = jnp.arange(positions)[None, :, None]
+    return logits.at[rows, steps, columns].set(-jnp.inf, mode="drop")
 
 
 def _penalize_values(values, counts, seen, repetition, presence, frequency):
@@ -228,15 +249,16 @@ def emitted_ids(drafts: jax.Array, num_accepted: jax.Array, next_token: jax.Arra
     """[B, k+1]: the token emitted at each verified position (drafts, next_token at num_accepted,
     `NO_TOKEN` after it), as `logprobs` wants them."""
     k = drafts.shape[1]
-    padded = jnp.concatenate([drafts, jnp.full_like(drafts[:, :1], NO_TOKEN)], axis=1)
+    padded = jnp.concatenate([drafts, jnp.full((drafts.shape[0], 1), NO_TOKEN, drafts.dtype)], axis=1)  # k may be 0
     position = jnp.arange(k + 1)[None, :]
     ids = jnp.where(position < num_accepted[:, None], padded, NO_TOKEN)
     return jnp.where(position == num_accepted[:, None], next_token[:, None], ids).astype(jnp.int32)
 
 
 def process(logits: jax.Array, params: sampling.SamplingParams, mode: sampling.SamplingMode,
-            counts: TokenCounts | None = None, prefix: jax.Array | None = None) -> jax.Array:
-    """All processors in vLLM's order: penalties, temperature, min-p, top-k, top-p.
+            counts: TokenCounts | None = None, prefix: jax.Array | None = None,
+            emitted: jax.Array | None = None) -> jax.Array:
+    """All processors in vLLM's order: the min_tokens mask, penalties, temperature, min-p, top-k, top-p.
 
     Greedy rows keep temperature 1 (their argmax, and their "processed" logprobs, are those of the
     penalised logits); `SamplingParams` gives them no min-p, top-k or top-p. Processors no row of
@@ -250,10 +272,16 @@ def process(logits: jax.Array, params: sampling.SamplingParams, mode: sampling.S
         counts: the rows' `TokenCounts`; required when `mode.penalties`.
         prefix: [B, T, P] int32 tokens emitted before each position beyond `counts` (a verify's
             `chain_prefix(drafts)`), `NO_TOKEN`-padded; None for none.
+        emitted: [B, T] int32 tokens the row emitted before each position (`mask_stop_ids`);
+            required when `mode.min_tokens`.
     Returns:
         [B, T, V] float32, removed tokens at -inf.
     """
     logits = logits.astype(jnp.float32)
+    if mode.min_tokens:
+        if emitted is None or logits.ndim != 3:
+            raise ValueError("min_tokens needs logits [B, T, V] and the tokens emitted before each position")
+        logits = mask_stop_ids(logits, params.stop_ids, params.min_tokens, emitted)
     if mode.penalties:
         if counts is None or logits.ndim != 3:
             raise ValueError("penalties need logits [B, T, V] and the rows' TokenCounts")

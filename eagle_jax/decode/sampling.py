@@ -1,9 +1,10 @@
-"""Token selection settings and draws: greedy, temperature, top-k, top-p, min-p, penalties, logprobs.
+"""Token selection settings and draws: greedy, temperature, top-k, top-p, min-p, penalties, logprobs,
+and the rules that end a request (stop strings and ids, EOS, min_tokens) and multiply it (n).
 
 Three views of the same settings:
-  * `Sampling`, one request's settings (OpenAI's and vLLM's names and ranges), a frozen, hashable
-    dataclass. Passed to jit as a static argument it makes one program for the whole batch (the
-    original interface, still used by `select` and `probabilities`).
+  * `Sampling`, one request's settings (vLLM's `SamplingParams` names and ranges, OpenAI's where
+    they overlap), a frozen, hashable dataclass. `select` and `probabilities` take one as a
+    static argument for a whole batch (the plain-sampling reference the tests compare against).
   * `SamplingParams`, the settings of every row of a batch as [B] arrays (a pytree): rows of one
     continuous batch carry their own settings through the same compiled program.
   * `SamplingMode`, the static shape of such a program: whether any row samples, whether any
@@ -30,6 +31,10 @@ from eagle_jax.decode import processors
 
 MAX_LOGPROBS = 20  # the most alternatives one position returns (OpenAI's top_logprobs and vLLM's default cap)
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's range, as vLLM checks)
+MAX_STOP_TOKEN_IDS = 8  # a request's stop_token_ids: the device compares each emitted token with them
+MAX_EOS_IDS = 8  # a model's EOS ids (Llama 3 has 3); with the stop ids, one row's [STOP_WIDTH] array
+STOP_WIDTH = MAX_STOP_TOKEN_IDS + MAX_EOS_IDS
+MAX_N = 128  # samples of one prompt (OpenAI's cap)
 
 
 def _is_real(value) -> bool:
@@ -60,8 +65,23 @@ class Sampling:
     frequency_penalty: float = 0.0
     seed: int | None = None  # a request with a seed draws the same tokens whatever shares its batch
     logprobs: int | None = None  # top alternatives returned per token (0: the chosen token's only), <= MAX_LOGPROBS
+    # Ending a request: the output is cut before the first stop string (host side, on the text) and
+    # ends at a stop token id or EOS (device side: the row stops, the id is its last token).
+    stop: tuple[str, ...] = ()  # a string or a sequence of them is taken too
+    stop_token_ids: tuple[int, ...] = ()  # at most MAX_STOP_TOKEN_IDS
+    ignore_eos: bool = False  # EOS does not end the request (stop_token_ids still do)
+    # EOS and stop_token_ids cannot be drawn before this many tokens (masked in the processors, so
+    # draft and target agree and speculation stays exact); stop strings are not held back by it.
+    min_tokens: int = 0
+    n: int = 1  # samples of the prompt: n rows, each with its own key (`sample_seed` for seeded requests)
 
     def __post_init__(self):
+        # Sequences become tuples, so that the settings stay hashable (a static jit argument).
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        for name in ("stop", "stop_token_ids"):
+            if isinstance(getattr(self, name), (list, tuple)):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         problem = self.problem()
         if problem:
             raise ValueError(problem)
@@ -87,6 +107,18 @@ class Sampling:
             return f"seed must be None or a 64-bit integer, got {self.seed!r}"
         if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
             return f"logprobs must be None or an integer in 0..{MAX_LOGPROBS}, got {self.logprobs!r}"
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
+            return f"stop must be a non-empty string or a list of them, got {self.stop!r}"
+        if not (isinstance(self.stop_token_ids, tuple) and all(_is_int(i) and i >= 0 for i in self.stop_token_ids)
+                and len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS):
+            return (f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids >= 0, "
+                    f"got {self.stop_token_ids!r}")
+        if not isinstance(self.ignore_eos, bool):
+            return f"ignore_eos must be true or false, got {self.ignore_eos!r}"
+        if not (_is_int(self.min_tokens) and self.min_tokens >= 0):
+            return f"min_tokens must be an integer >= 0, got {self.min_tokens!r}"
+        if not (_is_int(self.n) and 1 <= self.n <= MAX_N):
+            return f"n must be an integer in 1..{MAX_N}, got {self.n!r}"
         return None
 
     @property
@@ -97,6 +129,17 @@ class Sampling:
     def penalised(self) -> bool:
         """Whether any penalty is on (the row then needs its token counts, `processors.TokenCounts`)."""
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    def stop_ids(self, eos_ids: Iterable[int] = ()) -> tuple[int, ...]:
+        """The ids that end this request's rows: the model's EOS ids (unless ignored), then stop_token_ids."""
+        return tuple(dict.fromkeys((() if self.ignore_eos else tuple(eos_ids)) + self.stop_token_ids))
+
+    def sample_seed(self, index: int) -> int | None:
+        """The seed of sample `index` of n: the request's own for the first, then a splitmix64 step
+        per further sample, so that the n rows draw apart and stay reproducible."""
+        if self.seed is None or index == 0:
+            return self.seed
+        return (self.seed + index * 0x9E3779B97F4A7C15) % 2 ** 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +156,7 @@ class SamplingMode:
     top_k: int = 0  # the largest top_k a row may ask for: `lax.top_k` finds that many candidates
     top_p: bool = False  # some row has top_p < 1: the program sorts the whole vocabulary
     logprobs: int | None = None  # alternatives computed per position (None: no logprobs at all)
+    min_tokens: bool = False  # some row masks its stop ids until it has min_tokens tokens
 
     def __post_init__(self):
         if not (_is_int(self.top_k) and self.top_k >= 0):
@@ -128,13 +172,21 @@ class SamplingMode:
         asked = [s.logprobs for s in samplings if s.logprobs is not None]
         return cls(sample=bool(sampled), penalties=any(s.penalised for s in samplings),
                    min_p=any(s.min_p > 0 for s in sampled), top_k=max([s.top_k for s in sampled], default=0),
-                   top_p=any(s.top_p < 1 for s in sampled), logprobs=max(asked) if asked else None)
+                   top_p=any(s.top_p < 1 for s in sampled), logprobs=max(asked) if asked else None,
+                   min_tokens=any(s.min_tokens > 0 for s in samplings))
+
+    @property
+    def processes(self) -> bool:
+        """Whether any processor changes the logits (else the argmax of the raw logits is the token)."""
+        return self.sample or self.penalties or self.min_tokens
 
     def covers(self, sampling: Sampling) -> bool:
         """Whether a row with these settings gets exactly its distribution from this program."""
         if sampling.penalised and not self.penalties:
             return False
         if sampling.logprobs is not None and (self.logprobs is None or sampling.logprobs > self.logprobs):
+            return False
+        if sampling.min_tokens and not self.min_tokens:
             return False
         if sampling.greedy:
             return True
@@ -144,7 +196,7 @@ class SamplingMode:
 
 @struct.dataclass
 class SamplingParams:
-    """Every row's settings as arrays, [B] each (seed [B, 2]); built by `stack`.
+    """Every row's settings as arrays, [B] each (seed [B, 2], stop_ids [B, S]); built by `stack`.
 
     A greedy row stores top_k 0, top_p 1 and min_p 0 whatever it asked: its processed logits are
     then its penalised logits alone, in any batch (and its argmax is unchanged).
@@ -159,10 +211,19 @@ class SamplingParams:
     frequency_penalty: jax.Array  # [B] float32
     seed: jax.Array  # [B, 2] uint32: the seed's high and low 32 bits (of its value modulo 2^64)
     seeded: jax.Array  # [B] bool
+    min_tokens: jax.Array  # [B] int32: the stop ids are masked while fewer tokens were emitted
+    stop_ids: jax.Array  # [B, S] int32: ids that end the row (EOS unless ignored, stop_token_ids), -1-padded
 
     @classmethod
-    def stack(cls, samplings: Iterable[Sampling], mode: SamplingMode | None = None) -> SamplingParams:
-        """The rows' settings, in order; with `mode`, a ValueError names any row it does not cover."""
+    def stack(cls, samplings: Iterable[Sampling], mode: SamplingMode | None = None, eos_ids: Iterable[int] = (),
+              stop_width: int | None = None, seeds: Iterable[int | None] | None = None) -> SamplingParams:
+        """The rows' settings, in order; with `mode`, a ValueError names any row it does not cover.
+
+        Args:
+            eos_ids: the model's EOS ids, which end every row that does not ignore EOS.
+            stop_width: S, the stop ids' width (static in a compiled program); default the widest row's.
+            seeds: each row's seed, in place of its `Sampling.seed` (`Sampling.sample_seed` for n > 1).
+        """
         samplings = list(samplings)
         if not samplings:
             raise ValueError("SamplingParams.stack needs at least one row")
@@ -170,9 +231,18 @@ class SamplingParams:
             uncovered = [i for i, s in enumerate(samplings) if not mode.covers(s)]
             if uncovered:
                 raise ValueError(f"rows {uncovered} ask for more than {mode}: first {samplings[uncovered[0]]}")
+        eos_ids = tuple(eos_ids)
+        stops = [s.stop_ids(eos_ids) for s in samplings]
+        width = max(map(len, stops)) if stop_width is None else stop_width
+        if any(len(ids) > width for ids in stops):
+            raise ValueError(f"a row has {max(map(len, stops))} stop and EOS ids; at most {width} fit")
         column = lambda values, dtype: jnp.asarray(np.array(list(values), dtype))
         sampled = lambda name, off: (off if s.greedy else getattr(s, name) for s in samplings)
-        seeds = [(s.seed or 0) % 2 ** 64 for s in samplings]
+        row_seeds = [s.seed for s in samplings] if seeds is None else list(seeds)
+        seeds = [(seed or 0) % 2 ** 64 for seed in row_seeds]
+        stop_table = np.full((len(samplings), width), -1, np.int32)
+        for row, ids in enumerate(stops):
+            stop_table[row, :len(ids)] = ids
         return cls(
             temperature=column((s.temperature for s in samplings), np.float32),
             top_p=column(sampled("top_p", 1.0), np.float32),
@@ -182,8 +252,20 @@ class SamplingParams:
             presence_penalty=column((s.presence_penalty for s in samplings), np.float32),
             frequency_penalty=column((s.frequency_penalty for s in samplings), np.float32),
             seed=column(([seed >> 32, seed & 0xFFFFFFFF] for seed in seeds), np.uint32).reshape(-1, 2),
-            seeded=column((s.seed is not None for s in samplings), bool),
+            seeded=column((seed is not None for seed in row_seeds), bool),
+            min_tokens=column((s.min_tokens for s in samplings), np.int32),
+            stop_ids=jnp.asarray(stop_table),
         )
+
+    @classmethod
+    def neutral(cls, batch: int, stop_width: int = 0) -> SamplingParams:
+        """Greedy rows that change nothing and stop at no id, built with jnp (so inside a program too):
+        idle decode slots hold these (zeros would divide by a repetition penalty of 0)."""
+        zeros, ones = jnp.zeros((batch,), jnp.float32), jnp.ones((batch,), jnp.float32)
+        return cls(temperature=zeros, top_p=ones, top_k=jnp.zeros((batch,), jnp.int32), min_p=zeros,
+                   repetition_penalty=ones, presence_penalty=zeros, frequency_penalty=zeros,
+                   seed=jnp.zeros((batch, 2), jnp.uint32), seeded=jnp.zeros((batch,), bool),
+                   min_tokens=jnp.zeros((batch,), jnp.int32), stop_ids=jnp.full((batch, stop_width), -1, jnp.int32))
 
     @property
     def greedy(self) -> jax.Array:

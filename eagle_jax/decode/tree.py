@@ -27,7 +27,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from eagle_jax.decode import sampling as sampling_lib
 
 
 def check(topk, num_steps, num_draft_tokens, names=("topk", "num_steps", "num_draft_tokens")) -> str | None:
@@ -85,14 +84,6 @@ class Tree:
     depths: jax.Array  # [B, N+1] int32; the root's is 0
     ancestors: jax.Array  # [B, N+1, N+1] bool: [b, i, j] iff node j is node i or one of its ancestors
     scores: jax.Array  # [B, N+1] float32 cumulative draft log-probabilities; the root's is 0
-
-
-def log_probabilities(logits: jax.Array, sampling: sampling_lib.Sampling) -> jax.Array:
-    """Draft log-probabilities [..., V] that rank candidates: of the distribution the sampling
-    settings give (temperature, top-p), or of the plain softmax when greedy."""
-    if sampling.greedy:
-        return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return jnp.log(sampling_lib.probabilities(logits, sampling))
 
 
 # XLA's GPU top-k kernel runs one block of threads per row: a frontier's K rows of a 16 k draft
@@ -171,6 +162,17 @@ def select(pool_tokens: jax.Array, pool_scores: jax.Array, pool_parents: jax.Arr
     scores = jnp.concatenate([jnp.zeros((batch, 1)), jnp.take_along_axis(pool_scores, chosen, axis=1)], axis=1)
     return Tree(tokens=tokens.astype(jnp.int32), parents=parents, depths=depths,
                 ancestors=ancestor_matrix(parents, opts.num_steps), scores=scores.astype(jnp.float32))
+
+
+def path_tokens(tree: Tree, max_depth: int) -> jax.Array:
+    """[B, N+1, D] int32: row i lists the drafts on the path to node i, by depth (node i's own token
+    last), -1-padded (`processors.NO_TOKEN`): the tokens emitted before the one that follows node i,
+    as the penalties of that node's target distribution count them. The root's row is empty."""
+    batch, size = tree.tokens.shape
+    columns = jnp.where(tree.ancestors & (tree.depths[:, None, :] > 0), tree.depths[:, None, :] - 1, max_depth)
+    rows, nodes = jnp.arange(batch)[:, None, None], jnp.arange(size)[None, :, None]
+    return jnp.full((batch, size, max_depth), -1, jnp.int32).at[rows, nodes, columns].set(
+        jnp.broadcast_to(tree.tokens[:, None, :], columns.shape), mode="drop")
 
 
 def accept(tree: Tree, choices: jax.Array, max_depth: int) -> tuple[jax.Array, jax.Array, jax.Array]:

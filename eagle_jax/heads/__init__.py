@@ -67,7 +67,17 @@ def draft_plan(model: str | None, draft: str | None, method: str | None, k: int 
     Asking for nothing picks the shipped head with its measured best k for this batch size,
     except where plain decoding measured faster; asking for a head (--draft, --method) or a k
     always speculates.
+
+    Raises:
+        ValueError: speculation asked (--method, a k > 0) for a model with no shipped head and
+            no --draft: decoding plainly instead would ignore what was asked.
     """
+    asked = [flag for flag, given in ((f"--method {method}", method is not None and k != 0),
+                                      (f"{k} drafts per step", bool(k))) if given]
+    if model is not None and draft is None and asked:
+        raise ValueError(f"speculation ({', '.join(asked)}) needs a draft head for --model {model}, and the shipped "
+                         "heads fit the default model only: pass --draft with an EAGLE head trained for this model "
+                         "(a directory or a hub id), or drop the speculation flags to decode without drafts")
     path, chosen = choose_draft(model, draft, method)
     if path is None:
         return None, "none", 0, None

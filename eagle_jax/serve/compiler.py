@@ -24,6 +24,7 @@ from eagle_jax.serve import config as config_lib
 from eagle_jax.serve import inputs
 from eagle_jax.serve import programs as programs_lib
 from eagle_jax.serve import sharding as sharding_lib
+from eagle_jax.decode import state as state_lib
 
 
 class Compiler:
@@ -37,7 +38,7 @@ class Compiler:
     """
 
     def __init__(self, target: llama.Llama, head, config: config_lib.EngineConfig, max_length: int,
-                 options: Callable[..., speculative.Options]):
+                 options: Callable[..., state_lib.Options]):
         self.config, self.max_length, self.options = config, max_length, options
         self.model_config = target.config
         self.head_config = head.config if head is not None else None
@@ -54,23 +55,26 @@ class Compiler:
         self.compiled: dict = {}
         self.compile_seconds = 0.0
 
-    def slot_programs(self, sampling: sampling_lib.Sampling, eos_ids: tuple[int, ...],
+    def slot_programs(self, sampling_mode: sampling_lib.SamplingMode = sampling_lib.SamplingMode(),
                       steps_per_call: int | None = None) -> programs_lib.SlotPrograms:
-        """Compiles (once per engine and settings) the continuous scheduler's prefill, insert and run.
+        """Compiles (once per engine and sampling mode) the continuous scheduler's prefill, insert and run.
 
         Shapes depend on the engine alone: prefills of all batch_size slots at once in
         power-of-two widths w up to max_length // 2, each with caches of w slots (all that a
         prefill writes), one insert per width writing those w slots into the slots' caches of
         max_length, an output buffer for the largest budget, and one run program per attention
-        length (`_run_programs`); all compiled here, so none compiles mid-run.
+        length (`_run_programs`); all compiled here, so none compiles mid-run. Each row's
+        settings and stop ids are data (`sampling.SamplingParams`, `sampling.STOP_WIDTH` ids a
+        row), written at its prefill: any mix of requests that `sampling_mode` covers runs on them.
         """
         steps_per_call = steps_per_call or self.config.steps_per_call
-        opts = self.options(sampling=sampling, eos_ids=eos_ids, max_new_tokens=self.max_length - self.headroom - 1,
+        opts = self.options(sampling_mode=sampling_mode, max_new_tokens=self.max_length - self.headroom - 1,
                             cache_length=self.max_length)
         compile_before = self.compile_seconds
         params, rows = (self.target_params, self.head_params), self.config.batch_size
+        neutral = jax.device_get(sampling_lib.SamplingParams.neutral(rows, sampling_lib.STOP_WIDTH))
         row_args = lambda w: params + (np.zeros((rows, w), np.int32), np.ones((rows,), np.int32),
-                                       np.ones((rows,), np.int32), jax.random.key(0))
+                                       np.ones((rows,), np.int32), neutral, jax.random.key(0))
         width = self.max_length // 2
         widths = sorted({inputs.bucket_length(length, width) for length in range(1, width + 1)})
         row_opts = {w: opts.replace(cache_length=w) for w in widths}  # `speculative.start` writes slots [0, w)
@@ -98,12 +102,14 @@ class Compiler:
             batch_size=rows, widths=tuple(widths), attend_lengths=tuple(runs), steps_per_call=steps_per_call,
             compile_seconds=self.compile_seconds - compile_before, opts=opts)
 
-    def batch_programs(self, prompts: Sequence[np.ndarray], rng: jax.Array, opts: speculative.Options,
-                       steps_per_call: int | None = None) -> programs_lib.BatchPrograms:
+    def batch_programs(self, prompts: Sequence[np.ndarray], rng: jax.Array, opts: state_lib.Options,
+                       steps_per_call: int | None = None,
+                       params: sampling_lib.SamplingParams | None = None) -> programs_lib.BatchPrograms:
         """Compiles (once) the prefill and step programs for one batch of validated int32 prompts.
 
         `opts.cache_length` must already be set. Profiling uses this to run the exact programs
-        that `generate` runs.
+        that `generate` runs. `params`: the batch_size rows' settings and stop ids
+        (`sampling.STOP_WIDTH` wide); None: greedy rows that stop at their budget only.
         """
         steps_per_call = steps_per_call or self.config.steps_per_call
         longest, rows = max(len(p) for p in prompts), self.config.batch_size
@@ -117,7 +123,9 @@ class Compiler:
         lengths = np.ones((rows,), np.int32)  # idle padding rows hold one token
         for row, prompt in enumerate(prompts):
             tokens[row, :len(prompt)], lengths[row] = prompt, len(prompt)
-        args = (self.target_params, self.head_params, jnp.asarray(tokens), jnp.asarray(lengths), rng)
+        if params is None:
+            params = sampling_lib.SamplingParams.neutral(rows, sampling_lib.STOP_WIDTH)
+        args = (self.target_params, self.head_params, jnp.asarray(tokens), jnp.asarray(lengths), rng, params)
         compile_before = self.compile_seconds
         start = self._program("start", self._start, args, dict(opts=opts), width)
         # The step programs serve every prefill width, lowered for the state `start` returns.
@@ -127,7 +135,7 @@ class Compiler:
                                           idle=np.arange(rows) >= len(prompts), steps_per_call=steps_per_call,
                                           compile_seconds=self.compile_seconds - compile_before, opts=opts)
 
-    def _run_programs(self, name: str, state_shape, steps_per_call: int, opts: speculative.Options,
+    def _run_programs(self, name: str, state_shape, steps_per_call: int, opts: state_lib.Options,
                       extra_args: tuple = (), **static) -> dict[int, Callable]:
         """The device loop compiled for a quarter, half and all of the cache as attention's reach
         (`Options.attend_length`), keyed by that length, ascending.
@@ -181,12 +189,13 @@ class Compiler:
     def _state_shape(self, shape):
         return sharding_lib.abstract_state(shape, self.model_config, self.mesh)
 
-    def _start(self, target_params, head_params, tokens, lengths, rng, opts):
-        return self._place(speculative.start(*self._modules(target_params, head_params), tokens, lengths, rng, opts))
-
-    def _start_rows(self, target_params, head_params, tokens, lengths, budgets, rng, opts):
+    def _start(self, target_params, head_params, tokens, lengths, rng, params, opts):
         target, head = self._modules(target_params, head_params)
-        return self._place(speculative.start(target, head, tokens, lengths, rng, opts, budgets))
+        return self._place(speculative.start(target, head, tokens, lengths, rng, opts, params=params))
+
+    def _start_rows(self, target_params, head_params, tokens, lengths, budgets, params, rng, opts):
+        target, head = self._modules(target_params, head_params)
+        return self._place(speculative.start(target, head, tokens, lengths, rng, opts, budgets, params))
 
     def _run(self, target_params, head_params, state, min_finished=1, *, num_steps, opts, stop_on_finish=False):
         target, head = self._modules(target_params, head_params)

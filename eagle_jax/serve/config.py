@@ -12,6 +12,7 @@ import dataclasses
 import numbers
 from typing import Literal
 
+from eagle_jax.decode import sampling as sampling_lib
 from eagle_jax.decode import tree as tree_lib
 from eagle_jax.kernels import decode_attention
 from eagle_jax.model import layers
@@ -63,7 +64,13 @@ class EngineConfig:
             (`decode_attention.Tiling`); needs decode_kernels "pallas" (or "auto"). None: the
             kernel's own choice for the batch.
         unroll_draft: write the draft loop out in the step program instead of looping on the
-            device (`speculative.Options.unroll_draft`).
+            device (`decode.state.Options.unroll_draft`).
+        sampling_mode: what every program may sample with (`sampling.SamplingMode`: which
+            processors it traces). None: each `generate` call compiles (once per mode) the
+            smallest mode that covers its requests, so greedy calls keep the plain argmax
+            program; a fixed mode (a server's, say `SamplingMode(sample=True, penalties=True,
+            top_k=64, min_p=True, min_tokens=True, logprobs=5)`) serves every request it covers
+            with the same programs, whatever the mix, and refuses the others.
         tensor_parallel_size: devices the target is split over, Megatron-style (`sharding`).
         draft_tensor_parallel_size: 1 keeps the head whole on every device; the tensor
             parallel size splits its MLPs and draft vocabulary too.
@@ -85,6 +92,7 @@ class EngineConfig:
     decode_kernels: Literal["auto", "xla", "pallas", "pallas_linear"] = "auto"
     attention_tiling: decode_attention.Tiling | None = None
     unroll_draft: bool = False
+    sampling_mode: sampling_lib.SamplingMode | None = None
     tensor_parallel_size: int = 1
     draft_tensor_parallel_size: int = 1
     fixed_shapes: bool = False
@@ -105,6 +113,8 @@ class EngineConfig:
             raise InputError("num_speculative_tokens (a chain) and tree exclude each other")
         if self.tree is not None and not isinstance(self.tree, tree_lib.TreeOptions):
             raise InputError(f"tree must be a tree.TreeOptions, got {self.tree!r}")
+        if self.sampling_mode is not None and not isinstance(self.sampling_mode, sampling_lib.SamplingMode):
+            raise InputError(f"sampling_mode must be a sampling.SamplingMode or None, got {self.sampling_mode!r}")
         if self.scheduler not in SCHEDULERS:
             raise InputError(f"scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}")
         if self.decode_kernels not in DECODE_KERNELS:
@@ -139,6 +149,21 @@ class EngineConfig:
     def resolved_refill_at(self) -> int:
         """`refill_at`, or a quarter of the slots (at least 1), capped at batch_size."""
         return min(self.refill_at or max(1, self.batch_size // 4), self.batch_size)
+
+    def mode_for(self, samplings) -> sampling_lib.SamplingMode:
+        """The sampling mode of a call with these requests: the fixed one, or the smallest covering them.
+
+        Raises:
+            InputError: a request the fixed mode does not cover, naming what it asks.
+        """
+        samplings = list(samplings)
+        if self.sampling_mode is None:
+            return sampling_lib.SamplingMode.of(samplings)
+        for index, sampling in enumerate(samplings):
+            if not self.sampling_mode.covers(sampling):
+                raise InputError(f"request {index} asks for {sampling}, more than this engine's sampling_mode "
+                                 f"{self.sampling_mode} covers")
+        return self.sampling_mode
 
     def kernels(self, backend: str) -> layers.Kernels:
         """The kernels the programs run on `backend` ("auto" resolved).

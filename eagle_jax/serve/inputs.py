@@ -10,6 +10,7 @@ from typing import Sequence
 
 import numpy as np
 
+from eagle_jax.decode import sampling as sampling_lib
 from eagle_jax.serve import config as config_lib
 
 MIN_BUCKET = 16
@@ -96,3 +97,36 @@ def pad_rows(prompts: Sequence[np.ndarray], rows: Sequence[int], batch_size: int
         tokens[row, :len(prompt)] = prompt
         lengths[row] = len(prompt)
     return tokens, lengths
+
+
+def samplings(sampling, num_prompts: int, vocab_size: int, tokenizer=None) -> list[sampling_lib.Sampling]:
+    """One `Sampling` for every prompt, or one each, checked against the vocabulary and the tokenizer.
+
+    Raises:
+        config.InputError: a count that does not match the prompts, something not a `Sampling`, a
+            stop token id outside the vocabulary, or stop strings without a tokenizer to find them.
+    """
+    if isinstance(sampling, sampling_lib.Sampling):
+        values = [sampling] * num_prompts
+    else:
+        values = list(sampling)
+        if len(values) != num_prompts:
+            raise config_lib.InputError(f"{len(values)} sampling settings for {num_prompts} prompts")
+    for index, value in enumerate(values):
+        if not isinstance(value, sampling_lib.Sampling):
+            raise config_lib.InputError(f"sampling {index} must be a sampling.Sampling, got {value!r:.80}")
+        bad = [i for i in value.stop_token_ids if i >= vocab_size]
+        if bad:
+            raise config_lib.InputError(f"sampling {index}: stop token id {bad[0]} is outside the vocabulary "
+                                        f"[0, {vocab_size})")
+        if value.stop and tokenizer is None:
+            raise config_lib.InputError(f"sampling {index} has stop strings: pass the tokenizer that finds them")
+    return values
+
+
+def eos_ids(ids) -> tuple[int, ...]:
+    """The EOS ids as a tuple, at most `sampling.MAX_EOS_IDS` (they share each row's stop-id array)."""
+    ids = tuple(int(i) for i in ids)
+    if len(ids) > sampling_lib.MAX_EOS_IDS:
+        raise config_lib.InputError(f"at most {sampling_lib.MAX_EOS_IDS} EOS ids, got {len(ids)}")
+    return ids

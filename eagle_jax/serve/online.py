@@ -190,7 +190,7 @@ class OnlineEngine:
     def compile(self) -> None:
         """Compiles every program the server runs (an error is kept in `error`); requests may queue from now on."""
         try:
-            programs = self.engine.slot_programs(self.sampling, ())
+            programs = self.engine.slot_programs(sampling_lib.SamplingMode.of([self.sampling]))
         except BaseException as error:
             self.error = error
             raise
@@ -229,7 +229,7 @@ class OnlineEngine:
                 arrivals, self._inbox = list(self._inbox), collections.deque()
                 cancels, self._cancelled = list(self._cancelled), collections.deque()
             for handle in arrivals:
-                handle.request_id = loop.add(handle.prompt_ids, handle.budget)
+                handle.request_id = loop.add(handle.prompt_ids, handle.budget, self.sampling)
                 self._handles[handle.request_id] = handle
                 self.metrics.prompt_tokens.inc(handle.prompt_tokens)
             for handle in cancels:

@@ -14,15 +14,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle_jax.decode import speculative
+from eagle_jax.decode import sampling as sampling_lib
+from eagle_jax.decode import state as state_lib
 
 
-def insert(state: speculative.DecodeState, rows: speculative.DecodeState, take: jax.Array) -> speculative.DecodeState:
+def insert(state: state_lib.DecodeState, rows: state_lib.DecodeState, take: jax.Array) -> state_lib.DecodeState:
     """Slot b of `state` becomes row b of `rows` where `take[b]` ([B] bool), and stays elsewhere.
 
     Every leaf but `rng` has batch as axis 0 (the caches' per-layer keys and values and their
-    lengths, the per-row counters, outputs, budgets and pending draft pairs), so one tree map
-    covers them all. `rng` is one key for the whole batch: the big state's is kept.
+    lengths, the per-row counters, outputs, budgets, sampling settings, token counts, logprobs and
+    pending draft pairs), so one tree map covers them all. `rng` is one key for the whole batch: the big state's is kept.
 
     A leaf of `rows` may be shorter than the state's along other axes (the prefill's caches,
     `KVCache` [B, w, K, H], against the slots' [B, S, K, H]): only that leading block is written;
@@ -42,7 +43,7 @@ def insert(state: speculative.DecodeState, rows: speculative.DecodeState, take: 
     return merged.replace(rng=state.rng)
 
 
-def slot_shape(row_shape: speculative.DecodeState, cache_length: int) -> speculative.DecodeState:
+def slot_shape(row_shape: state_lib.DecodeState, cache_length: int) -> state_lib.DecodeState:
     """The prefill's output shapes (ShapeDtypeStructs) with caches `cache_length` slots long.
 
     The caches' keys and values ([B, S, K, H], target and head) are the only leaves whose shape
@@ -57,15 +58,18 @@ def slot_shape(row_shape: speculative.DecodeState, cache_length: int) -> specula
     return row_shape.replace(cache=lengthen(row_shape.cache), draft_cache=lengthen(row_shape.draft_cache))
 
 
-def empty_state(shape: speculative.DecodeState, rng: jax.Array) -> speculative.DecodeState:
+def empty_state(shape: state_lib.DecodeState, rng: jax.Array) -> state_lib.DecodeState:
     """Idle slots of `shape` (ShapeDtypeStructs, `slot_shape`), built where it is traced: inside a
     program, on the device, so no state-sized buffer crosses from the host.
 
     Idle rows are `done`, so steps leave them as they are; `pending_count` is 1 so an idle row's
-    draft reads a real pending slot.
+    draft reads a real pending slot; their sampling settings are neutral (greedy, penalties of 1),
+    so that the processors compute nothing undefined on them.
     """
     state = jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), shape.replace(rng=None))
-    state = state.replace(done=jnp.ones(state.done.shape, bool))
+    batch, stop_width = shape.params.stop_ids.shape
+    state = state.replace(done=jnp.ones(state.done.shape, bool),
+                          params=sampling_lib.SamplingParams.neutral(batch, stop_width))
     if state.pending_count is not None:
         state = state.replace(pending_count=jnp.ones(state.pending_count.shape, jnp.int32))
     return state.replace(rng=rng)
@@ -79,20 +83,20 @@ class BatchPrograms:
     # runs[attend_length](target_params, head_params, state) -> state after up to steps_per_call
     # steps, attention reading cache slots below attend_length (ascending keys; the last is the cache)
     runs: dict[int, Callable]
-    start_args: tuple  # (target_params, head_params, tokens [B, W], lengths [B], rng)
+    start_args: tuple  # (target_params, head_params, tokens [B, W], lengths [B], rng, sampling params)
     prompt_lengths: np.ndarray  # [B] host copy of start_args' lengths
     idle: np.ndarray  # [B] bool: padding rows, marked done after prefill
     steps_per_call: int
     compile_seconds: float
-    opts: speculative.Options  # what the programs were compiled for
+    opts: state_lib.Options  # what the programs were compiled for
 
-    def prefill(self) -> speculative.DecodeState:
+    def prefill(self) -> state_lib.DecodeState:
         state = self.start(*self.start_args)
         if self.idle.any():
             state = state.replace(done=jnp.asarray(np.asarray(state.done) | self.idle))
         return state
 
-    def step(self, state: speculative.DecodeState, attend_length: int | None = None) -> speculative.DecodeState:
+    def step(self, state: state_lib.DecodeState, attend_length: int | None = None) -> state_lib.DecodeState:
         """Up to steps_per_call steps; `state` is donated. attend_length: a key of `runs` (None: the whole cache)."""
         run = self.runs[max(self.runs) if attend_length is None else attend_length]
         return run(self.start_args[0], self.start_args[1], state)
@@ -102,8 +106,8 @@ class BatchPrograms:
 class SlotPrograms:
     """The compiled programs of one slot layout (see `Engine.slot_programs`)."""
 
-    # prefill(tokens [B, w], lengths [B], budgets [B], rng) -> a B-row DecodeState whose caches
-    # are w slots long, w in widths
+    # prefill(tokens [B, w], lengths [B], budgets [B], params (`sampling.SamplingParams`), rng) ->
+    # a B-row DecodeState whose caches are w slots long, w in widths
     prefill: Callable
     # insert(state, rows, take [B] bool) -> state, `rows` a prefill's output (any width); `state`
     # is donated
@@ -118,10 +122,10 @@ class SlotPrograms:
     attend_lengths: tuple[int, ...]  # ascending; the last is the whole cache
     steps_per_call: int
     compile_seconds: float
-    opts: speculative.Options  # what the programs were compiled for
+    opts: state_lib.Options  # what the programs were compiled for
 
 
-def module_name(program: str, opts: speculative.Options | None, head_config) -> str:
+def module_name(program: str, opts: state_lib.Options | None, head_config) -> str:
     """The name a compiled program's module (and persistent cache entry) carries: what it runs."""
     if opts is None:
         return program

@@ -21,12 +21,20 @@ class Result:
     token_ids: list[int]
     seconds: float  # static: its batch's wall time; continuous: from its prefill to its harvest
     compile_seconds: float  # compilation the call that produced it ran (0 when all were compiled before)
-    stats: dict  # acceptance counters (`speculative.stats`)
+    stats: dict  # acceptance counters (`decode.state.stats`)
     first_token_seconds: float
     finish_seconds: float
     # What the host loop that produced it asked of the device (`scheduler.CallCounts.as_dict()`),
     # shared by the prompts of one continuous call or one static batch.
     calls: dict = dataclasses.field(default_factory=dict)
+    # "stop": a stop id (EOS, a stop token id) or a stop string ended it; "length": its budget did
+    # (vLLM's and OpenAI's finish_reason; "abort" for a request cancelled in flight).
+    finish_reason: str = "length"
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it; None for EOS
+    # Per token, when its Sampling asked for logprobs: {"token_id", "logprob", "rank", "top_logprobs":
+    # [{"token_id", "logprob"}, ...]}, plus "token" and "bytes" (OpenAI's fields) given a tokenizer.
+    logprobs: list[dict] | None = None
+    text: str | None = None  # the decoded output, cut before a stop string (given a tokenizer)
 
     @property
     def num_tokens(self) -> int:

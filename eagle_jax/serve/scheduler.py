@@ -1,8 +1,6 @@
-"""Batching on the host: static batches, or continuous batching over fixed decode slots.
+"""Continuous batching on the host over fixed decode slots (static batches: `static_batch`).
 
-Static (`generate_static`): one batch decodes until its longest row finishes.
-
-Continuous (`SlotLoop`, `generate`): rows refill from a queue as they finish, after JetStream's
+`SlotLoop` and `generate`: rows refill from a queue as they finish, after JetStream's
 prefill / insert / generate split. The device holds one `DecodeState` of
 `batch_size` rows (slots) with one cache length, so no program recompiles across prompts:
 
@@ -18,8 +16,12 @@ prefill / insert / generate split. The device holds one `DecodeState` of
 `SlotLoop` is that loop as a stepping object (requests added and cancelled between rounds,
 one round per `step`), for a server's device-loop thread; `generate` runs it over a list of
 prompts. Each round is one sync and three device calls, however many slots it refills.
-The engine compiles the programs (`programs`, `Engine.batch_programs`, `Engine.slot_programs`);
-this module owns the host loops.
+
+Every request brings its own `Sampling`: its row's settings and stop ids are written at its
+prefill (`sampling.SamplingParams`), so one set of programs serves any mix the programs'
+sampling mode covers; the host finds stop strings and shapes logprobs (`outputs.RowOutput`).
+The engine compiles the programs (`programs`, `Engine.slot_programs`); this module owns the
+host loop, `device_calls` what it does around each call.
 """
 
 from __future__ import annotations
@@ -32,57 +34,24 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
-from eagle_jax.decode import speculative
+from eagle_jax.decode import sampling as sampling_lib
+from eagle_jax.decode import state as state_lib
+from eagle_jax.serve import config as config_lib
+from eagle_jax.serve import device_calls
+from eagle_jax.serve import outputs as outputs_lib
 from eagle_jax.serve import programs as programs_lib
 from eagle_jax.serve import result as result_lib
 
 
-@dataclasses.dataclass
-class CallCounts:
-    """What one host loop asked of the device: to attribute time between device and host.
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """A queued request: one row (one sample of a prompt)."""
 
-    `sync_seconds` is the host's wall time blocked fetching results (it waits there for the
-    device's queued work); `host_seconds` is the rest of the loop's wall time (inputs, dispatch,
-    harvesting, streaming). On an asynchronous device the two add up to the loop's wall time.
-    `run_seconds` and `prefill_seconds` are the parts of `host_seconds` spent inside run calls and
-    inside prefill and insert calls: dispatch alone where the device runs asynchronously, the
-    whole device loop where a call returns only when its loop has ended (XLA:GPU's data-dependent
-    `while_loop`), so that `run_seconds / run_steps` is then the time a step costs.
-    """
-
-    run_calls: int = 0
-    # Device-loop iterations over all run calls (each call: its longest-running row's steps; with
-    # steps_per_check > 1, the idle steps up to a call's exit test are not counted).
-    run_steps: int = 0
-    prefill_calls: int = 0
-    insert_calls: int = 0
-    syncs: int = 0  # device-to-host fetches that wait for the device
-    sync_seconds: float = 0.0
-    host_seconds: float = 0.0
-    run_seconds: float = 0.0
-    prefill_seconds: float = 0.0
-
-    @property
-    def device_calls(self) -> int:
-        return self.run_calls + self.prefill_calls + self.insert_calls
-
-    def as_dict(self) -> dict:
-        return dict(dataclasses.asdict(self), device_calls=self.device_calls)
-
-    def timed(self, seconds: str, call: Callable, *args):
-        """`call(*args)`, its wall time added to the field `seconds` ("run_seconds" or "prefill_seconds")."""
-        began = time.perf_counter()
-        result = call(*args)
-        setattr(self, seconds, getattr(self, seconds) + time.perf_counter() - began)
-        return result
-
-    def fetch(self, arrays):
-        """`jax.device_get(arrays)`, counted as a sync."""
-        began = time.perf_counter()
-        fetched = jax.device_get(arrays)
-        self.syncs += 1
-        self.sync_seconds += time.perf_counter() - began
-        return fetched
+    request_id: int
+    prompt: np.ndarray  # int32 ids
+    budget: int  # its max_new_tokens
+    sampling: sampling_lib.Sampling
+    seed: int | None  # its row's seed (`Sampling.sample_seed`), None: unseeded
 
 
 @dataclasses.dataclass
@@ -93,19 +62,21 @@ class Slot:
     prompt_length: int
     budget: int  # its max_new_tokens
     prefilled: float  # `time.perf_counter()` at its prefill
+    output: outputs_lib.RowOutput  # its tokens so far, stop strings, logprobs, finish reason
     generated: int = 1  # tokens so far (prefill emits one)
-    shown: int = 0  # tokens already returned in events
     first_token_seconds: float | None = None  # from `began`, at the first sync after its prefill
     cancelled: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class Event:
-    """What one round brought a request: its new token ids, and its `Result` once finished."""
+    """What one round brought a request: its new token ids (and their logprob entries, when it asked
+    for them), and its `Result` once finished."""
 
     request_id: int
     token_ids: list[int]
     result: result_lib.Result | None = None
+    logprobs: list = dataclasses.field(default_factory=list)
 
 
 class SlotLoop:
@@ -119,37 +90,50 @@ class SlotLoop:
             not depend on them).
         refill_at: how many rows must finish before a run call returns (1 to batch_size).
         began: `time.perf_counter()` that every request's times count from; default now.
+        eos_ids: the model's EOS ids; a request ends at them unless it ignores EOS (none: no row
+            ends at EOS on the device; a server may watch for them on the host instead).
+        tokenizer: decodes each request's text and finds its stop strings (`outputs.RowOutput`).
     """
 
     def __init__(self, programs: programs_lib.SlotPrograms, rng: jax.Array, refill_at: int = 1,
-                 began: float | None = None):
+                 began: float | None = None, eos_ids: tuple[int, ...] = (), tokenizer=None):
         self.programs = programs
         self.refill_at = refill_at
         self.began = time.perf_counter() if began is None else began
-        self.calls = CallCounts()
+        self.eos_ids, self.tokenizer = tuple(eos_ids), tokenizer
+        self.calls = device_calls.CallCounts()
         state_rng, self._prefill_rng = jax.random.split(rng)
         self._state = programs.empty(state_rng)
-        self._queue: collections.deque = collections.deque()  # (request id, prompt, budget)
+        self._queue: collections.deque[Request] = collections.deque()
         self._slots: list[Slot | None] = [None] * programs.batch_size
         self._next_id = 0
         self._steps = np.zeros(programs.batch_size, np.int64)  # each row's num_steps as of the last fetch
         self._host = None  # the last fetched state (no caches): cancelled rows' results are read from it
+        self._to_stop: set[int] = set()  # rows the host ended since the last fetch: done on the device next round
 
-    def add(self, prompt_ids: np.ndarray, budget: int) -> int:
-        """Queues an int32 prompt (at most `programs.widths[-1]` tokens) with its max_new_tokens; returns its id."""
+    def add(self, prompt_ids: np.ndarray, budget: int, sampling: sampling_lib.Sampling = sampling_lib.Sampling(),
+            sample: int = 0) -> int:
+        """Queues an int32 prompt (at most `programs.widths[-1]` tokens) with its max_new_tokens and
+        settings (`sample`: which of its n samples this row is, for its seed); returns its id.
+
+        Raises:
+            config.InputError: settings the programs' sampling mode does not cover.
+        """
+        mode = self.programs.opts.sampling_mode
+        if not mode.covers(sampling):
+            raise config_lib.InputError(f"{sampling} asks for more than these programs' sampling mode {mode} covers")
         request_id = self._next_id
         self._next_id += 1
-        self._queue.append((request_id, prompt_ids, int(budget)))
+        self._queue.append(Request(request_id, prompt_ids, int(budget), sampling, sampling.sample_seed(sample)))
         return request_id
 
     def cancel(self, request_id: int) -> None:
-        """Drops a queued request, or frees an active one's slot at the next round, where its row
-        is marked done on the device: it takes no more steps, whether or not the slot is refilled.
+        """Drops a queued request, or frees an active one's slot at the next round.
 
         An active request's `Result` (its tokens and acceptance counters as of the last round) comes
         in the next `step`'s events, so that its drafts are still counted; a queued one has none.
         """
-        self._queue = collections.deque(entry for entry in self._queue if entry[0] != request_id)
+        self._queue = collections.deque(entry for entry in self._queue if entry.request_id != request_id)
         for slot in self._slots:
             if slot is not None and slot.request_id == request_id:
                 slot.cancelled = True
@@ -176,6 +160,9 @@ class SlotLoop:
             An event for each request with new tokens or finished in this round.
         """
         events = self._harvest_cancelled()
+        if self._to_stop:
+            self._state = device_calls.stop_rows(self._state, self._host.done, self._to_stop)
+            self._to_stop.clear()
         self._refill()
         if all(slot is None for slot in self._slots):
             return events
@@ -183,59 +170,53 @@ class SlotLoop:
         running = [(slot.prompt_length, slot.budget, slot.generated) for slot in self._slots if slot is not None]
         # Leave the device loop to refill only when slots can be refilled, and as a batch.
         wait_for = min(self.refill_at, len(self._queue)) if self._queue else programs.batch_size + 1
-        length = attend_length(programs.attend_lengths, programs.opts, programs.steps_per_call, running)
+        length = device_calls.attend_length(programs.attend_lengths, programs.opts, programs.steps_per_call, running)
         self._state = calls.timed("run_seconds", programs.run, self._state, length, np.int32(wait_for))
         calls.run_calls += 1
-        # One fetch: tokens, cursors and the acceptance counters (stats), not the caches.
-        host = calls.fetch(self._state.replace(cache=None, draft_cache=None, pending_tokens=None,
-                                               pending_features=None, pending_count=None, next_token=None, rng=None))
+        # One fetch: tokens, cursors, logprobs and the acceptance counters (stats), not the caches.
+        host = calls.fetch(device_calls.host_view(self._state))
         calls.run_steps += int(np.max(host.num_steps - self._steps))
         self._steps = np.array(host.num_steps, np.int64)
         self._host = host
         now = time.perf_counter()
-        stats = speculative.stats(host, programs.opts) if np.any(host.done) else None
+        stats = None  # computed once, when a row finishes
         for row, slot in enumerate(self._slots):
             if slot is None:
                 continue
             if slot.first_token_seconds is None:  # prefill emitted it
                 slot.first_token_seconds = now - self.began
-            count = int(host.num_generated[row])
-            new, slot.shown, slot.generated = host.output[row, slot.shown:count].tolist(), count, count
-            result = None
-            if host.done[row]:
-                result = result_lib.Result(
-                    token_ids=host.output[row, :count].tolist(), seconds=now - slot.prefilled,
-                    compile_seconds=programs.compile_seconds, stats=stats[row],
-                    first_token_seconds=slot.first_token_seconds, finish_seconds=now - self.began)
+            slot.generated = int(host.num_generated[row])
+            new, logprobs = slot.output.take(host.output[row], slot.generated,
+                                             outputs_lib.row_logprobs(host.logprobs, row))
+            finished = None
+            if host.done[row] or slot.output.finished:
+                if not host.done[row]:  # a stop string: the device row stops at the next round
+                    self._to_stop.add(row)
+                stats = state_lib.stats(host, programs.opts) if stats is None else stats
+                finished = device_calls.result(slot.output, stats[row], now - slot.prefilled, programs.compile_seconds,
+                                  slot.first_token_seconds, now - self.began)
                 self._slots[row] = None
-            if new or result is not None:
-                events.append(Event(slot.request_id, new, result))
+            if new or finished is not None:
+                events.append(Event(slot.request_id, new, finished, logprobs))
         return events
 
     def _harvest_cancelled(self) -> list[Event]:
-        """Frees the cancelled slots; each request's `Result` as of the last fetch (none before one).
-
-        A freed row is marked done on the device too: otherwise it would keep stepping (and count
-        as running in the device loop's exit test and `disable_by_batch_size`) until a refill
-        overwrote it, computing tokens for a client that has gone.
-        """
+        """Frees the cancelled slots; each request's `Result` as of the last fetch (none before one)."""
         events = []
         stats = None
-        stopped = []
         for row, slot in enumerate(self._slots):
             if slot is None or not slot.cancelled:
                 continue
             self._slots[row] = None
             if self._host is None:
                 continue
-            stopped.append(row)
-            stats = speculative.stats(self._host, self.programs.opts) if stats is None else stats
-            events.append(Event(slot.request_id, [], result_lib.Result(
-                token_ids=self._host.output[row, :slot.shown].tolist(), seconds=time.perf_counter() - slot.prefilled,
-                compile_seconds=self.programs.compile_seconds, stats=stats[row],
-                first_token_seconds=slot.first_token_seconds, finish_seconds=time.perf_counter() - self.began)))
-        if stopped:
-            self._state = stop_rows(self._state, self._host.done, stopped)
+            stats = state_lib.stats(self._host, self.programs.opts) if stats is None else stats
+            now = time.perf_counter()
+            if not self._host.done[row]:
+                self._to_stop.add(row)
+            events.append(Event(slot.request_id, [], device_calls.result(
+                slot.output, stats[row], now - slot.prefilled, self.programs.compile_seconds,
+                slot.first_token_seconds, now - self.began, finish_reason="abort")))
         return events
 
     def _refill(self) -> None:
@@ -246,15 +227,22 @@ class SlotLoop:
             return
         now = time.perf_counter()
         programs = self.programs
-        inputs = _prefill_inputs([prompt for _, (_, prompt, _) in starting], [budget for _, (_, _, budget) in starting],
+        inputs = _prefill_inputs([request.prompt for _, request in starting], [request.budget for _, request in starting],
                                  [row for row, _ in starting], programs.batch_size, programs.widths)
-        key = jax.random.fold_in(self._prefill_rng, starting[0][1][0])
-        rows = self.calls.timed("prefill_seconds", programs.prefill, *inputs, key)
+        settings = [sampling_lib.Sampling()] * programs.batch_size  # the other rows: neutral, `insert` skips them
+        seeds: list[int | None] = [None] * programs.batch_size
+        for row, request in starting:
+            settings[row], seeds[row] = request.sampling, request.seed
+        params = sampling_lib.SamplingParams.stack(settings, eos_ids=self.eos_ids, stop_width=sampling_lib.STOP_WIDTH,
+                                                   seeds=seeds)
+        key = jax.random.fold_in(self._prefill_rng, starting[0][1].request_id)
+        rows = self.calls.timed("prefill_seconds", programs.prefill, *inputs, params, key)
         take = np.zeros(programs.batch_size, bool)
-        for row, (request_id, prompt, budget) in starting:
+        for row, request in starting:
             take[row] = True
             self._steps[row] = 0
-            self._slots[row] = Slot(request_id, len(prompt), budget, now)
+            output = outputs_lib.RowOutput(request.sampling, request.sampling.stop_ids(self.eos_ids), self.tokenizer)
+            self._slots[row] = Slot(request.request_id, len(request.prompt), request.budget, now, output)
         self._state = self.calls.timed("prefill_seconds", programs.insert, self._state, rows, take)
         self.calls.prefill_calls += 1
         self.calls.insert_calls += 1
@@ -263,6 +251,8 @@ class SlotLoop:
 def generate(programs: programs_lib.SlotPrograms, prompts: Sequence[np.ndarray], budgets: Sequence[int],
              rng: jax.Array, on_tokens: Callable[[int, list[int]], None] | None = None,
              began: float | None = None, refill_at: int = 1,
+             samplings: Sequence[sampling_lib.Sampling] | None = None, samples: Sequence[int] | None = None,
+             eos_ids: tuple[int, ...] = (), tokenizer=None,
              on_result: Callable[[int, result_lib.Result], None] | None = None) -> list[result_lib.Result]:
     """Generates for every prompt through the slots (`SlotLoop`); results in input order.
 
@@ -274,13 +264,18 @@ def generate(programs: programs_lib.SlotPrograms, prompts: Sequence[np.ndarray],
         began: `time.perf_counter()` at the caller's start, which every prompt's times count
             from (as if all arrived then); default now.
         refill_at: how many rows must finish before a run call returns (1 to batch_size).
+        samplings: each prompt's settings (default greedy); samples: which of its request's n
+            samples each prompt is (for its seed, `Sampling.sample_seed`; default 0).
+        eos_ids, tokenizer: as `SlotLoop` takes them.
         on_result: called as `on_result(prompt_index, result)` as each prompt finishes (its
             `calls` left empty: they count the whole call).
     """
     loop_began = time.perf_counter()
-    loop = SlotLoop(programs, rng, refill_at, began)
-    for prompt, budget in zip(prompts, budgets):
-        loop.add(prompt, budget)  # ids 0, 1, ...: the prompts' indices
+    loop = SlotLoop(programs, rng, refill_at, began, eos_ids, tokenizer)
+    samplings = [sampling_lib.Sampling()] * len(prompts) if samplings is None else samplings
+    samples = [0] * len(prompts) if samples is None else samples
+    for prompt, budget, sampling, sample in zip(prompts, budgets, samplings, samples):
+        loop.add(prompt, budget, sampling, sample)  # ids 0, 1, ...: the prompts' indices
     results: list[result_lib.Result | None] = [None] * len(prompts)
     while not loop.idle:
         for event in loop.step():
@@ -293,85 +288,6 @@ def generate(programs: programs_lib.SlotPrograms, prompts: Sequence[np.ndarray],
     loop.calls.host_seconds = time.perf_counter() - loop_began - loop.calls.sync_seconds
     calls = loop.calls.as_dict()
     return [dataclasses.replace(result, calls=calls) for result in results]
-
-
-def generate_static(programs: programs_lib.BatchPrograms, num_rows: int,
-                    on_tokens: Callable[[int, list[int]], None] | None = None,
-                    began: float | None = None) -> list[result_lib.Result]:
-    """One static batch: prefill, then step (donating the state) until every row is done.
-
-    Args:
-        num_rows: the batch's prompts (its first rows); the rest are idle padding.
-        on_tokens: called as `on_tokens(row, new_ids)` after prefill and each device call.
-        began: `time.perf_counter()` at the caller's start, which the rows' times count from;
-            default now.
-    """
-    prefilled = time.perf_counter()
-    began = prefilled if began is None else began
-    calls = CallCounts(prefill_calls=1)
-    state = calls.timed("prefill_seconds", programs.prefill)
-    shown = np.zeros(num_rows, np.int64)
-    first_token = None
-    finish = np.full(num_rows, np.nan)
-    steps = np.zeros(num_rows, np.int64)  # num_steps as of the last fetch (prefill: none)
-    while True:
-        counts, done, num_steps = calls.fetch((state.num_generated, state.done, state.num_steps))
-        calls.run_steps += int(np.max(num_steps[:num_rows] - steps))
-        steps = num_steps[:num_rows]
-        if on_tokens is not None:  # only streaming needs the tokens before the batch ends
-            _stream(calls.fetch(state.output), counts, shown, list(range(num_rows)), on_tokens)
-        now = time.perf_counter() - began
-        first_token = now if first_token is None else first_token  # prefill emits every row's first token
-        finish[np.isnan(finish) & done[:num_rows]] = now
-        if np.all(done):
-            break
-        running = [(programs.prompt_lengths[row], programs.opts.max_new_tokens, counts[row])
-                   for row in range(num_rows) if not done[row]]
-        state = calls.timed("run_seconds", programs.step, state, attend_length(
-            tuple(programs.runs), programs.opts, programs.steps_per_call, running))
-        calls.run_calls += 1
-    output, counts = calls.fetch((state.output, state.num_generated))
-    seconds = time.perf_counter() - prefilled
-    stats = speculative.stats(state, programs.opts)
-    calls.host_seconds = time.perf_counter() - prefilled - calls.sync_seconds
-    return [result_lib.Result(token_ids=output[row, :counts[row]].tolist(), seconds=seconds,
-                              compile_seconds=programs.compile_seconds, stats=stats[row],
-                              first_token_seconds=first_token, finish_seconds=float(finish[row]), calls=calls.as_dict())
-            for row in range(num_rows)]
-
-
-def stop_rows(state: speculative.DecodeState, done: np.ndarray, rows: Sequence[int]) -> speculative.DecodeState:
-    """`state` with `rows` marked done, from `done`, the host copy of the last fetch (no device call
-    has changed the state since): a new [B] bool array put where the state keeps `done`, rather
-    than an update traced on the device, which would compile at a server's first cancel."""
-    mask = np.array(done, bool)
-    mask[list(rows)] = True
-    return state.replace(done=jax.device_put(mask, state.done.sharding))
-
-
-def _stream(output: np.ndarray, counts: np.ndarray, shown: np.ndarray, owner: Sequence[int | None],
-            on_tokens: Callable[[int, list[int]], None]) -> None:
-    """Sends each owned row's tokens past `shown` to `on_tokens(owner[row], ids)`; advances `shown`."""
-    for row, index in enumerate(owner):
-        if index is not None and counts[row] > shown[row]:
-            on_tokens(index, output[row, shown[row]:counts[row]].tolist())
-            shown[row] = counts[row]
-
-
-def attend_length(lengths: Sequence[int], opts: speculative.Options, steps_per_call: int,
-                  running: Sequence[tuple[int, int, int]]) -> int:
-    """The shortest of `lengths` (ascending) above every cache slot the next device call can touch.
-
-    Args:
-        running: (prompt length, budget, tokens generated so far) of each row still running.
-            A row's step writes and reads slots below prompt + generated + the step's headroom;
-            one call adds at most steps_per_call x (k + 1) tokens, never past the budget.
-    """
-    need = 0
-    for prompt_length, budget, generated in running:
-        reach = min(int(generated) + steps_per_call * (opts.k + 1), int(budget))
-        need = max(need, int(prompt_length) + reach + opts.cache_headroom)
-    return next((length for length in lengths if length >= need), lengths[-1])
 
 
 def _prefill_inputs(prompts: Sequence[np.ndarray], budgets: Sequence[int], slots: Sequence[int], batch_size: int,

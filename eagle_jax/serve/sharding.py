@@ -253,7 +253,7 @@ def cache_shardings(cache: kv_cache_lib.KVCache, cfg: config_lib.LlamaConfig, me
 
 
 def state_shardings(state, cfg: config_lib.LlamaConfig, mesh: Mesh):
-    """Where each leaf of a `speculative.DecodeState` (arrays or shapes) lives.
+    """Where each leaf of a `decode.state.DecodeState` (arrays or shapes) lives.
 
     The target's KV cache (`state.cache`) as `cache_shardings`; the rest (tokens, counters, the
     head's cache, pending features) is small and replicated.

@@ -39,6 +39,7 @@ class TextStream:
     text: str = ""  # everything decoded so far, held-back tail included
     emitted: int = 0  # characters of `text` already returned
     stopped: bool = False  # a stop string or stop token ended the output
+    matched: str | None = None  # the stop string that ended it (the longest of those starting there)
     prefix_offset: int = 0
     read_offset: int = 0
 
@@ -62,6 +63,7 @@ class TextStream:
         self.text += self._decode_new()
         found = self._find_stop()
         if found is not None:
+            self.matched = max((s for s in self.stop if self.text.startswith(s, found)), key=len)
             self._trim_ids(len(self.text) - found)
             self.text, self.stopped = self.text[:found], True
         final = len(self.text) if self.stopped else len(self.text) - self._held_back()

@@ -107,6 +107,27 @@ def test_emitted_ids():
                                  jnp.array([9, 8], jnp.int32))
     n = processors.NO_TOKEN
     assert ids.tolist() == [[4, 9, n, n], [4, 5, 6, 8]]
+    plain = processors.emitted_ids(jnp.zeros((2, 0), jnp.int32), jnp.zeros((2,), jnp.int32), jnp.array([9, 8]))
+    assert plain.tolist() == [[9], [8]]  # a step without drafts emits its one token
+
+
+def test_stop_ids_are_masked_until_min_tokens():
+    """vLLM's min_tokens: a row's stop ids get -inf where it has emitted fewer than min_tokens tokens,
+    position by position (a chain's position j follows num_generated + j tokens)."""
+    logits = np.random.default_rng(2).standard_normal((2, K + 1, V)).astype(np.float32)
+    settings = [sampling.Sampling(min_tokens=5, stop_token_ids=(3, 7)), sampling.Sampling(min_tokens=2, ignore_eos=True)]
+    params = sampling.SamplingParams.stack(settings, eos_ids=(1,), stop_width=4)
+    assert np.asarray(params.stop_ids).tolist() == [[1, 3, 7, -1], [-1, -1, -1, -1]]  # EOS first; row 1 ignores it
+    emitted = jnp.asarray([[3, 4, 5, 6], [0, 1, 2, 3]], jnp.int32)
+    got = np.asarray(processors.process(jnp.asarray(logits), params, sampling.SamplingMode.of(settings), emitted=emitted))
+    for row, stops, min_tokens in ((0, [1, 3, 7], 5), (1, [], 2)):
+        for position in range(K + 1):
+            expected = logits[row, position].copy()
+            if emitted[row, position] < min_tokens:
+                expected[stops] = -np.inf
+            np.testing.assert_array_equal(got[row, position], expected)
+    with pytest.raises(ValueError, match="min_tokens needs"):
+        processors.process(jnp.asarray(logits), params, sampling.SamplingMode(min_tokens=True))
 
 
 ROWS = [  # (temperature, min_p, top_k, top_p): one batch, each row its own settings

@@ -155,6 +155,16 @@ def test_the_check_catches_a_wrong_temperature(chi_square):
     (dict(logprobs=-1), "logprobs"),
     (dict(logprobs=sampling.MAX_LOGPROBS + 1), "logprobs"),
     (dict(seed=1.5), "seed"),
+    (dict(stop=""), "stop must be a non-empty string"),
+    (dict(stop=["ok", ""]), "stop must be"),
+    (dict(stop=[3]), "stop must be"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids must be"),
+    (dict(stop_token_ids=list(range(sampling.MAX_STOP_TOKEN_IDS + 1))), "at most 8"),
+    (dict(ignore_eos="yes"), "ignore_eos"),
+    (dict(min_tokens=-1), "min_tokens"),
+    (dict(min_tokens=1.5), "min_tokens"),
+    (dict(n=0), "n must be"),
+    (dict(n=sampling.MAX_N + 1), "n must be"),
 ])
 def test_invalid_settings_are_refused(settings, message):
     with pytest.raises(ValueError, match=message):
@@ -166,6 +176,12 @@ def test_valid_settings_at_their_limits_are_hashable():
                              presence_penalty=-2.0, frequency_penalty=2.0, seed=2 ** 40, logprobs=sampling.MAX_LOGPROBS)
     assert hash(edge) == hash(sampling.Sampling(**vars(edge)))
     assert sampling.Sampling(temperature=0.5).greedy is False and sampling.Sampling().greedy is True
+    listed = sampling.Sampling(stop=["a", "b"], stop_token_ids=[4, 2], min_tokens=3, n=2, ignore_eos=True)
+    assert listed.stop == ("a", "b") and listed.stop_token_ids == (4, 2) and hash(listed)  # lists become tuples
+    assert sampling.Sampling(stop="end").stop == ("end",)
+    assert listed.stop_ids((2, 9)) == (4, 2) and sampling.Sampling(stop_token_ids=[2]).stop_ids((2, 9)) == (2, 9)
+    assert listed.sample_seed(1) is None and sampling.Sampling(seed=5).sample_seed(0) == 5
+    assert len({sampling.Sampling(seed=5).sample_seed(i) for i in range(4)}) == 4
 
 
 def test_mode_of_a_batch_and_what_it_covers():
@@ -175,6 +191,8 @@ def test_mode_of_a_batch_and_what_it_covers():
             sampling.Sampling(temperature=0.5, min_p=0.1, logprobs=3), sampling.Sampling(presence_penalty=0.5)]
     mode = sampling.SamplingMode.of(rows)
     assert mode == sampling.SamplingMode(sample=True, penalties=True, min_p=True, top_k=8, top_p=False, logprobs=3)
+    assert not mode.covers(sampling.Sampling(min_tokens=2)) and sampling.SamplingMode.of(
+        [sampling.Sampling(min_tokens=2)]) == sampling.SamplingMode(min_tokens=True)
     assert all(mode.covers(row) for row in rows)
     assert not mode.covers(sampling.Sampling(temperature=1.0, top_p=0.9))
     assert not mode.covers(sampling.Sampling(temperature=1.0, top_k=9))

@@ -20,6 +20,8 @@ from eagle_jax.serve import engine as engine_lib
 from eagle_jax.model import kv_cache as kv_cache_lib
 from eagle_jax.decode import speculative
 from eagle_jax.decode import tree as tree_lib
+from eagle_jax.decode import state as state_lib
+from eagle_jax.decode import tree_step
 from tests.decode.test_speculative import MAX_NEW, WIDTH, _features, _pad  # noqa: F401
 from tests.decode.test_speculative import make_head, prompts, reference, target  # noqa: F401 (fixtures)
 
@@ -326,13 +328,13 @@ def test_drafted_tree_matches_a_reference_without_caches(target, make_head, prom
     """The drafted nodes and their scores, step after step, for ragged rows: any error in the
     head's tree mask, rotary positions or scratch slots shifts the scores."""
     head, tree = make_head(kind), tree_lib.TreeOptions(*settings)
-    opts = speculative.Options(k=tree.num_steps, tree=tree, max_new_tokens=MAX_NEW, cache_length=64)
+    opts = state_lib.Options(k=tree.num_steps, tree=tree, max_new_tokens=MAX_NEW, cache_length=64)
     tokens = np.zeros((len(prompts), 16), np.int32)
     for row, prompt in enumerate(prompts):
         tokens[row, :len(prompt)] = prompt
     lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
     state = jax.jit(lambda t, n: speculative.start(target, head, t, n, jax.random.key(0), opts))(tokens, lengths)
-    draft = jax.jit(lambda s: speculative.draft_tree(target, head, s, opts)[0])
+    draft = jax.jit(lambda s: tree_step.draft_tree(target, head, s, opts)[0])
     step = jax.jit(lambda s: speculative.step(target, head, s, opts))
     pending_counts = set()
     for _ in range(6):
@@ -365,10 +367,10 @@ def test_a_step_writes_within_its_headroom(target, make_head, settings):  # noqa
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 101, (1, length)), jnp.int32)
 
     def first_step(cache_length):
-        opts = speculative.Options(k=tree.num_steps, tree=tree, max_new_tokens=4, cache_length=cache_length)
+        opts = state_lib.Options(k=tree.num_steps, tree=tree, max_new_tokens=4, cache_length=cache_length)
         state = jax.jit(lambda t: speculative.start(target, head, t, jnp.array([length]), jax.random.key(0), opts))(
             tokens)
-        drafted = jax.jit(lambda s: speculative.draft_tree(target, head, s, opts))(state)
+        drafted = jax.jit(lambda s: tree_step.draft_tree(target, head, s, opts))(state)
         return state, drafted, jax.jit(lambda s: speculative.step(target, head, s, opts))(state)
 
     state, drafted, after = first_step(length + tree.cache_headroom)
@@ -436,7 +438,7 @@ def test_tree_settings_are_checked(target, make_head):  # noqa: F811
     with pytest.raises(config_lib.InputError, match="needs a draft head"):
         engine_lib.Engine(target, config=config_lib.EngineConfig(tree=tree))
     with pytest.raises(ValueError, match="with a tree, k must be its depth 2, got 3"):
-        speculative.Options(k=3, tree=tree)  # the decode state's shapes follow k
+        state_lib.Options(k=3, tree=tree)  # the decode state's shapes follow k
     engine = engine_lib.Engine(target, make_head("eagle-agree"), config=config_lib.EngineConfig(tree=tree, max_length=32))
     assert engine.headroom == 4  # the verify's N + 1 nodes
     with pytest.raises(config_lib.InputError, match=r"prompt 0 has 17 tokens; with 12 new tokens and a 4-slot tree "

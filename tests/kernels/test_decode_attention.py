@@ -23,7 +23,7 @@ from eagle_jax.serve import config as engine_config
 from eagle_jax.serve import engine as engine_lib
 from eagle_jax.model import layers
 from eagle_jax.model import rotary
-from eagle_jax.serve import scheduler as scheduler_lib
+from eagle_jax.serve import device_calls
 from eagle_jax.decode import tree as tree_lib
 from eagle_jax.kernels import decode_attention
 from eagle_jax.kernels import decode_attention_pallas
@@ -414,8 +414,8 @@ def test_continuous_batching_gives_the_same_tokens(aligned_target, agreeing_head
     """Continuous batching's runs read half or all of the cache (attend_length): EAGLE greedy
     tokens with the attention kernel equal XLA's (`test_kernels` compares static batches)."""
     chosen = []
-    choose = scheduler_lib.attend_length
-    monkeypatch.setattr(scheduler_lib, "attend_length", lambda *a: chosen.append(choose(*a)) or chosen[-1])
+    choose = device_calls.attend_length
+    monkeypatch.setattr(device_calls, "attend_length", lambda *a: chosen.append(choose(*a)) or chosen[-1])
     target = aligned_target(seed=14, num_layers=1)
     head = agreeing_head(target.config, 0.3, residual=1.0, seed=1)
     prompts = [np.random.default_rng(length).integers(0, 101, length).tolist() for length in (3, 4, 9)]

@@ -15,12 +15,14 @@ import numpy as np
 import pytest
 
 from eagle_jax.serve import config as config_lib
+from eagle_jax.serve import device_calls
 from eagle_jax.serve import inputs
 from eagle_jax.serve import engine as engine_lib
 from eagle_jax.decode import sampling as sampling_lib
 from eagle_jax.serve import scheduler as scheduler_lib
 from eagle_jax.decode import speculative
 from eagle_jax.decode import tree as tree_lib
+from eagle_jax.decode import state as state_lib
 
 MAX_LENGTH = 64  # prompts up to 32 tokens (prefills 16 and 32 wide), one 64-slot cache
 PROMPT_LENGTHS = (3, 17, 1, 9, 26, 6, 12)  # 7 prompts through 3 slots
@@ -158,12 +160,13 @@ def with_stale_caches(state, seed=0):
 @pytest.fixture(scope="module")
 def slot_programs(target, heads, eos_id):
     """`slot_programs(kind)`: the continuous scheduler's programs for "eagle" (a chain) or "tree"
-    (an EAGLE-2 tree with the same head), greedy, stopping at eos_id; compiled once per kind."""
+    (an EAGLE-2 tree with the same head), greedy; compiled once per kind. The rows stop at the EOS
+    ids their host loop gives them (`eos_ids`)."""
     def compile(kind):
         drafting = dict(tree=tree_lib.TreeOptions(2, 3, 5)) if kind == "tree" else dict(num_speculative_tokens=K[kind])
         engine = engine_lib.Engine(target, heads["eagle"], config=config_lib.EngineConfig(steps_per_call=2, max_length=MAX_LENGTH, batch_size=SLOTS,
                                    scheduler="continuous", **drafting))
-        return engine.slot_programs(sampling_lib.Sampling(), (eos_id,))
+        return engine.slot_programs()
 
     return functools.cache(compile)
 
@@ -178,7 +181,8 @@ def test_a_refill_moves_only_its_prefill_width(slot_programs):
     take = np.array([True, False, True])
     for width in programs.widths:
         rows = programs.prefill(np.ones((SLOTS, width), np.int32), np.full((SLOTS,), width, np.int32),
-                                np.ones((SLOTS,), np.int32), jax.random.key(1))
+                                np.ones((SLOTS,), np.int32),
+                                sampling_lib.SamplingParams.neutral(SLOTS, sampling_lib.STOP_WIDTH), jax.random.key(1))
         assert {leaf.shape[1] for leaf in cache_leaves(rows)} == {width}
         before = with_stale_caches(state, seed=width)
         old = [np.asarray(leaf) for leaf in cache_leaves(before)]
@@ -190,14 +194,14 @@ def test_a_refill_moves_only_its_prefill_width(slot_programs):
 
 
 @pytest.mark.parametrize("kind", ["eagle", "tree"])
-def test_stale_cache_slots_are_never_read(slot_programs, prompts, reference, kind):
+def test_stale_cache_slots_are_never_read(slot_programs, prompts, reference, eos_id, kind):
     """Every slot of the idle state's caches holds large random values: a refilled row keeps them
     past its prefill's width, and must still give its batch-1 tokens (and, for chains, statistics),
     since a query sees only the slots up to its position, which the row wrote."""
     programs = slot_programs(kind)
     stale = dataclasses.replace(programs, empty=lambda rng: with_stale_caches(programs.empty(rng)))
     results = scheduler_lib.generate(stale, [np.asarray(p, np.int32) for p in prompts], list(BUDGETS),
-                                     jax.random.key(0))
+                                     jax.random.key(0), eos_ids=(eos_id,))
     expected = reference("plain" if kind == "tree" else kind)  # greedy trees are lossless too
     assert [r.token_ids for r in results] == [r.token_ids for r in expected]
     if kind != "tree":
@@ -268,7 +272,7 @@ def test_persistent_cache_holds_the_slot_programs(target, prompts, tmp_path):
 def test_slot_run_stops_when_a_running_row_finishes(target):
     """With `stop_on_finish` a device call ends at the step where a running row finishes, so
     its slot can be refilled; rows already done at entry (idle slots) do not end it."""
-    opts = speculative.Options(k=0, max_new_tokens=20, cache_length=MAX_LENGTH)
+    opts = state_lib.Options(k=0, max_new_tokens=20, cache_length=MAX_LENGTH)
     tokens = np.ones((3, 16), np.int32)
     state = speculative.start(target, None, tokens, np.array([4, 5, 6], np.int32), jax.random.key(0), opts,
                               np.array([3, 20, 1], np.int32))
@@ -281,9 +285,9 @@ def test_slot_run_stops_when_a_running_row_finishes(target):
 
 
 def test_each_call_attends_over_the_shortest_length_that_covers_its_rows():
-    """`scheduler.attend_length`: prompt + tokens reachable in one call + the step's headroom."""
-    opts = speculative.Options(k=3, cache_length=64)
-    choose = lambda *running: scheduler_lib.attend_length((16, 32, 64), opts, 2, running)
+    """`device_calls.attend_length`: prompt + tokens reachable in one call + the step's headroom."""
+    opts = state_lib.Options(k=3, cache_length=64)
+    choose = lambda *running: device_calls.attend_length((16, 32, 64), opts, 2, running)
     assert choose((3, 30, 1)) == 16  # 3 + min(1 + 2 x 4, 30) + 4 = 16
     assert choose((3, 30, 2)) == 32  # 17
     assert choose((20, 4, 1), (9, 10, 1)) == 32  # 20 + 4 + 4 = 28: the budget caps the call
@@ -305,9 +309,9 @@ def test_refills_wait_for_several_rows(target, prompts, eos_id, reference):
         if refill_at == engine.config.resolved_refill_at:
             results = engine.generate(prompts, max_new_tokens=list(BUDGETS), eos_ids=[eos_id], on_tokens=on_tokens)
         else:
-            results = scheduler_lib.generate(engine.slot_programs(sampling_lib.Sampling(), (eos_id,)),
-                                             [np.asarray(p, np.int32) for p in prompts], list(BUDGETS),
-                                             jax.random.key(0), on_tokens, refill_at=refill_at)
+            results = scheduler_lib.generate(engine.slot_programs(), [np.asarray(p, np.int32) for p in prompts],
+                                             list(BUDGETS), jax.random.key(0), on_tokens, refill_at=refill_at,
+                                             eos_ids=(eos_id,))
         assert [r.token_ids for r in results] == expected
         assert [streamed[i] for i in range(len(prompts))] == expected
         assert engine.num_compilations == SLOT_PROGRAMS
@@ -342,13 +346,14 @@ def test_run_steps_count_each_device_loop_iteration(target, prompts, eos_id, ref
         assert calls["run_seconds"] + calls["prefill_seconds"] <= calls["host_seconds"]
 
 
-def test_a_slot_loop_takes_requests_between_rounds_and_frees_cancelled_slots(slot_programs, prompts, reference):
+def test_a_slot_loop_takes_requests_between_rounds_and_frees_cancelled_slots(slot_programs, prompts, reference,
+                                                                           eos_id):
     """`SlotLoop`, stepped by hand: requests added while others run; one cancelled while queued
     gives no result, one cancelled while active gives the tokens it had streamed (a prefix of its
     batch-1 tokens) with its acceptance counters; every other request's tokens (streamed, then in
     its `Result`) are its batch-1 tokens; the loop is idle once all are out."""
     expected = [r.token_ids for r in reference("eagle")]
-    loop = scheduler_lib.SlotLoop(slot_programs("eagle"), jax.random.key(0), refill_at=1)
+    loop = scheduler_lib.SlotLoop(slot_programs("eagle"), jax.random.key(0), refill_at=1, eos_ids=(eos_id,))
     assert loop.idle and loop.step() == []
     add = lambda index: loop.add(np.asarray(prompts[index], np.int32), BUDGETS[index])
     ids = {add(index): index for index in range(4)}  # 4 requests for 3 slots: the last waits

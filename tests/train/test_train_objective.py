@@ -1,7 +1,7 @@
 """Training and inference run the same head: step j of `unrolled_head` is the j-th draft step.
 
 Inference drafts from a state (after prefill, and after some speculative steps) while a wrapper
-records the logits of every head forward `speculative.draft` makes; the drafted tokens then
+records the logits of every head forward `chain.draft` makes; the drafted tokens then
 extend the sequence, and `unrolled_head` runs over that whole sequence with the target's
 features. For base position i = L - 1 (L committed tokens; t_L emitted, not yet committed) step 0
 reads (t_L, f_{L-1}) like the draft's first forward, and step j reads (d_j, its own step-(j-1)
@@ -19,6 +19,8 @@ import pytest
 from eagle_jax.model import eagle
 from eagle_jax.decode import speculative
 from eagle_jax.train import objective as train_objective
+from eagle_jax.decode import chain
+from eagle_jax.decode import state as state_lib
 
 K = 4
 PROMPT_LENGTHS = (5, 9)
@@ -67,13 +69,13 @@ def inference_drafts(target, head):
     tokens = np.zeros((len(PROMPT_LENGTHS), 16), np.int32)
     for row, length in enumerate(PROMPT_LENGTHS):
         tokens[row, :length] = np.random.default_rng(length).integers(0, 101, length)
-    opts = speculative.Options(k=K, max_new_tokens=32, cache_length=64)
+    opts = state_lib.Options(k=K, max_new_tokens=32, cache_length=64)
     with jax.disable_jit():  # eager, so the recorder sees values
         state = speculative.start(target, head, jnp.asarray(tokens), jnp.asarray(PROMPT_LENGTHS, jnp.int32),
                                   jax.random.key(0), opts)
         for _ in range(NUM_STEPS):
             recorder = RecordingHead(head)
-            draft_ids, _, _ = speculative.draft(target, recorder, state, opts, jax.random.key(1))
+            draft_ids, _, _ = chain.draft(target, recorder, state, opts)
             assert len(recorder.logits) == K  # one wide forward over the pending pairs, then K - 1 single steps
             output, generated = np.asarray(state.output), np.asarray(state.num_generated)
             pending = np.asarray(state.pending_count)
