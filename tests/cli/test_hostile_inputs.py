@@ -24,6 +24,7 @@ import pytest
 from eagle_jax.cli import generate
 from eagle_jax.io import tokenization
 from eagle_jax.serve import scheduler
+from eagle_jax.serve import static_batch
 from tests.cli.test_generate_cli import cache_dir, model_dir, records  # noqa: F401  (the first two: fixtures)
 
 REPO = Path(__file__).parents[2]
@@ -79,7 +80,7 @@ def test_each_json_line_is_out_before_the_last_prompt_is_done(model_dir, cache_d
                                                               batching, spied):
     """Static batches of one, and continuous slots (three prompts through two): at the start of the last
     device work, a finished prompt's line is already on stdout."""
-    owner, name = (scheduler.SlotLoop, "step") if "." in spied else (scheduler, spied)
+    owner, name = (scheduler.SlotLoop, "step") if "." in spied else (static_batch, spied)
     real, lines_before = getattr(owner, name), []
 
     def spy(*args, **kwargs):

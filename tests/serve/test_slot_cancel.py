@@ -23,7 +23,7 @@ def programs(speculation_target, agreeing_head):
                                config=config_lib.EngineConfig(num_speculative_tokens=3, max_length=MAX_LENGTH,
                                                               batch_size=3, scheduler="continuous",
                                                               steps_per_call=STEPS_PER_CALL))
-    return engine.slot_programs(sampling_lib.Sampling(), ())
+    return engine.slot_programs(sampling_lib.SamplingMode())
 
 
 def rows_of(loop, ids):

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from eagle_jax.io import models
-from eagle_jax.serve import engine
+from eagle_jax.model import eagle
 from eagle_jax.train import divergence
 from eagle_jax.train import draft_vocabulary
 from eagle_jax.train import objective as train_objective
@@ -41,7 +41,7 @@ def test_export_then_load_gives_identical_logits(target_and_data, tmp_path, meth
     positions = np.arange(tokens.shape[1], dtype=np.int32)[None]
     outputs = []
     for module in (head, exported):
-        cache = engine.speculative.eagle.init_cache(module.config, 1, 16, np.float32)
+        cache = eagle.init_cache(module.config, 1, 16, np.float32)
         outputs.append(module(tokens, module.project(features) if method == "eagle" else features, positions, cache,
                               target)[1])
     np.testing.assert_array_equal(np.asarray(outputs[0]), np.asarray(outputs[1]))
