@@ -12,11 +12,12 @@ distribution the target's processed logits give, so speculation stays exact unde
 
 Integration
 -----------
-What a decode step carries, per row, in its (donated) state:
+The decode step does this (`decode.state`, `speculative.start`, `chain`, `tree_step`, `commit`,
+through `row_sampling`). What it carries, per row, in its (donated) state:
 
-* ``params``: a `sampling.SamplingParams` ([B] arrays), replaced row by row when a slot is
-  refilled. The static `sampling.SamplingMode` is part of the jit key, as the static `Sampling`
-  is today; pick one that `covers` every row (`SamplingMode.of(samplings)` or a generous fixed one).
+* ``params``: a `sampling.SamplingParams` ([B] arrays, stop ids [B, S]), replaced row by row when
+  a slot is refilled. The static `sampling.SamplingMode` (`state.Options.sampling_mode`) is part
+  of the jit key; it `covers` every row (`SamplingMode.of(samplings)` or a generous fixed one).
 * ``counts``: a `TokenCounts` (only when ``mode.penalties``): ``output`` [B, V] int32, how often
   each token was emitted (the prefill's first token included, the prompt not), and ``prompt``
   [B, V] bool, the prompt's tokens (for the repetition penalty). At insert:
@@ -32,15 +33,17 @@ Where the step calls what:
 1. Prefill's first token: ``sampling.sample(process(logits[:, None], params, mode, counts,
    emitted=0), params, keys)`` (T = 1, no prefix); ``sampling.argmax`` when ``not mode.sample``.
 2. Draft step j of a chain: the draft's logits [B, 1, V] in target vocabulary through
-   ``process(..., counts, prefix=drafts_so_far[:, None])`` (drafts not drawn yet are
-   `NO_TOKEN`), so q is the draft's own distribution under the same processors; draw with
-   ``sampling.sample`` and keep q = ``sampling.distribution`` ([B, V] per step; greedy rows get
-   a one-hot q, and a greedy-only mode passes ``draft_probs=None``).
+   ``process(..., counts, prefix=drafts_so_far[:, None], emitted=num_generated + j)`` (drafts
+   not drawn yet are `NO_TOKEN`), so q is the draft's own distribution under the same
+   processors; draw with ``sampling.sample`` and keep q = ``sampling.distribution`` ([B, V] per
+   step; greedy rows get a one-hot q, and a greedy-only mode passes ``draft_probs=None``).
 3. Verify: the target's logits [B, k+1, V] through ``process(..., counts,
-   prefix=chain_prefix(drafts))``, so position j counts the row's output plus drafts 0..j-1;
-   then ``acceptance.verify(drafts, q, processed, params, mode, keys)`` (greedy mode: prefix
-   match on the processed argmax; otherwise rejection sampling). A tree passes for each node the
-   tokens on the path from the root to it (`NO_TOKEN`-padded) as its prefix.
+   prefix=chain_prefix(drafts), emitted=num_generated + j)``, so position j counts the row's
+   output plus drafts 0..j-1; then ``acceptance.verify(drafts, q, processed, params, mode, keys)``
+   (greedy mode: prefix match on the processed argmax; otherwise rejection sampling). A tree
+   passes for each node the tokens on the path from the root to it (`NO_TOKEN`-padded,
+   `tree.path_tokens`) as its prefix and num_generated + its depth as its emitted count, and
+   draws once per node.
 4. Logprobs (``mode.logprobs is not None``): ``sampling.logprobs(processed,
    emitted_ids(drafts, num_accepted, next_token), mode.logprobs)`` on the verify's processed
    logits; the host keeps positions 0..num_accepted.

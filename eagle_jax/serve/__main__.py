@@ -32,10 +32,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-queue", type=int, default=1024, help="requests waiting for a slot before a 429")
     parser.add_argument("--steps-per-call", type=int, default=16,
                         help="decode steps per device call: waiting requests are prefilled between calls")
-    parser.add_argument("--temperature", type=float, default=0.0, help="the sampling temperature requests must ask "
-                                                                       "for (0 = greedy)")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=0.0, help="the temperature of a request that sends "
+                                                                       "none (0 = greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="the top_p of a request that sends none")
+    parser.add_argument("--seed", type=int, default=0, help="the key of requests without a seed of their own")
+    parser.add_argument("--max-logprobs", type=int, default=20, help="the most alternatives a request's logprobs "
+                                                                     "(top_logprobs) may ask for, 0..20 (vLLM's)")
+    parser.add_argument("--greedy-only", action="store_true",
+                        help="compile the plain argmax programs: requests that sample, penalise, ask for logprobs "
+                             "or min_tokens are refused (by default every request setting is served, per request)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--decode-kernels", choices=("auto", "xla", "pallas", "pallas_linear"), default="auto")
     parser.add_argument("--cache-dir", help="compilation cache root (default: $EAGLE_JAX_CACHE_DIR/xla)")
@@ -55,8 +60,17 @@ def build(args):
     from eagle_jax.serve import config as config_lib
     from eagle_jax.serve import engine as engine_lib
 
-    sampling = sampling_lib.Sampling(temperature=args.temperature, top_p=args.top_p)
+    defaults = sampling_lib.Sampling(temperature=args.temperature, top_p=args.top_p)
+    if not 0 <= args.max_logprobs <= sampling_lib.MAX_LOGPROBS:
+        raise ValueError(f"--max-logprobs must be in 0..{sampling_lib.MAX_LOGPROBS}, got {args.max_logprobs}")
+    if args.greedy_only and not defaults.greedy:
+        raise ValueError("--greedy-only serves temperature 0 only: leave --temperature out")
     target, tokenizer_dir = models.load_target(args.model, args.dtype)
+    # One fixed mode, compiled before /health says ready: every processor (top-k up to the whole
+    # vocabulary, since top-p sorts it anyway), or none.
+    mode = sampling_lib.SamplingMode() if args.greedy_only else sampling_lib.SamplingMode(
+        sample=True, penalties=True, min_p=True, top_k=target.config.vocab_size, top_p=True,
+        logprobs=args.max_logprobs, min_tokens=True)
     platform = "gpu" if jax.default_backend() == "gpu" else "cpu"
     draft, _, k, note = heads.draft_plan(args.model, args.draft, args.method, args.num_speculative_tokens, platform,
                                          args.batch_size)
@@ -66,12 +80,12 @@ def build(args):
     config = config_lib.EngineConfig(
         num_speculative_tokens=k, max_length=args.max_length, batch_size=args.batch_size, scheduler="continuous",
         speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
-        decode_kernels=args.decode_kernels, steps_per_call=args.steps_per_call,
+        decode_kernels=args.decode_kernels, steps_per_call=args.steps_per_call, sampling_mode=mode,
         cache_dir=str(args.cache_dir or compile_cache.default_root()))
     engine = engine_lib.Engine(target, head, config)
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model
                                       else "SmolLM2-135M-Instruct")
-    backend = online.OnlineEngine(engine, tokenization.load(tokenizer_dir), name, sampling, args.max_queue,
+    backend = online.OnlineEngine(engine, tokenization.load(tokenizer_dir), name, defaults, args.max_queue,
                                   args.seed)
     return backend, name
 

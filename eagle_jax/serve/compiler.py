@@ -88,10 +88,12 @@ class Compiler:
 
         key = jax.random.key(0)
         make_empty = functools.partial(self._empty, shape=programs_lib.slot_shape(row_shape(width), self.max_length))
-        empty = self._program("empty", make_empty, (key,), {}, 0)
+        # The state's leaves follow the sampling mode (token counts, logprobs): part of these keys.
+        empty = self._program("empty", make_empty, (key,), {}, 0, mode=sampling_mode)
         state_shape = self._state_shape(jax.eval_shape(make_empty, key))
         inserts = {w: self._program("insert", self._insert, (state_shape, self._state_shape(row_shape(w)),
-                                                             np.zeros((rows,), bool)), {}, w, donate=("state",))
+                                                             np.zeros((rows,), bool)), {}, w, donate=("state",),
+                                    mode=sampling_mode)
                    for w in widths}
         # Its own name: a static batch would lower the same step for the prefill's output types.
         runs = self._run_programs("slots-run", state_shape, steps_per_call, opts, (np.int32(1),), stop_on_finish=True)
@@ -155,23 +157,25 @@ class Compiler:
                     **static), 0, donate=("state",))
                 for length in lengths}
 
-    def _program(self, name: str, function, args, static: dict, width: int, donate: tuple[str, ...] = ()):
+    def _program(self, name: str, function, args, static: dict, width: int, donate: tuple[str, ...] = (),
+                 mode: sampling_lib.SamplingMode | None = None):
         """The compiled program for this prefill width and static settings, compiled once.
 
         The in-memory key is cheap (parameters and batch size are fixed per engine); the
         persistent cache key, built only on a miss, spells out every argument shape (the kernel
-        choice is in `opts`, a static argument).
+        choice is in `opts`, a static argument). `mode`: the sampling mode of a program without
+        `opts` whose state follows it.
         """
         if self.config.eager:
             def op_by_op(*a):
                 with jax.disable_jit():
                     return function(*a, **static)
             return op_by_op
-        key = (name, width, tuple(sorted(static.items())))
+        key = (name, width, tuple(sorted(static.items())), mode)
         if key not in self.compiled:
             shapes = jax.tree.map(lambda x: (x.shape, x.dtype) if hasattr(x, "shape") else x, args)
             description = repr((name, shapes, sorted(static.items()), self.model_config, self.head_config,
-                                self.max_length, self.config.steps_per_check))
+                                self.max_length, self.config.steps_per_check, mode))
             jitted = jax.jit(function, static_argnames=tuple(static), donate_argnames=donate)
             module = programs_lib.module_name(name, static.get("opts"), self.head_config)
             self.compiled[key], seconds = self.compile_cache.compile(module, description, jitted.lower(*args, **static))

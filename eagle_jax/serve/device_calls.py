@@ -75,11 +75,12 @@ def result(output: outputs_lib.RowOutput, stats: dict, seconds: float, compile_s
         logprobs=output.logprobs, text=output.text())
 
 
-def host_view(state: state_lib.DecodeState) -> state_lib.DecodeState:
-    """What a host loop fetches after a call: tokens, cursors, counters and logprobs, not the caches,
-    the settings or the penalties' token counts."""
+def host_view(state: state_lib.DecodeState, logprobs: bool = True) -> state_lib.DecodeState:
+    """What a host loop fetches after a call: tokens, cursors, counters and (when `logprobs`: some row
+    asked for them) logprobs; not the caches, the settings or the penalties' token counts."""
     return state.replace(cache=None, draft_cache=None, pending_tokens=None, pending_features=None,
-                         pending_count=None, next_token=None, rng=None, params=None, counts=None)
+                         pending_count=None, next_token=None, rng=None, params=None, counts=None,
+                         logprobs=state.logprobs if logprobs else None)
 
 
 def stop_rows(state: state_lib.DecodeState, done: np.ndarray, rows) -> state_lib.DecodeState:

@@ -10,11 +10,14 @@ thread, because a device call blocks. They meet in two places:
   `call_soon_threadsafe`; `Handle.events()` reads them.
 
 Everything the server will run is compiled in `start`, before `/health` says ready: the slot
-programs (every prefill width, the insert, the run loops) for the server's sampling settings,
-so no request ever waits on a compilation. End of sequence is detected on the host (as a stop
-token): the device programs carry no EOS, so one set of programs serves requests that stop at
-EOS and requests that ignore it. A request the host ends (EOS, a stop string, a client gone) is
-cancelled in the slot loop, which frees its slot at the next boundary.
+programs (every prefill width, the insert, the run loops) for the engine's fixed sampling mode,
+so no request ever waits on a compilation. Each request brings its own `Sampling` (temperature,
+top-p, top-k, min-p, penalties, seed, logprobs, stop token ids, ignore_eos, min_tokens), written
+into its slot at its prefill: one set of programs serves any mix the mode covers, and a request
+it does not cover is refused naming the field. EOS and stop token ids end a row on the device;
+stop strings are found on the host (`text.TextStream`, in `server`). A request the host ends (a
+stop string, a client gone) is cancelled in the slot loop, which frees its slot at the next
+boundary.
 """
 
 from __future__ import annotations
@@ -46,35 +49,32 @@ class Unavailable(RuntimeError):
 
 
 @dataclasses.dataclass(frozen=True)
-class RequestParams:
-    """A request's sampling settings, as the OpenAI and vLLM APIs name them."""
-
-    temperature: float | None = None  # None: the server's own (its --temperature)
-    top_p: float | None = None
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    logprobs: int | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
 class Chunk:
-    """New token ids of one request, as one device call produced them."""
+    """New token ids of one request, as one device call produced them, and (when it asked) their
+    logprob entries: {"token", "logprob", "top": {token: logprob}} (`openai_api` shapes them)."""
 
     token_ids: list[int]
     logprobs: list = dataclasses.field(default_factory=list)
 
 
+def refusal(mode: sampling_lib.SamplingMode, sampling: sampling_lib.Sampling) -> str:
+    """Why a server's programs (`mode`: all processors, or --greedy-only's none) cannot serve these
+    settings, naming the field and the server flag that decides it."""
+    if sampling.logprobs is not None and mode.logprobs is not None and sampling.logprobs > mode.logprobs:
+        return f"logprobs (top_logprobs) must be at most {mode.logprobs} here (--max-logprobs)"
+    asked = ((not sampling.greedy, "temperature > 0"), (sampling.penalised, "repetition, presence and frequency penalties"),
+             (sampling.min_tokens > 0, "min_tokens"), (sampling.logprobs is not None, "logprobs"))
+    what = next((name for used, name in asked if used), "these settings")
+    return f"{what}: not served by this server, which runs with --greedy-only"
+
+
 class Handle:
     """One request in flight: its events for the HTTP handler, and its cancellation."""
 
-    def __init__(self, owner: "OnlineEngine", prompt_ids: np.ndarray, budget: int, loop: asyncio.AbstractEventLoop):
+    def __init__(self, owner: "OnlineEngine", prompt_ids: np.ndarray, budget: int, loop: asyncio.AbstractEventLoop,
+                 sampling: sampling_lib.Sampling = sampling_lib.Sampling(), sample: int = 0):
         self.owner, self.prompt_ids, self.budget, self.loop = owner, prompt_ids, budget, loop
+        self.sampling, self.sample = sampling, sample  # its settings; which of its request's n samples it is
         self.prompt_tokens = len(prompt_ids)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.finish_reason = "length"
@@ -106,15 +106,18 @@ class OnlineEngine:
     """The engine's slots, driven by one thread, fed by `submit` from any asyncio handler.
 
     Args:
-        engine: an `Engine` whose config has `scheduler="continuous"`.
+        engine: an `Engine` whose config has `scheduler="continuous"`; its `sampling_mode` is what
+            requests may ask for (None: what `defaults` needs alone).
         tokenizer: the target's tokenizer (prompts, chat template, EOS, detokenization).
-        sampling: what the compiled programs sample with; requests must ask for the same.
+        defaults: the temperature and top-p of a request that sends none (`--temperature`, `--top-p`).
         max_queue: requests waiting for a slot before `submit` raises `QueueFull`.
+        seed: the key of the requests without a seed of their own.
     """
 
-    def __init__(self, engine, tokenizer, model_name: str, sampling: sampling_lib.Sampling = sampling_lib.Sampling(),
+    def __init__(self, engine, tokenizer, model_name: str, defaults: sampling_lib.Sampling = sampling_lib.Sampling(),
                  max_queue: int = 1024, seed: int = 0):
-        self.engine, self.tokenizer, self.sampling = engine, tokenizer, sampling
+        self.engine, self.tokenizer, self.defaults = engine, tokenizer, defaults
+        self.mode = engine.config.mode_for([defaults])
         self.max_queue, self.seed = max_queue, seed
         self.eos_ids = tuple(engine.model_config.eos_token_ids)
         self.metrics = metrics_lib.Metrics(model_name, engine.config.k)
@@ -130,20 +133,21 @@ class OnlineEngine:
         self.last_device_error: Exception | None = None
 
     # -- called from the event loop -------------------------------------------------------------
-    def submit(self, prompt_ids: Sequence[int], max_tokens: int | None, params: RequestParams, sample: int = 0) -> Handle:
-        """Queues one request; `max_tokens` None takes what the context leaves."""
+    def submit(self, prompt_ids: Sequence[int], max_tokens: int | None, sampling: sampling_lib.Sampling,
+               sample: int = 0) -> Handle:
+        """Queues one request (sample `sample` of its n); `max_tokens` None takes what the context leaves."""
         if self._draining:
             raise Unavailable("the server is shutting down")
         if self._programs is None:
             raise Unavailable("the server is still compiling; GET /health says when it is ready")
-        self.check_params(params)
+        self.check_sampling(sampling)
         prompt = self.engine.check_prompts([prompt_ids], [1])[0]  # token ids in the vocabulary, shape
         room = self._programs.widths[-1] if self._programs else self.max_model_len // 2
         if len(prompt) > room:
             raise config_lib.InputError(f"the prompt has {len(prompt)} tokens; this server takes up to {room}")
         budget = max_tokens or self.max_model_len - len(prompt) - self.engine.headroom
         self.engine.check_prompts([prompt], [budget])
-        handle = Handle(self, prompt, budget, asyncio.get_running_loop())
+        handle = Handle(self, prompt, budget, asyncio.get_running_loop(), sampling, sample)
         with self._wake:
             if len(self._inbox) + self._waiting >= self.max_queue:
                 raise QueueFull(f"{self.max_queue} requests are already waiting; retry later")
@@ -156,24 +160,22 @@ class OnlineEngine:
             self._cancelled.append(handle)
             self._wake.notify()
 
-    def check_params(self, params: RequestParams) -> None:
-        """Refuses settings the compiled programs do not sample with, naming the field."""
-        compiled = self.sampling
-        temperature = compiled.temperature if params.temperature is None else params.temperature
-        top_p = compiled.top_p if params.top_p is None else params.top_p
-        greedy = temperature == 0
-        if greedy != compiled.greedy or (not greedy and (temperature, top_p) != (compiled.temperature, compiled.top_p)):
-            raise config_lib.InputError(
-                f"this server samples with temperature={compiled.temperature}, top_p={compiled.top_p} (its "
-                f"--temperature and --top-p); a request asked for temperature={params.temperature}, "
-                f"top_p={params.top_p}")
-        defaults = RequestParams()
-        for name in ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs",
-                     "min_tokens"):
-            if getattr(params, name) != getattr(defaults, name):
-                raise config_lib.InputError(f"{name} is not supported by this server yet")
-        if params.seed is not None and not compiled.greedy:
-            raise config_lib.InputError("per-request seeds are not supported yet (the server's --seed applies)")
+    def sampling(self, temperature: float | None = None, top_p: float | None = None, **fields) -> sampling_lib.Sampling:
+        """A request's `Sampling`: the server's defaults where it sends no temperature or top_p.
+
+        Raises:
+            ValueError: a value out of range, naming the field.
+        """
+        return sampling_lib.Sampling(temperature=self.defaults.temperature if temperature is None else temperature,
+                                     top_p=self.defaults.top_p if top_p is None else top_p, **fields)
+
+    def check_sampling(self, sampling: sampling_lib.Sampling) -> None:
+        """Refuses settings the compiled programs cannot serve, or stop ids outside the vocabulary."""
+        if not self.mode.covers(sampling):
+            raise config_lib.InputError(refusal(self.mode, sampling))
+        vocab = self.engine.model_config.vocab_size
+        if any(i >= vocab for i in sampling.stop_token_ids):
+            raise config_lib.InputError(f"stop_token_ids must be below the vocabulary size {vocab}")
 
     def text_stream(self, stop: Sequence[str], stop_token_ids: Sequence[int], ignore_eos: bool = False):
         """The detokenizer and stop matcher of one request (EOS is a stop token unless ignored)."""
@@ -190,13 +192,18 @@ class OnlineEngine:
     def compile(self) -> None:
         """Compiles every program the server runs (an error is kept in `error`); requests may queue from now on."""
         try:
-            programs = self.engine.slot_programs(sampling_lib.SamplingMode.of([self.sampling]))
+            programs = self.engine.slot_programs(self.mode)
         except BaseException as error:
             self.error = error
             raise
-        self._loop = scheduler_lib.SlotLoop(programs, jax.random.key(self.seed), self.engine.config.resolved_refill_at)
+        self._loop = self._new_loop(programs)
         self._handles: dict[int, Handle] = {}
         self._programs = programs
+
+    def _new_loop(self, programs) -> scheduler_lib.SlotLoop:
+        # EOS ends rows on the device (where min_tokens masks it), unless a request ignores it.
+        return scheduler_lib.SlotLoop(programs, jax.random.key(self.seed), self.engine.config.resolved_refill_at,
+                                      eos_ids=self.eos_ids)
 
     def start(self) -> None:
         """Compiles, then starts the device thread: from then on `ready`."""
@@ -229,7 +236,7 @@ class OnlineEngine:
                 arrivals, self._inbox = list(self._inbox), collections.deque()
                 cancels, self._cancelled = list(self._cancelled), collections.deque()
             for handle in arrivals:
-                handle.request_id = loop.add(handle.prompt_ids, handle.budget, self.sampling)
+                handle.request_id = loop.add(handle.prompt_ids, handle.budget, handle.sampling, handle.sample)
                 self._handles[handle.request_id] = handle
                 self.metrics.prompt_tokens.inc(handle.prompt_tokens)
             for handle in cancels:
@@ -249,8 +256,7 @@ class OnlineEngine:
                 self.last_device_error = error
                 for handle in list(self._handles.values()):
                     self._end(handle, "error")
-                loop = self._loop = scheduler_lib.SlotLoop(self._programs, jax.random.key(self.seed),
-                                                           self.engine.config.resolved_refill_at)
+                loop = self._loop = self._new_loop(self._programs)
                 continue
             self._record(events)
 
@@ -272,9 +278,15 @@ class OnlineEngine:
                         self.metrics.inter_token_latency.observe(per_token)
                 handle.last_token = now
                 self.metrics.generation_tokens.inc(len(event.token_ids))
-                handle._send(Chunk(event.token_ids))
+                handle._send(Chunk(event.token_ids, [self._logprob_entry(entry) for entry in event.logprobs]))
             if event.result is not None:
-                self._end(handle, "length")
+                self._end(handle, event.result.finish_reason)
+
+    def _logprob_entry(self, entry: dict) -> dict:
+        """A row's entry (`outputs.RowOutput`, token ids) with the token strings the APIs show."""
+        token = lambda token_id: self.tokenizer.decode([token_id])
+        return {"token": token(entry["token_id"]), "logprob": entry["logprob"],
+                "top": {token(item["token_id"]): item["logprob"] for item in entry["top_logprobs"]}}
 
     def _set_gauges(self) -> None:
         self.metrics.running.set(self._loop.num_running)

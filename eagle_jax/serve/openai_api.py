@@ -4,7 +4,7 @@ Requests are pydantic models: a field the client may send but this server does n
 is refused by name (extra="forbid" would refuse the client's own optional fields, so the known
 unsupported ones are listed instead). vLLM's extra sampling fields (`top_k`, `min_p`,
 `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`) are accepted too, as the
-`openai` client passes them through `extra_body`.
+`openai` client passes them through `extra_body`; every field is served per request.
 """
 
 from __future__ import annotations
@@ -125,6 +125,14 @@ def new_id(prefix: str) -> str:
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+
+
+def add_offsets(entries: list[dict], start: int) -> int:
+    """Gives each entry its text offset (completions' `text_offset`), counted from `start`; returns the next."""
+    for entry in entries:
+        entry["offset"] = start
+        start += len(entry["token"])
+    return start
 
 
 def completion_logprobs(entries: list[dict]) -> dict:

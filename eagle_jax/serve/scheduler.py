@@ -174,7 +174,9 @@ class SlotLoop:
         self._state = calls.timed("run_seconds", programs.run, self._state, length, np.int32(wait_for))
         calls.run_calls += 1
         # One fetch: tokens, cursors, logprobs and the acceptance counters (stats), not the caches.
-        host = calls.fetch(device_calls.host_view(self._state))
+        # The logprobs buffers ([B, C, N]) only while a request wants them.
+        wanted = any(slot is not None and slot.output.logprobs is not None for slot in self._slots)
+        host = calls.fetch(device_calls.host_view(self._state, wanted))
         calls.run_steps += int(np.max(host.num_steps - self._steps))
         self._steps = np.array(host.num_steps, np.int64)
         self._host = host

@@ -87,12 +87,12 @@ def create_app(backend: online_lib.OnlineEngine, model_name: str) -> fastapi.Fas
     async def respond(request, body, prompts, chat: bool):
         request_id = openai_api.new_id("chatcmpl" if chat else "cmpl")
         max_tokens = body.max_new_tokens if chat else body.max_tokens
-        params = request_params(body, chat)
+        sampling = request_sampling(body, chat, backend)
         handles = []
         try:
             for prompt in prompts:
-                for sample in range(body.n):
-                    handles.append(backend.submit(prompt, max_tokens, params, sample=sample))
+                for sample in range(body.n):  # n rows, each with its own key (seeded: Sampling.sample_seed)
+                    handles.append(backend.submit(prompt, max_tokens, sampling, sample=sample))
         except online_lib.QueueFull as error:
             for handle in handles:
                 handle.cancel()
@@ -118,20 +118,23 @@ def create_app(backend: online_lib.OnlineEngine, model_name: str) -> fastapi.Fas
 
     async def collect(handle, body):
         stream_ = backend.text_stream(body.stop, body.stop_token_ids, body.ignore_eos)
-        pieces, logprobs = [], []
+        pieces, logprobs, offset = [], [], 0
         async for event in handle.events():
             pieces.append(stream_.push(event.token_ids))
+            offset = openai_api.add_offsets(event.logprobs, offset)
             logprobs += event.logprobs
             if stream_.stopped:
                 handle.cancel("stop")
                 break
         pieces.append(stream_.finish())
         reason = "stop" if stream_.stopped else handle.finish_reason
-        return "".join(pieces), reason, logprobs, len(stream_.ids)
+        # The tokens of the text only: not a stop token, nor those after a stop string.
+        return "".join(pieces), reason, logprobs[:len(stream_.ids)], len(stream_.ids)
 
     async def stream(request, request_id, body, handles, chat):
         queue: asyncio.Queue = asyncio.Queue()
         streams = [backend.text_stream(body.stop, body.stop_token_ids, body.ignore_eos) for _ in handles]
+        offsets = [0] * len(handles)
 
         async def pump(index, handle):
             async for event in handle.events():
@@ -160,6 +163,7 @@ def create_app(backend: online_lib.OnlineEngine, model_name: str) -> fastapi.Fas
                     yield sse(build(request_id, model_name, [delta(index, piece, reason, chat, [])], None, chunk=True))
                     continue
                 piece = text_stream.push(event.token_ids)
+                offsets[index] = openai_api.add_offsets(event.logprobs, offsets[index])
                 if text_stream.stopped:
                     handle.cancel("stop")
                     await queue.put((index, None))
@@ -210,14 +214,21 @@ def check_request(body: openai_api.SamplingFields, model_name: str, backend) -> 
                            "invalid_request_error", "model")
 
 
-def request_params(body, chat: bool) -> online_lib.RequestParams:
-    """The sampling and stopping settings of one request."""
+def request_sampling(body, chat: bool, backend: online_lib.OnlineEngine):
+    """One request's `Sampling` (its stop strings stay with the host's text stream; n with `respond`).
+
+    Raises:
+        RequestError: 400 for a value out of range, or settings the server's programs do not serve.
+    """
     logprobs = (body.top_logprobs or 0) if chat and body.logprobs else (None if chat else body.logprobs)
+    vocab = backend.engine.model_config.vocab_size
     try:
-        return online_lib.RequestParams(
-            temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
-            repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
+        sampling = backend.sampling(
+            temperature=body.temperature, top_p=body.top_p, top_k=min(body.top_k, vocab),  # above V: every token
+            min_p=body.min_p, repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, seed=body.seed, logprobs=logprobs,
-            ignore_eos=body.ignore_eos, min_tokens=body.min_tokens)
+            stop_token_ids=tuple(body.stop_token_ids), ignore_eos=body.ignore_eos, min_tokens=body.min_tokens)
+        backend.check_sampling(sampling)
     except ValueError as error:
         raise RequestError(400, str(error)) from None
+    return sampling

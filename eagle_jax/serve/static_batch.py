@@ -33,6 +33,7 @@ def generate_static(programs: programs_lib.BatchPrograms, outputs: Sequence[outp
     state = calls.timed("prefill_seconds", programs.prefill)
     # Streaming and stop strings need the tokens as they come; otherwise they are read once, at the end.
     watch = on_tokens is not None or any(output.stream is not None and output.sampling.stop for output in outputs)
+    wanted = any(output.logprobs is not None for output in outputs)  # the logprobs buffers, [B, C, N]
     first_token = None
     finish = np.full(num_rows, np.nan)
     steps = np.zeros(num_rows, np.int64)  # num_steps as of the last fetch (prefill: none)
@@ -41,7 +42,7 @@ def generate_static(programs: programs_lib.BatchPrograms, outputs: Sequence[outp
         calls.run_steps += int(np.max(num_steps[:num_rows] - steps))
         steps = num_steps[:num_rows]
         if watch:
-            _take(outputs, calls.fetch((state.output, state.logprobs)), counts, on_tokens)
+            _take(outputs, calls.fetch((state.output, state.logprobs if wanted else None)), counts, on_tokens)
             ended = [row for row, output in enumerate(outputs) if output.finished and not done[row]]
             if ended:  # stop strings: those rows take no more steps
                 state, done = device_calls.stop_rows(state, done, ended), np.array(done | np.isin(np.arange(len(done)), ended))
@@ -55,7 +56,7 @@ def generate_static(programs: programs_lib.BatchPrograms, outputs: Sequence[outp
         state = calls.timed("run_seconds", programs.step, state, device_calls.attend_length(
             tuple(programs.runs), programs.opts, programs.steps_per_call, running))
         calls.run_calls += 1
-    host = calls.fetch(device_calls.host_view(state))
+    host = calls.fetch(device_calls.host_view(state, wanted))
     _take(outputs, (host.output, host.logprobs), host.num_generated, on_tokens)
     seconds = time.perf_counter() - prefilled
     stats = state_lib.stats(host, programs.opts)

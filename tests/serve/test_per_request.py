@@ -70,10 +70,11 @@ def test_mixed_batches_share_one_set_of_programs(engines, prompts, scheduler, xl
         engine.generate(prompts[:1], max_new_tokens=MAX_NEW, sampling=sampling.Sampling(temperature=1.0, top_k=9))
 
 
-def test_without_a_fixed_mode_each_mode_compiles_once(engines, prompts):
+@pytest.mark.parametrize("scheduler", ["static", "continuous"])
+def test_without_a_fixed_mode_each_mode_compiles_once(engines, prompts, scheduler):
     """The default: a call runs the smallest mode covering its requests (greedy keeps the plain
-    argmax program); each mode's programs compile once."""
-    engine = engines("static", mode=None)
+    argmax program); each mode's programs compile once (the slots' too: their state follows the mode)."""
+    engine = engines(scheduler, mode=None)
     greedy = engine.generate(prompts, max_new_tokens=MAX_NEW)
     after_greedy = engine.num_compilations
     engine.generate(prompts, max_new_tokens=MAX_NEW, sampling=[GREEDY, SAMPLED] * 2)

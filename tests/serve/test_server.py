@@ -24,6 +24,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
+from eagle_jax.decode import sampling  # noqa: E402
 from eagle_jax.io import models, tokenization  # noqa: E402
 from eagle_jax.serve import config as config_lib  # noqa: E402
 from eagle_jax.serve import engine as engine_lib  # noqa: E402
@@ -166,7 +167,9 @@ def test_stop_strings_cut_the_output(client, offline):
     ("{not json", 400, "JSON"),
     (dict(model="other", prompt="w1"), 400, "not served"),
     (dict(model=MODEL, prompt="w1", top_p=2), 400, "top_p"),
-    (dict(model=MODEL, prompt="w1", temperature=0.5), 400, "temperature"),
+    (dict(model=MODEL, prompt="w1", temperature=2.5), 400, "temperature"),
+    (dict(model=MODEL, prompt="w1", stop_token_ids=[101]), 400, "stop_token_ids must be below the vocabulary size"),
+    (dict(model=MODEL, prompt="w1", stop_token_ids=list(range(9))), 400, "stop_token_ids must be a list of at most 8"),
     (dict(model=MODEL, prompt="w1", stop=[""]), 400, "stop"),
     (dict(model=MODEL, prompt="w1", n=0), 400, "greater than or equal to 1"),
     (dict(model=MODEL, prompt="w1", logprobs=50), 400, "logprobs"),
@@ -288,7 +291,7 @@ def test_a_request_cancelled_before_the_device_thread_takes_it_leaves_the_gauges
                    if s.name == f"eagle_jax:num_requests_{name}")
 
     async def scenario():
-        handle = backend.submit([5, 6, 7], 4, online.RequestParams())
+        handle = backend.submit([5, 6, 7], 4, sampling.Sampling())
         backend._record([])  # what a round ending now would record: the request waits in the inbox
         assert gauge("waiting") == 1
         handle.cancel()
@@ -299,3 +302,103 @@ def test_a_request_cancelled_before_the_device_thread_takes_it_leaves_the_gauges
     asyncio.run(scenario())
     assert gauge("waiting") == 0 and gauge("running") == 0
     assert "abort" in backend.metrics.exposition()[0].decode()
+
+
+# ---- Per-request settings: every field served, each request its own, in the same programs ----
+
+def offline_results(offline, prompts, max_tokens, settings):
+    engine, tokenizer = offline
+    ids = [tokenization.encode(tokenizer, p, chat=False) for p in prompts]
+    return engine.generate(ids, max_new_tokens=max_tokens, sampling=settings, tokenizer=tokenizer)
+
+
+def test_greedy_requests_with_penalties_and_min_tokens_equal_offline(client, offline):
+    """Each request's penalties and min_tokens, beside plain greedy ones in the same slots."""
+    settings = sampling.Sampling(repetition_penalty=1.4, presence_penalty=0.8, frequency_penalty=0.4, min_tokens=6)
+    expected = offline_results(offline, PROMPTS[6:9], 12, settings)
+    plain = offline_results(offline, PROMPTS[6:9], 12, sampling.Sampling())
+    assert [r.text for r in expected] != [r.text for r in plain]  # the settings change the outputs
+
+    def ask(index):
+        if index % 2:
+            return client.completions.create(model=MODEL, prompt=PROMPTS[6 + index // 2], max_tokens=12,
+                                             temperature=0).choices[0].text
+        return client.completions.create(
+            model=MODEL, prompt=PROMPTS[6 + index // 2], max_tokens=12, temperature=0, presence_penalty=0.8,
+            frequency_penalty=0.4, extra_body={"repetition_penalty": 1.4, "min_tokens": 6}).choices[0].text
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        texts = list(pool.map(ask, range(6)))
+    assert texts[0::2] == [r.text for r in expected] and texts[1::2] == [r.text for r in plain]
+
+
+def test_seeded_samples_reproduce_and_equal_offline(client, offline):
+    """A seeded request draws the same tokens in the server's all-settings programs as offline (the
+    keys come from the seed and the token count alone); its n samples draw apart."""
+    fields = dict(temperature=1.0, top_p=0.9, seed=5, extra_body={"top_k": 6, "min_p": 0.02})
+    first = client.completions.create(model=MODEL, prompt=PROMPTS[9], max_tokens=10, n=3, **fields)
+    again = client.completions.create(model=MODEL, prompt=PROMPTS[9], max_tokens=10, n=3, **fields)
+    texts = [c.text for c in sorted(first.choices, key=lambda c: c.index)]
+    assert texts == [c.text for c in sorted(again.choices, key=lambda c: c.index)]
+    assert len(set(texts)) > 1
+    request = sampling.Sampling(temperature=1.0, top_p=0.9, top_k=6, min_p=0.02, seed=5, n=3)
+    assert [r.text for r in offline_results(offline, PROMPTS[9:10], 10, request)] == texts
+
+
+def test_logprobs_in_both_apis_equal_offline(client, offline):
+    [expected] = offline_results(offline, PROMPTS[10:11], 8, sampling.Sampling(logprobs=2))
+    tokenizer = offline[1]
+    tokens = [tokenizer.decode([e["token_id"]]) for e in expected.logprobs]
+    completion = client.completions.create(model=MODEL, prompt=PROMPTS[10], max_tokens=8, temperature=0, logprobs=2)
+    got = completion.choices[0].logprobs
+    text_tokens = len(got.tokens)  # an EOS ending the output is no text, so it has no entry
+    assert got.tokens == tokens[:text_tokens] and text_tokens >= len(tokens) - 1
+    np.testing.assert_allclose(got.token_logprobs, [e["logprob"] for e in expected.logprobs][:text_tokens], atol=1e-5)
+    assert [len(top) for top in got.top_logprobs] == [2] * text_tokens
+    assert got.text_offset == list(np.cumsum([0] + [len(t) for t in tokens[:text_tokens - 1]]))
+    messages = [{"role": "user", "content": PROMPTS[10]}]
+    [chat_expected] = offline[0].generate([tokenization.encode_messages(tokenizer, messages)], max_new_tokens=8,
+                                          sampling=sampling.Sampling(logprobs=3), tokenizer=tokenizer)
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0, logprobs=True,
+                                          top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert [c.token for c in content] == [tokenizer.decode([e["token_id"]]) for e in chat_expected.logprobs][
+        :len(content)]
+    assert all(len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token for c in content)  # greedy
+
+
+def test_stop_token_ids_end_a_request(client, offline):
+    [free] = offline_results(offline, PROMPTS[11:12], 12, sampling.Sampling(ignore_eos=True))
+    stop = free.token_ids[3]
+    assert stop not in free.token_ids[:3]
+    cut = client.completions.create(model=MODEL, prompt=PROMPTS[11], max_tokens=12, temperature=0,
+                                    extra_body={"stop_token_ids": [stop], "ignore_eos": True})
+    assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens == 3
+    assert cut.choices[0].text == offline[1].decode(free.token_ids[:3], skip_special_tokens=True)
+
+
+def test_a_greedy_only_server_refuses_what_it_does_not_compile(offline):
+    """--greedy-only: the plain argmax programs; requests that sample, penalise or ask for logprobs
+    get a 400 naming the field, before anything is queued (nothing here is compiled)."""
+    import asyncio
+
+    from eagle_jax.serve import online, server
+
+    engine, tokenizer = offline
+    assert engine.config.sampling_mode is None  # a greedy engine: its mode is what greedy requests need
+    backend = online.OnlineEngine(engine, tokenizer, MODEL)
+    app = server.create_app(backend, MODEL)
+    cases = [(dict(temperature=0.7), "temperature > 0: not served by this server, which runs with --greedy-only"),
+             (dict(presence_penalty=0.5), "repetition, presence and frequency penalties: not served"),
+             (dict(logprobs=1), "logprobs: not served"), (dict(min_tokens=2), "min_tokens: not served")]
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+            for fields, message in cases:
+                response = await http.post("/v1/completions", json=dict(model=MODEL, prompt="w1", max_tokens=2,
+                                                                         **fields))
+                assert response.status_code == 400 and message in response.json()["error"]["message"], fields
+            response = await http.post("/v1/completions", json=dict(model=MODEL, prompt="w1", max_tokens=2))
+            assert response.status_code == 503  # a greedy request passes the checks: the server is not compiled
+
+    asyncio.run(scenario())
