@@ -192,21 +192,33 @@ def main(argv=None) -> int:
     return 0
 
 
-def plot(rows: list[dict], path: str) -> None:
+def plot(rows: list[dict], path: str):
+    """TPOT and TTFT p50 against output tokens/s: one line per label over its request rates, its
+    closed-loop rows as crosses. Returns the figure."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    throughput = [r["output_tokens_per_second"] for r in rows]
-    for axis, key, name in ((left, "tpot_seconds", "TPOT p50 (ms)"), (right, "ttft_seconds", "TTFT p50 (ms)")):
-        axis.plot(throughput, [1e3 * (r[key]["p50"] or np.nan) for r in rows], "o-")
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    labels = list(dict.fromkeys(r["label"] or r["model"] for r in rows))
+    for number, label in enumerate(labels):
+        mine = [r for r in rows if (r["label"] or r["model"]) == label]
+        for axis, key in zip(axes, ("tpot_seconds", "ttft_seconds")):
+            for kind, style in (("request_rate", "o-"), ("concurrency", "x")):
+                points = sorted((r["output_tokens_per_second"], 1e3 * (r[key]["p50"] or np.nan))
+                                for r in mine if r.get(kind) is not None)
+                if points:
+                    axis.plot(*zip(*points), style, color=f"C{number}", label=label if kind == "request_rate" else None)
+    for axis, name in zip(axes, ("TPOT p50 (ms)", "TTFT p50 (ms)")):
         axis.set_xlabel("output tokens/s")
         axis.set_ylabel(name)
         axis.grid(alpha=0.3)
-    figure.suptitle(rows[0]["label"] or rows[0]["model"])
+    axes[1].set_yscale("log")
+    axes[0].legend(fontsize=8)
+    figure.suptitle("request rates (lines) and closed loops (crosses)")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
+    return figure
 
 
 if __name__ == "__main__":

@@ -97,10 +97,20 @@ class Compiler:
                    for w in widths}
         # Its own name: a static batch would lower the same step for the prefill's output types.
         runs = self._run_programs("slots-run", state_shape, steps_per_call, opts, (np.int32(1),), stop_on_finish=True)
+        # While every running row is greedy with no processor (the common case), a call runs the
+        # argmax step on the same state: processing every row (a vocabulary sort for top-p, the
+        # penalties) cost a 16-slot EAGLE-3 step 2.3x on an H100 (docs/serving.md). Token counts
+        # and logprob buffers ride along; the counts stay current, so a penalised row can come later.
+        argmax_mode = sampling_lib.SamplingMode()
+        argmax_runs = runs if sampling_mode == argmax_mode else self._run_programs(
+            "slots-run", state_shape, steps_per_call, opts.replace(sampling_mode=argmax_mode), (np.int32(1),),
+            stop_on_finish=True)
         return programs_lib.SlotPrograms(
             prefill=lambda tokens, *args: prefills[tokens.shape[1]](*params, tokens, *args),
             insert=lambda state, new, take: inserts[new.cache.max_length](state, new, take),
-            run=lambda state, attend_length, refill_at: runs[attend_length](*params, state, refill_at), empty=empty,
+            run=lambda state, attend_length, refill_at, argmax=False: (argmax_runs if argmax else runs)[attend_length](
+                *params, state, refill_at),
+            empty=empty,
             batch_size=rows, widths=tuple(widths), attend_lengths=tuple(runs), steps_per_call=steps_per_call,
             compile_seconds=self.compile_seconds - compile_before, opts=opts)
 

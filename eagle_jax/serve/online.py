@@ -201,9 +201,10 @@ class OnlineEngine:
         self._programs = programs
 
     def _new_loop(self, programs) -> scheduler_lib.SlotLoop:
-        # EOS ends rows on the device (where min_tokens masks it), unless a request ignores it.
+        # EOS ends rows on the device (where min_tokens masks it), unless a request ignores it. A
+        # new request's first token streams as soon as its prefill ends, not after a run call.
         return scheduler_lib.SlotLoop(programs, jax.random.key(self.seed), self.engine.config.resolved_refill_at,
-                                      eos_ids=self.eos_ids)
+                                      eos_ids=self.eos_ids, first_tokens_at_prefill=True)
 
     def start(self) -> None:
         """Compiles, then starts the device thread: from then on `ready`."""

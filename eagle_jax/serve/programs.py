@@ -112,9 +112,11 @@ class SlotPrograms:
     # insert(state, rows, take [B] bool) -> state, `rows` a prefill's output (any width); `state`
     # is donated
     insert: Callable
-    # run(state, attend_length, refill_at) -> state after up to steps_per_call steps or once
-    # refill_at (int32) of the rows running at entry are done, attention reading cache slots
-    # below attend_length (one of attend_lengths); `state` is donated.
+    # run(state, attend_length, refill_at, argmax=False) -> state after up to steps_per_call steps
+    # or once refill_at (int32) of the rows running at entry are done, attention reading cache
+    # slots below attend_length (one of attend_lengths); `state` is donated. argmax: the greedy
+    # step without processors, on the same state, for calls whose running rows all take the
+    # argmax (`SamplingMode().covers` each); the same programs where `opts` is that mode already.
     run: Callable
     empty: Callable  # empty(rng) -> a state of idle slots, caches the whole cache long, built on the device
     batch_size: int

@@ -43,6 +43,10 @@ from eagle_jax.serve import programs as programs_lib
 from eagle_jax.serve import result as result_lib
 
 
+# What a run call needs when every running row is greedy and unprocessed: the argmax step.
+ARGMAX = sampling_lib.SamplingMode()
+
+
 @dataclasses.dataclass(frozen=True)
 class Request:
     """A queued request: one row (one sample of a prompt)."""
@@ -93,12 +97,17 @@ class SlotLoop:
         eos_ids: the model's EOS ids; a request ends at them unless it ignores EOS (none: no row
             ends at EOS on the device; a server may watch for them on the host instead).
         tokenizer: decodes each request's text and finds its stop strings (`outputs.RowOutput`).
+        first_tokens_at_prefill: a round that refills slots returns after the prefill, with the
+            new requests' first tokens, and runs no steps (the next round does): a server's time to
+            first token then waits for no run call. One more fetch a refill; off offline.
     """
 
     def __init__(self, programs: programs_lib.SlotPrograms, rng: jax.Array, refill_at: int = 1,
-                 began: float | None = None, eos_ids: tuple[int, ...] = (), tokenizer=None):
+                 began: float | None = None, eos_ids: tuple[int, ...] = (), tokenizer=None,
+                 first_tokens_at_prefill: bool = False):
         self.programs = programs
         self.refill_at = refill_at
+        self.first_tokens_at_prefill = first_tokens_at_prefill
         self.began = time.perf_counter() if began is None else began
         self.eos_ids, self.tokenizer = tuple(eos_ids), tokenizer
         self.calls = device_calls.CallCounts()
@@ -154,7 +163,8 @@ class SlotLoop:
         return not self._queue and all(slot is None for slot in self._slots)
 
     def step(self) -> list[Event]:
-        """One round: refill free slots from the queue, one run call, one fetch.
+        """One round: refill free slots from the queue, one run call (none after a refill, with
+        `first_tokens_at_prefill`), one fetch.
 
         Returns:
             An event for each request with new tokens or finished in this round.
@@ -163,24 +173,34 @@ class SlotLoop:
         if self._to_stop:
             self._state = device_calls.stop_rows(self._state, self._host.done, self._to_stop)
             self._to_stop.clear()
-        self._refill()
+        refilled = self._refill()
         if all(slot is None for slot in self._slots):
             return events
+        if refilled and self.first_tokens_at_prefill:
+            return events + self._harvest()
         programs, calls = self.programs, self.calls
         running = [(slot.prompt_length, slot.budget, slot.generated) for slot in self._slots if slot is not None]
         # Leave the device loop to refill only when slots can be refilled, and as a batch.
         wait_for = min(self.refill_at, len(self._queue)) if self._queue else programs.batch_size + 1
         length = device_calls.attend_length(programs.attend_lengths, programs.opts, programs.steps_per_call, running)
-        self._state = calls.timed("run_seconds", programs.run, self._state, length, np.int32(wait_for))
+        argmax = all(ARGMAX.covers(slot.output.sampling) for slot in self._slots if slot is not None)
+        self._state = calls.timed("run_seconds", programs.run, self._state, length, np.int32(wait_for), argmax)
         calls.run_calls += 1
-        # One fetch: tokens, cursors, logprobs and the acceptance counters (stats), not the caches.
-        # The logprobs buffers ([B, C, N]) only while a request wants them.
+        calls.argmax_run_calls += argmax
+        return events + self._harvest()
+
+    def _harvest(self) -> list[Event]:
+        """One fetch (tokens, cursors, logprobs and the acceptance counters, not the caches; the
+        logprobs buffers ([B, C, N]) only while a request wants them), then each slot's new tokens
+        and, for the rows that finished, their `Result`s; their slots are freed."""
+        programs, calls = self.programs, self.calls
         wanted = any(slot is not None and slot.output.logprobs is not None for slot in self._slots)
         host = calls.fetch(device_calls.host_view(self._state, wanted))
         calls.run_steps += int(np.max(host.num_steps - self._steps))
         self._steps = np.array(host.num_steps, np.int64)
         self._host = host
         now = time.perf_counter()
+        events = []
         stats = None  # computed once, when a row finishes
         for row, slot in enumerate(self._slots):
             if slot is None:
@@ -221,12 +241,12 @@ class SlotLoop:
                 slot.first_token_seconds, now - self.began, finish_reason="abort")))
         return events
 
-    def _refill(self) -> None:
-        """One prefill and one insert call fill every free slot from the queue."""
+    def _refill(self) -> bool:
+        """One prefill and one insert call fill every free slot from the queue; whether any was."""
         free = [row for row, slot in enumerate(self._slots) if slot is None]
         starting = [(row, self._queue.popleft()) for row in free[:len(self._queue)]]
         if not starting:
-            return
+            return False
         now = time.perf_counter()
         programs = self.programs
         inputs = _prefill_inputs([request.prompt for _, request in starting], [request.budget for _, request in starting],
@@ -248,6 +268,7 @@ class SlotLoop:
         self._state = self.calls.timed("prefill_seconds", programs.insert, self._state, rows, take)
         self.calls.prefill_calls += 1
         self.calls.insert_calls += 1
+        return True
 
 
 def generate(programs: programs_lib.SlotPrograms, prompts: Sequence[np.ndarray], budgets: Sequence[int],

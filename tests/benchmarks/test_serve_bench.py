@@ -1,0 +1,47 @@
+"""`benchmarks/serve_bench.py`'s arithmetic and plot on made-up request timings (no server)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.append(str(REPO / "benchmarks"))
+
+import serve_bench  # noqa: E402
+
+
+def request(first: float, gaps: list[float], tokens: int) -> dict:
+    times = [first]
+    for gap in gaps:
+        times.append(times[-1] + gap)
+    return {"sent": 0.0, "chunk_times": times, "tokens": tokens, "error": None}
+
+
+def test_summarise_times_each_request_from_its_chunks():
+    """TTFT is the first chunk; TPOT spreads the time after it over the tokens after the first; a
+    failed request counts as failed and adds no tokens."""
+    results = [request(0.010, [0.002] * 4, 5),  # TPOT (0.008) / 4 = 2 ms
+               request(0.030, [0.006, 0.006], 7),  # chunks of 3 tokens: TPOT 12 ms / 6 = 2 ms
+               {"error": "HTTP 400: bad"}]
+    row = serve_bench.summarise(results, seconds=2.0)
+    assert row["num_requests"] == 3 and row["failed"] == 1
+    assert row["output_tokens"] == 12 and row["output_tokens_per_second"] == pytest.approx(6.0)
+    assert row["request_throughput"] == pytest.approx(1.0)
+    assert row["ttft_seconds"]["p50"] == pytest.approx(0.020)
+    assert row["tpot_seconds"]["p50"] == pytest.approx(0.002)
+    assert row["itl_seconds"]["mean"] == pytest.approx(0.002)
+
+
+def test_plot_draws_one_line_per_label(tmp_path):
+    rows = []
+    for label, base in (("eagle3", 1.0), ("plain", 2.0)):
+        for rate, kind in ((1.0, "request_rate"), (16.0, "request_rate"), (32, "concurrency")):
+            row = serve_bench.summarise([request(0.03 * base, [0.001 * base] * 8, 9)], seconds=1 / rate)
+            rows.append(dict(row, label=label, model="m", **{kind: rate}))
+    path = tmp_path / "serve.png"
+    figure = serve_bench.plot(rows, str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [text.get_text() for text in figure.axes[0].get_legend().get_texts()] == ["eagle3", "plain"]
+    tpot_line = [line for line in figure.axes[0].get_lines() if line.get_label() == "plain"][0]
+    assert len(tpot_line.get_xdata()) == 2  # its two request rates; the closed loop is a cross apart

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The server under load on a GPU machine staged by stage_local.sh (EAGLE-3 against plain, 16 and 64
+# slots, and --greedy-only), the offline continuous figure with the same slots, and MT-Bench at
+# batch 1: the queue behind the GPU table of docs/serving.md. Carried as .stage/queue.sh with the
+# serve extra's wheels (fastapi, starlette, pydantic, pydantic-core, annotated-types,
+# typing-inspection, annotated-doc, opentelemetry-api, typing-extensions, uvicorn) installed into
+# /tmp/site; launch.sh runs it.
+set -u
+R=${RESULTS:?}; W=${WORK:-/root/work}; cd $W
+export PYTHONPATH=/tmp/site:$W PYTHONUNBUFFERED=1
+export EAGLE_JAX_MTBENCH=${EAGLE_JAX_MTBENCH:-/root/stage/mtbench_question.jsonl}
+Q=${QUICK:-}  # QUICK=1: a few requests per setting, to try the queue on a CPU
+{ nvidia-smi --query-gpu=name,driver_version --format=csv
+  python3 -c "import jax, jaxlib, flax, fastapi, uvicorn; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'flax', flax.__version__, 'fastapi', fastapi.__version__, 'uvicorn', uvicorn.__version__)"
+  git -C /root/stage rev-parse HEAD 2>/dev/null; cat /root/stage/commit.txt 2>/dev/null; date -u; } > $R/device.txt 2>&1
+cat $R/device.txt
+echo "== kernel check"
+timeout 240 python3 benchmarks/kernels_bench.py --check --rows 1,7,32 --tokens 1,7,32 --iterations 1 --trace-calls 1 \
+  --out $R/kernels_check.json > $R/kernels_check.txt 2>&1 || { tail -5 $R/kernels_check.txt; echo "CHECK FAILED"; echo BENCH DONE; exit 1; }
+tail -2 $R/kernels_check.txt
+port=8100
+serve() {  # name slots rates concurrency [server flags...]: one server, Poisson rates (one call each), a closed loop
+  local name=$1 slots=$2 rates=$3 conc=$4; shift 4
+  port=$((port + 1))
+  echo "== serve $name: $slots slots, flags: $*  ($(date -u +%T))"
+  setsid python3 -m eagle_jax.serve --dtype bfloat16 --max-num-seqs $slots --port $port "$@" > $R/server_$name.log 2>&1 < /dev/null &
+  local pid=$! began=$SECONDS
+  python3 - $port <<'PY' || { echo "server $name not ready"; tail -5 $R/server_$name.log; kill -- -$pid 2>/dev/null; return 1; }
+import sys, time, httpx
+port = sys.argv[1]; deadline = time.time() + 400
+while time.time() < deadline:
+    try:
+        if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200: sys.exit(0)
+    except httpx.HTTPError: pass
+    time.sleep(1)
+sys.exit(1)
+PY
+  echo "ready after $((SECONDS - began)) s"
+  for rate in ${rates//,/ }; do
+    case $rate in 1) n=24;; 4) n=64;; 16) n=192;; *) n=384;; esac
+    [ -n "$Q" ] && n=3
+    timeout 300 python3 benchmarks/serve_bench.py --url http://127.0.0.1:$port --request-rate $rate --num-prompts $n \
+      --label "$name" --out $R/serve.json 2>&1 | grep -v -i warn | tail -1
+  done
+  [ -n "$conc" ] && timeout 300 python3 benchmarks/serve_bench.py --url http://127.0.0.1:$port --concurrency $conc \
+      --num-prompts $([ -n "$Q" ] && echo 4 || echo $((conc * 8))) --label "$name" --out $R/serve.json 2>&1 | grep -v -i warn | tail -1
+  python3 -c "import httpx, sys; print(httpx.get(f'http://127.0.0.1:{sys.argv[1]}/metrics').text)" $port > $R/metrics_$name.txt 2>/dev/null || true
+  kill -TERM $pid; wait $pid; echo "server exit $?"
+}
+serve eagle3-16 16 1,4,16,64 32 --method eagle3
+serve plain-16 16 1,4,16,64 32 --num-speculative-tokens 0
+echo "== offline continuous, 16 slots ($(date -u +%T))"
+timeout 400 python3 benchmarks/eagle.py --method eagle3,none --num_spec_tokens 4 --max_num_seqs 16 --scheduler continuous \
+  --num_prompts 320 --max_new_tokens 256 --out $R/mtbench.json 2>&1 | grep -E "tok/s|tokens/s|Error" | tail -4
+serve eagle3-64 64 1,4,16,64 128 --method eagle3
+serve plain-64 64 1,4,16,64 128 --num-speculative-tokens 0
+echo "== offline continuous, 64 slots ($(date -u +%T))"
+timeout 400 python3 benchmarks/eagle.py --method eagle3,none --num_spec_tokens 4 --max_num_seqs 64 --scheduler continuous \
+  --num_prompts 320 --max_new_tokens 256 --out $R/mtbench.json 2>&1 | grep -E "tok/s|tokens/s|Error" | tail -4
+serve eagle3-16-greedy-only 16 1,16,64 32 --method eagle3 --greedy-only
+echo "== MT-Bench, batch 1 ($(date -u +%T))"
+timeout 400 python3 benchmarks/eagle.py --method eagle3,none --num_spec_tokens 6 --max_num_seqs 1 \
+  --num_prompts 80 --max_new_tokens 256 --out $R/mtbench.json 2>&1 | grep -E "tok/s|tokens/s|Error" | tail -4
+echo "queue end $(date -u +%T)"
+echo BENCH DONE
