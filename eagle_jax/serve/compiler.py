@@ -59,42 +59,50 @@ class Compiler:
                       steps_per_call: int | None = None) -> programs_lib.SlotPrograms:
         """Compiles (once per engine and sampling mode) the continuous scheduler's prefill, insert and run.
 
-        Shapes depend on the engine alone: prefills of all batch_size slots at once in
-        power-of-two widths w up to max_length // 2, each with caches of w slots (all that a
-        prefill writes), one insert per width writing those w slots into the slots' caches of
-        max_length, an output buffer for the largest budget, and one run program per attention
-        length (`_run_programs`); all compiled here, so none compiles mid-run. Each row's
-        settings and stop ids are data (`sampling.SamplingParams`, `sampling.STOP_WIDTH` ids a
-        row), written at its prefill: any mix of requests that `sampling_mode` covers runs on them.
+        Shapes depend on the engine alone: prefills of R rows (`inputs.row_buckets`: powers of 4
+        below batch_size, and batch_size) in power-of-two widths w up to max_length // 2, each with
+        caches of w slots (all that a prefill writes), one insert per (R, w) scattering those w
+        slots into the slots' caches of max_length, an output buffer for the largest budget, and
+        one run program per attention length (`_run_programs`); all compiled here, so none
+        compiles mid-run. Each row's settings and stop ids are data (`sampling.SamplingParams`,
+        `sampling.STOP_WIDTH` ids a row), written at its prefill: any mix of requests that
+        `sampling_mode` covers runs on them.
         """
         steps_per_call = steps_per_call or self.config.steps_per_call
         opts = self.options(sampling_mode=sampling_mode, max_new_tokens=self.max_length - self.headroom - 1,
                             cache_length=self.max_length)
         compile_before = self.compile_seconds
-        params, rows = (self.target_params, self.head_params), self.config.batch_size
-        neutral = jax.device_get(sampling_lib.SamplingParams.neutral(rows, sampling_lib.STOP_WIDTH))
-        row_args = lambda w: params + (np.zeros((rows, w), np.int32), np.ones((rows,), np.int32),
-                                       np.ones((rows,), np.int32), neutral, jax.random.key(0))
+        params, slots = (self.target_params, self.head_params), self.config.batch_size
+        row_counts = inputs.row_buckets(slots)
+
+        def row_args(rows, w):
+            neutral = jax.device_get(sampling_lib.SamplingParams.neutral(rows, sampling_lib.STOP_WIDTH))
+            return params + (np.zeros((rows, w), np.int32), np.ones((rows,), np.int32), np.ones((rows,), np.int32),
+                             neutral, jax.random.key(0))
+
         width = self.max_length // 2
         widths = sorted({inputs.bucket_length(length, width) for length in range(1, width + 1)})
         row_opts = {w: opts.replace(cache_length=w) for w in widths}  # `speculative.start` writes slots [0, w)
-        prefills = {w: self._program("prefill-slots", self._start_rows, row_args(w), dict(opts=row_opts[w]), w)
-                    for w in widths}
+        shapes = [(rows, w) for rows in row_counts for w in widths]
+        prefills = {(rows, w): self._program("prefill-slots", self._start_rows, row_args(rows, w),
+                                             dict(opts=row_opts[w]), (rows, w))
+                    for rows, w in shapes}
 
-        def row_shape(w):  # the compiled prefill knows its output shapes: no second trace of the model
+        def row_shape(rows, w):  # the compiled prefill knows its output shapes: no second trace of the model
             if self.config.eager:
-                return jax.eval_shape(functools.partial(self._start_rows, opts=row_opts[w]), *row_args(w))
-            return prefills[w].out_info
+                return jax.eval_shape(functools.partial(self._start_rows, opts=row_opts[w]), *row_args(rows, w))
+            return prefills[rows, w].out_info
 
         key = jax.random.key(0)
-        make_empty = functools.partial(self._empty, shape=programs_lib.slot_shape(row_shape(width), self.max_length))
+        make_empty = functools.partial(self._empty, shape=programs_lib.slot_shape(row_shape(slots, width),
+                                                                                  self.max_length))
         # The state's leaves follow the sampling mode (token counts, logprobs): part of these keys.
         empty = self._program("empty", make_empty, (key,), {}, 0, mode=sampling_mode)
         state_shape = self._state_shape(jax.eval_shape(make_empty, key))
-        inserts = {w: self._program("insert", self._insert, (state_shape, self._state_shape(row_shape(w)),
-                                                             np.zeros((rows,), bool)), {}, w, donate=("state",),
-                                    mode=sampling_mode)
-                   for w in widths}
+        inserts = {(rows, w): self._program("insert", self._insert, (state_shape, self._state_shape(row_shape(rows, w)),
+                                                                     np.zeros((rows,), np.int32)), {}, (rows, w),
+                                            donate=("state",), mode=sampling_mode)
+                   for rows, w in shapes}
         # Its own name: a static batch would lower the same step for the prefill's output types.
         runs = self._run_programs("slots-run", state_shape, steps_per_call, opts, (np.int32(1),), stop_on_finish=True)
         # While every running row is greedy with no processor (the common case), a call runs the
@@ -106,13 +114,13 @@ class Compiler:
             "slots-run", state_shape, steps_per_call, opts.replace(sampling_mode=argmax_mode), (np.int32(1),),
             stop_on_finish=True)
         return programs_lib.SlotPrograms(
-            prefill=lambda tokens, *args: prefills[tokens.shape[1]](*params, tokens, *args),
-            insert=lambda state, new, take: inserts[new.cache.max_length](state, new, take),
+            prefill=lambda tokens, *args: prefills[tokens.shape](*params, tokens, *args),
+            insert=lambda state, new, slot_ids: inserts[len(slot_ids), new.cache.max_length](state, new, slot_ids),
             run=lambda state, attend_length, refill_at, argmax=False: (argmax_runs if argmax else runs)[attend_length](
                 *params, state, refill_at),
             empty=empty,
-            batch_size=rows, widths=tuple(widths), attend_lengths=tuple(runs), steps_per_call=steps_per_call,
-            compile_seconds=self.compile_seconds - compile_before, opts=opts)
+            batch_size=slots, row_counts=row_counts, widths=tuple(widths), attend_lengths=tuple(runs),
+            steps_per_call=steps_per_call, compile_seconds=self.compile_seconds - compile_before, opts=opts)
 
     def batch_programs(self, prompts: Sequence[np.ndarray], rng: jax.Array, opts: state_lib.Options,
                        steps_per_call: int | None = None,
@@ -167,9 +175,10 @@ class Compiler:
                     **static), 0, donate=("state",))
                 for length in lengths}
 
-    def _program(self, name: str, function, args, static: dict, width: int, donate: tuple[str, ...] = (),
+    def _program(self, name: str, function, args, static: dict, bucket, donate: tuple[str, ...] = (),
                  mode: sampling_lib.SamplingMode | None = None):
-        """The compiled program for this prefill width and static settings, compiled once.
+        """The compiled program for this prefill bucket (a width, or rows and width) and static
+        settings, compiled once.
 
         The in-memory key is cheap (parameters and batch size are fixed per engine); the
         persistent cache key, built only on a miss, spells out every argument shape (the kernel
@@ -181,7 +190,7 @@ class Compiler:
                 with jax.disable_jit():
                     return function(*a, **static)
             return op_by_op
-        key = (name, width, tuple(sorted(static.items())), mode)
+        key = (name, bucket, tuple(sorted(static.items())), mode)
         if key not in self.compiled:
             shapes = jax.tree.map(lambda x: (x.shape, x.dtype) if hasattr(x, "shape") else x, args)
             description = repr((name, shapes, sorted(static.items()), self.model_config, self.head_config,
@@ -216,8 +225,8 @@ class Compiler:
         return self._place(speculative.run_steps(target, head, state, num_steps, opts, self.config.steps_per_check,
                                                  stop_on_finish, min_finished))
 
-    def _insert(self, state, rows, take):
-        return self._place(programs_lib.insert(state, rows, take))
+    def _insert(self, state, rows, slot_ids):
+        return self._place(programs_lib.insert(state, rows, slot_ids))
 
     def _empty(self, rng, *, shape):
         return self._place(programs_lib.empty_state(shape, rng))

@@ -39,6 +39,19 @@ def bucket_length(length: int, max_length: int) -> int:
     return min(max(MIN_BUCKET, 1 << (length - 1).bit_length()), max_length)
 
 
+def row_buckets(batch_size: int) -> tuple[int, ...]:
+    """The row counts a continuous refill prefills: powers of 4 below `batch_size`, and
+    `batch_size`: (1, 4, 16, 64) at 64 slots. A refill of n requests prefills the smallest that
+    holds n, so one request arriving at 64 slots prefills one row, not 64, while the start-up
+    compiles grow with the log of the slots."""
+    return tuple(4 ** i for i in range(8) if 4 ** i < batch_size) + (batch_size,)
+
+
+def bucket_rows(count: int, buckets: Sequence[int]) -> int:
+    """The smallest of `buckets` (ascending) that holds `count` rows."""
+    return next(rows for rows in buckets if rows >= count)
+
+
 def fixed_max_length(longest_prompt: int, max_new_tokens: int, headroom: int, limit: int) -> int:
     """The smallest power-of-two `max_length` (capped at `limit`) whose fixed shapes take these prompts.
 

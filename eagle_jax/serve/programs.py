@@ -18,28 +18,27 @@ from eagle_jax.decode import sampling as sampling_lib
 from eagle_jax.decode import state as state_lib
 
 
-def insert(state: state_lib.DecodeState, rows: state_lib.DecodeState, take: jax.Array) -> state_lib.DecodeState:
-    """Slot b of `state` becomes row b of `rows` where `take[b]` ([B] bool), and stays elsewhere.
+def insert(state: state_lib.DecodeState, rows: state_lib.DecodeState, slots: jax.Array) -> state_lib.DecodeState:
+    """Slot `slots[i]` of `state` becomes row i of `rows` ([R] int32 slot ids, R the prefill's rows);
+    an id of `batch_size` or more (a padding row) is dropped, and the other slots stay as they are.
 
     Every leaf but `rng` has batch as axis 0 (the caches' per-layer keys and values and their
     lengths, the per-row counters, outputs, budgets, sampling settings, token counts, logprobs and
     pending draft pairs), so one tree map covers them all. `rng` is one key for the whole batch: the big state's is kept.
 
     A leaf of `rows` may be shorter than the state's along other axes (the prefill's caches,
-    `KVCache` [B, w, K, H], against the slots' [B, S, K, H]): only that leading block is written;
-    with `state` donated, XLA updates it in place. A taken slot keeps its old row's entries past
-    w, which its new row never reads: a query sees only the slots up to its position
+    `KVCache` [R, w, K, H], against the slots' [B, S, K, H]): only that leading block of each
+    slot is written; with `state` donated, XLA scatters it in place. A slot keeps its old row's
+    entries past w, which its new row never reads: a query sees only the slots up to its position
     (`layers.Attention.attend`, `kernels.decode_attention`, `attention_ops.visible_slots`), and every
     forward writes its new keys from its cache's `lengths` on (a new row's: its prompt) before it
     attends, so each slot a query sees holds the prompt or this row's own writes.
     """
-    def pick(big, new):
-        corner = (0,) * big.ndim
-        old = jax.lax.slice(big, corner, new.shape)
-        picked = jnp.where(take.reshape((-1,) + (1,) * (big.ndim - 1)), new.astype(big.dtype), old)
-        return jax.lax.dynamic_update_slice(big, picked, corner)
+    def put(big, new):
+        block = (slots,) + tuple(slice(0, size) for size in new.shape[1:])
+        return big.at[block].set(new.astype(big.dtype), mode="drop")
 
-    merged = jax.tree.map(pick, state.replace(rng=None), rows.replace(rng=None))
+    merged = jax.tree.map(put, state.replace(rng=None), rows.replace(rng=None))
     return merged.replace(rng=state.rng)
 
 
@@ -106,21 +105,17 @@ class BatchPrograms:
 class SlotPrograms:
     """The compiled programs of one slot layout (see `Engine.slot_programs`)."""
 
-    # prefill(tokens [B, w], lengths [B], budgets [B], params (`sampling.SamplingParams`), rng) ->
-    # a B-row DecodeState whose caches are w slots long, w in widths
+    # prefill(tokens [R, w], lengths [R], budgets [R], params (`sampling.SamplingParams`), rng) ->
+    # an R-row DecodeState whose caches are w slots long, R in row_counts, w in widths
     prefill: Callable
-    # insert(state, rows, take [B] bool) -> state, `rows` a prefill's output (any width); `state`
-    # is donated
+    # insert(state, rows, slot_ids [R] int32) -> state, `rows` a prefill's output; row i goes to
+    # slot slot_ids[i], ids >= batch_size (padding rows) are dropped; `state` is donated
     insert: Callable
-    # run(state, attend_length, refill_at, argmax=False) -> state after up to steps_per_call steps
-    # or once refill_at (int32) of the rows running at entry are done, attention reading cache
-    # slots below attend_length (one of attend_lengths); `state` is donated. argmax: the greedy
-    # step without processors, on the same state, for calls whose running rows all take the
-    # argmax (`SamplingMode().covers` each); the same programs where `opts` is that mode already.
     run: Callable
     empty: Callable  # empty(rng) -> a state of idle slots, caches the whole cache long, built on the device
     batch_size: int
-    widths: tuple[int, ...]  # the prefill buckets, ascending; the last is the longest prompt a slot takes
+    row_counts: tuple[int, ...]  # the prefill's row buckets, ascending; the last is batch_size
+    widths: tuple[int, ...]  # the prefill's width buckets, ascending; the last is the longest prompt a slot takes
     attend_lengths: tuple[int, ...]  # ascending; the last is the whole cache
     steps_per_call: int
     compile_seconds: float

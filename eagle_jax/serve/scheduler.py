@@ -4,11 +4,11 @@
 prefill / insert / generate split. The device holds one `DecodeState` of
 `batch_size` rows (slots) with one cache length, so no program recompiles across prompts:
 
-* prefill: the ordinary `speculative.start` on a batch of `batch_size` rows (one of a few
-  fixed widths w): the row of each free slot holds its next prompt, with the prompt's own budget
-  of new tokens, so one call prefills every slot a round frees. Its caches are w slots long, all
-  that a prefill writes, not the slots' whole cache;
-* insert: writes the prefilled rows into their slots of the big state (donated, so in place),
+* prefill: the ordinary `speculative.start` on the requests a round starts, padded to one of a
+  few fixed row counts R (`inputs.row_buckets`) and widths w: one call prefills every slot a round
+  frees, and one new request prefills one row, however many slots there are. Its caches are w
+  slots long, all that a prefill writes, not the slots' whole cache;
+* insert: scatters the prefilled rows into their slots of the big state (donated, so in place),
   only the first w slots of its caches: a refill moves what the prefill wrote, not the whole cache;
 * run: the ordinary `speculative.run_steps` on all slots, returning once `refill_at` of its
   rows have finished (a traced argument); idle slots are `done` and change nothing.
@@ -38,6 +38,7 @@ from eagle_jax.decode import sampling as sampling_lib
 from eagle_jax.decode import state as state_lib
 from eagle_jax.serve import config as config_lib
 from eagle_jax.serve import device_calls
+from eagle_jax.serve import inputs as inputs_lib
 from eagle_jax.serve import outputs as outputs_lib
 from eagle_jax.serve import programs as programs_lib
 from eagle_jax.serve import result as result_lib
@@ -249,23 +250,23 @@ class SlotLoop:
             return False
         now = time.perf_counter()
         programs = self.programs
-        inputs = _prefill_inputs([request.prompt for _, request in starting], [request.budget for _, request in starting],
-                                 [row for row, _ in starting], programs.batch_size, programs.widths)
-        settings = [sampling_lib.Sampling()] * programs.batch_size  # the other rows: neutral, `insert` skips them
-        seeds: list[int | None] = [None] * programs.batch_size
-        for row, request in starting:
-            settings[row], seeds[row] = request.sampling, request.seed
-        params = sampling_lib.SamplingParams.stack(settings, eos_ids=self.eos_ids, stop_width=sampling_lib.STOP_WIDTH,
-                                                   seeds=seeds)
-        key = jax.random.fold_in(self._prefill_rng, starting[0][1].request_id)
-        rows = self.calls.timed("prefill_seconds", programs.prefill, *inputs, params, key)
-        take = np.zeros(programs.batch_size, bool)
-        for row, request in starting:
-            take[row] = True
+        requests = [request for _, request in starting]
+        tokens, lengths, budgets = _prefill_inputs([request.prompt for request in requests],
+                                                   [request.budget for request in requests],
+                                                   programs.row_counts, programs.widths)
+        padding = len(lengths) - len(requests)  # rows of one token and a budget of one, dropped by insert
+        params = sampling_lib.SamplingParams.stack(
+            [request.sampling for request in requests] + [sampling_lib.Sampling()] * padding, eos_ids=self.eos_ids,
+            stop_width=sampling_lib.STOP_WIDTH, seeds=[request.seed for request in requests] + [None] * padding)
+        key = jax.random.fold_in(self._prefill_rng, requests[0].request_id)
+        rows = self.calls.timed("prefill_seconds", programs.prefill, tokens, lengths, budgets, params, key)
+        slot_ids = np.full(len(lengths), programs.batch_size, np.int32)
+        for index, (row, request) in enumerate(starting):
+            slot_ids[index] = row
             self._steps[row] = 0
             output = outputs_lib.RowOutput(request.sampling, request.sampling.stop_ids(self.eos_ids), self.tokenizer)
             self._slots[row] = Slot(request.request_id, len(request.prompt), request.budget, now, output)
-        self._state = self.calls.timed("prefill_seconds", programs.insert, self._state, rows, take)
+        self._state = self.calls.timed("prefill_seconds", programs.insert, self._state, rows, slot_ids)
         self.calls.prefill_calls += 1
         self.calls.insert_calls += 1
         return True
@@ -313,15 +314,17 @@ def generate(programs: programs_lib.SlotPrograms, prompts: Sequence[np.ndarray],
     return [dataclasses.replace(result, calls=calls) for result in results]
 
 
-def _prefill_inputs(prompts: Sequence[np.ndarray], budgets: Sequence[int], slots: Sequence[int], batch_size: int,
+def _prefill_inputs(prompts: Sequence[np.ndarray], budgets: Sequence[int], row_counts: Sequence[int],
                     widths: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The slots' prefill inputs: prompt i in row slots[i], padded to the narrowest bucket that
-    holds the longest; the other rows hold one token and a budget of one (`insert` skips them)."""
+    """A refill's prefill inputs: prompt i in row i, padded to the narrowest width bucket that holds
+    the longest and to the fewest rows of `row_counts` that hold them all; the padding rows hold one
+    token and a budget of one."""
     width = next(w for w in widths if w >= max(len(prompt) for prompt in prompts))
-    tokens = np.zeros((batch_size, width), np.int32)
-    lengths = np.ones((batch_size,), np.int32)
-    row_budgets = np.ones((batch_size,), np.int32)
-    for prompt, budget, slot in zip(prompts, budgets, slots):
-        tokens[slot, :len(prompt)] = prompt
-        lengths[slot], row_budgets[slot] = len(prompt), budget
+    rows = inputs_lib.bucket_rows(len(prompts), row_counts)
+    tokens = np.zeros((rows, width), np.int32)
+    lengths = np.ones((rows,), np.int32)
+    row_budgets = np.ones((rows,), np.int32)
+    for row, (prompt, budget) in enumerate(zip(prompts, budgets)):
+        tokens[row, :len(prompt)] = prompt
+        lengths[row], row_budgets[row] = len(prompt), budget
     return tokens, lengths, row_budgets

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import sys
 import threading
 import time
 
@@ -30,10 +31,17 @@ class RequestError(Exception):
 
 def create_app(backend: online_lib.OnlineEngine, model_name: str) -> fastapi.FastAPI:
     """The app serving `backend` under the model id `model_name`."""
+    def start():
+        began = time.perf_counter()
+        backend.start()
+        cache = backend.engine.compile_cache
+        print(f"eagle_jax: ready after {time.perf_counter() - began:.1f} s: {cache.misses} programs compiled, "
+              f"{cache.hits} loaded from the compilation cache", file=sys.stderr, flush=True)
+
     @contextlib.asynccontextmanager
     async def lifespan(_):
         # Compile while already listening, so /health can say "starting" rather than refuse connections.
-        threading.Thread(target=backend.start, name="eagle_jax-compile", daemon=True).start()
+        threading.Thread(target=start, name="eagle_jax-compile", daemon=True).start()
         yield
         await asyncio.to_thread(backend.drain)  # after the server stopped taking requests and finished them
 

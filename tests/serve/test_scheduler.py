@@ -28,11 +28,12 @@ MAX_LENGTH = 64  # prompts up to 32 tokens (prefills 16 and 32 wide), one 64-slo
 PROMPT_LENGTHS = (3, 17, 1, 9, 26, 6, 12)  # 7 prompts through 3 slots
 BUDGETS = (14, 5, 9, 1, 11, 16, 7)
 SLOTS = 3
-# Slot programs: one prefill and one insert per width bucket (16 and 32 here), one building the
-# idle slots, and one run per attention length (16, 32 and 64 slots here: a quarter, half and all
-# of the cache).
+# Slot programs: one prefill and one insert per row bucket (1 and 3 rows here) and width bucket
+# (16 and 32), one building the idle slots, and one run per attention length (16, 32 and 64 slots
+# here: a quarter, half and all of the cache).
 WIDTHS = sorted({inputs.bucket_length(n, MAX_LENGTH // 2) for n in range(1, MAX_LENGTH // 2 + 1)})
-SLOT_PROGRAMS = 2 * len(WIDTHS) + 1 + 3
+ROWS = inputs.row_buckets(SLOTS)
+SLOT_PROGRAMS = 2 * len(ROWS) * len(WIDTHS) + 1 + 3
 DRAFT_VOCAB = 64
 K = {"plain": 0, "eagle": 3, "eagle3": 4}
 
@@ -107,7 +108,7 @@ def test_continuous_equals_batch_one(target, prompts, heads, eos_id, reference, 
     assert [streamed[i] for i in range(len(prompts))] == expected
     # Prefill and insert (per bucket), empty and run: compiled once, before the first prompt; the prompts
     # compile nothing, nor does a second call with other budgets.
-    assert SLOT_PROGRAMS == 8 and engine.num_compilations == SLOT_PROGRAMS
+    assert SLOT_PROGRAMS == 12 and engine.num_compilations == SLOT_PROGRAMS
     with xla_compilations() as compiled:
         again = engine.generate(prompts[::-1], max_new_tokens=list(BUDGETS[::-1]), eos_ids=[eos_id])
     assert [r.token_ids for r in again] == expected[::-1]
@@ -173,24 +174,30 @@ def slot_programs(target, heads, eos_id):
 
 def test_a_refill_moves_only_its_prefill_width(slot_programs):
     """A slot prefill's caches (target and head) are as long as its width, not the slots' cache,
-    and insert writes them over the first slots of the taken slots' caches only: the other slots
-    keep what they held."""
+    and insert scatters row i over the first slots of slot slot_ids[i]'s caches only: the other
+    slots, and those a padding row (an id past the slots) names, keep what they held."""
     programs = slot_programs("eagle")
     state = programs.empty(jax.random.key(0))
     assert {leaf.shape[1] for leaf in cache_leaves(state)} == {MAX_LENGTH}
-    take = np.array([True, False, True])
-    for width in programs.widths:
-        rows = programs.prefill(np.ones((SLOTS, width), np.int32), np.full((SLOTS,), width, np.int32),
-                                np.ones((SLOTS,), np.int32),
-                                sampling_lib.SamplingParams.neutral(SLOTS, sampling_lib.STOP_WIDTH), jax.random.key(1))
-        assert {leaf.shape[1] for leaf in cache_leaves(rows)} == {width}
-        before = with_stale_caches(state, seed=width)
-        old = [np.asarray(leaf) for leaf in cache_leaves(before)]
-        state = programs.insert(before, rows, take)  # donates `before`
-        for got, was, new in zip(cache_leaves(state), old, cache_leaves(rows)):
-            expected = was.copy()
-            expected[take, :width] = np.asarray(new)[take]
-            np.testing.assert_array_equal(np.asarray(got), expected)
+    assert programs.row_counts == (1, SLOTS)
+    placements = {1: [[1], [SLOTS]], SLOTS: [[2, SLOTS, 0], [0, 1, 2]]}  # row i -> slot ids[i]
+    for rows_count in programs.row_counts:
+        for width in programs.widths:
+            for slot_ids in placements[rows_count]:
+                rows = programs.prefill(np.ones((rows_count, width), np.int32), np.full((rows_count,), width, np.int32),
+                                        np.ones((rows_count,), np.int32),
+                                        sampling_lib.SamplingParams.neutral(rows_count, sampling_lib.STOP_WIDTH),
+                                        jax.random.key(1))
+                assert {leaf.shape[:2] for leaf in cache_leaves(rows)} == {(rows_count, width)}
+                before = with_stale_caches(state, seed=width + rows_count)
+                old = [np.asarray(leaf) for leaf in cache_leaves(before)]
+                state = programs.insert(before, rows, np.array(slot_ids, np.int32))  # donates `before`
+                for got, was, new in zip(cache_leaves(state), old, cache_leaves(rows)):
+                    expected = was.copy()
+                    for row, slot in enumerate(slot_ids):
+                        if slot < SLOTS:
+                            expected[slot, :width] = np.asarray(new)[row]
+                    np.testing.assert_array_equal(np.asarray(got), expected)
 
 
 @pytest.mark.parametrize("kind", ["eagle", "tree"])
@@ -379,3 +386,33 @@ def test_a_slot_loop_takes_requests_between_rounds_and_frees_cancelled_slots(slo
     assert cut.stats["num_drafts"] > 0
     for request_id in done:
         assert results[request_id].token_ids == streamed[request_id] == expected[ids[request_id]]
+
+
+def test_row_buckets():
+    assert inputs.row_buckets(64) == (1, 4, 16, 64) and inputs.row_buckets(16) == (1, 4, 16)
+    assert inputs.row_buckets(5) == (1, 4, 5) and inputs.row_buckets(1) == (1,)
+    assert [inputs.bucket_rows(n, (1, 4, 5)) for n in (1, 2, 4, 5)] == [1, 4, 4, 5]
+
+
+def test_a_refill_prefills_the_fewest_rows_that_hold_its_requests(slot_programs, prompts, reference, eos_id):
+    """One request prefills one row; two, with two slots free, the 3-row bucket (one padding row,
+    dropped at insert): the padding never lands in a slot, as every request's tokens show."""
+    programs = slot_programs("eagle")
+    shapes = []
+
+    def prefill(tokens, *args):
+        shapes.append(tokens.shape)
+        return programs.prefill(tokens, *args)
+
+    loop = scheduler_lib.SlotLoop(dataclasses.replace(programs, prefill=prefill), jax.random.key(0), eos_ids=(eos_id,))
+    add = lambda index: loop.add(np.asarray(prompts[index], np.int32), BUDGETS[index])
+    ids = {add(0): 0}
+    events = loop.step()
+    ids |= {add(1): 1, add(2): 2}
+    while not loop.idle:
+        events += loop.step()
+    assert [rows for rows, _ in shapes] == [1, 3]
+    expected = [r.token_ids for r in reference("eagle")]
+    results = {event.request_id: event.result for event in events if event.result is not None}
+    assert {request_id: result.token_ids for request_id, result in results.items()} == {
+        request_id: expected[index] for request_id, index in ids.items()}

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The server under load on a GPU machine staged by stage_local.sh (EAGLE-3 against plain, 16 and 64
-# slots, and --greedy-only), the offline continuous figure with the same slots, and MT-Bench at
-# batch 1: the queue behind the GPU table of docs/serving.md. Carried as .stage/queue.sh with the
+# slots), the offline continuous figure with the same slots, and EAGLE-3 at 16 rows offline with
+# k = 3 and 5 beside the default 4: the queue behind the GPU table of docs/serving.md. Carried as .stage/queue.sh with the
 # serve extra's wheels (fastapi, starlette, pydantic, pydantic-core, annotated-types,
 # typing-inspection, annotated-doc, opentelemetry-api, typing-extensions, uvicorn) installed into
 # /tmp/site; launch.sh runs it.
@@ -35,7 +35,7 @@ while time.time() < deadline:
     time.sleep(1)
 sys.exit(1)
 PY
-  echo "ready after $((SECONDS - began)) s"
+  echo "ready after $((SECONDS - began)) s; $(grep -m1 "programs" $R/server_$name.log)"
   for rate in ${rates//,/ }; do
     case $rate in 1) n=24;; 4) n=64;; 16) n=192;; *) n=384;; esac
     [ -n "$Q" ] && n=3
@@ -57,9 +57,8 @@ serve plain-64 64 1,4,16,64 128 --num-speculative-tokens 0
 echo "== offline continuous, 64 slots ($(date -u +%T))"
 timeout 400 python3 benchmarks/eagle.py --method eagle3,none --num_spec_tokens 4 --max_num_seqs 64 --scheduler continuous \
   --num_prompts 320 --max_new_tokens 256 --out $R/mtbench.json 2>&1 | grep -E "tok/s|tokens/s|Error" | tail -4
-serve eagle3-16-greedy-only 16 1,16,64 32 --method eagle3 --greedy-only
-echo "== MT-Bench, batch 1 ($(date -u +%T))"
-timeout 400 python3 benchmarks/eagle.py --method eagle3,none --num_spec_tokens 6 --max_num_seqs 1 \
-  --num_prompts 80 --max_new_tokens 256 --out $R/mtbench.json 2>&1 | grep -E "tok/s|tokens/s|Error" | tail -4
+echo "== offline continuous, 16 slots, k = 3 and 5 ($(date -u +%T))"
+timeout 400 python3 benchmarks/eagle.py --method eagle3 --num_spec_tokens 3,5 --max_num_seqs 16 --scheduler continuous \
+  --num_prompts 320 --max_new_tokens 256 --out $R/mtbench.json 2>&1 | grep -E "tok/s|tokens/s|Error" | tail -4
 echo "queue end $(date -u +%T)"
 echo BENCH DONE
