@@ -142,6 +142,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--top_p", "--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max_new_tokens", "--max-new-tokens", type=int, default=256)
+    parser.add_argument("--ignore_eos", "--ignore-eos", action="store_true",
+                        help="every prompt generates max_new_tokens, past EOS: the workload serve_bench.py sends a "
+                             "server, for a like-for-like offline figure")
     parser.add_argument("--dtype", choices=sorted(models.DTYPES), default="bfloat16")
     parser.add_argument("--cache-dir", "--cache_dir", help="persistent compilation cache root "
                                                           "(default: the eagle_jax cache; 'none' disables)")
@@ -221,7 +224,8 @@ def call_size(engine, prompts) -> int:
 
 
 def generate_call(engine, batch, args, sampling, seed):
-    return engine.generate(batch, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=seed)
+    return engine.generate(batch, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=seed,
+                           ignore_eos=args.ignore_eos)
 
 
 def run_setting(engine, prompts, warmup_prompts, args, sampling, desc) -> dict:
@@ -386,7 +390,8 @@ def main(argv=None) -> int:
             acceptance_rate_per_position=[round(x, 4) for x in stats["acceptance_rate_per_position"]],
             acceptance_length_by_category=acceptance_by_category(measured["results"], categories, k),
             output_tokens_per_second=round(measured["total_tokens"] / measured["seconds"], 2),
-            num_prompts=len(prompts), max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+            num_prompts=len(prompts), max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos,
+            temperature=args.temperature,
             dtype=args.dtype, device=device.device_kind, platform=device.platform, jax_version=jax.__version__,
             # Settings from the environment that change the compiled programs (None: the defaults).
             xla_flags=os.environ.get("XLA_FLAGS") or None, matmul_precision=jax.config.jax_default_matmul_precision,

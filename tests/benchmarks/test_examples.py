@@ -104,6 +104,25 @@ def test_eagle_records_both_schedulers(model_dir, tmp_path, capsys, monkeypatch)
     assert rows[0]["total_tokens"] == rows[1]["total_tokens"]
 
 
+def test_eagle_ignore_eos_generates_every_budget(model_dir, tmp_path, capsys):
+    """--ignore_eos: each prompt generates max_new_tokens, as serve_bench.py asks a server, where
+    without it a row stops at EOS; the rows say which."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import eagle as eagle_script
+
+    questions = tmp_path / "question.jsonl"
+    questions.write_text("".join(json.dumps({"question_id": i, "category": "writing", "turns": [text]}) + "\n"
+                                 for i, text in enumerate(["write a poem", "the sea"])))
+    out = tmp_path / "rows.json"
+    flags = ["--model", str(model_dir), "--dataset", str(questions), "--method", "none", "--num_prompts", "2",
+             "--max_new_tokens", "40", "--max_num_seqs", "2", "--dtype", "float32", "--scheduler", "continuous",
+             "--cache-dir", "none", "--steps_per_call", "8", "--out", str(out)]
+    assert eagle_script.main(flags) == 0 and eagle_script.main(flags + ["--ignore_eos"]) == 0, capsys.readouterr().err
+    stopping, ignoring = json.loads(out.read_text())[-2:]
+    assert not stopping["ignore_eos"] and stopping["total_tokens"] < 2 * 40  # this model reaches EOS early
+    assert ignoring["ignore_eos"] and ignoring["total_tokens"] == 2 * 40
+
+
 def test_prompts_past_the_dataset_come_round_again(monkeypatch):
     """--num_prompts above the questions' count takes them again in order (several passes, so a
     large batch measures its steady state rather than its tail); below it, the first ones."""

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The server under load on a GPU machine staged by stage_local.sh (EAGLE-3 against plain, 16 and 64
-# slots), the offline continuous figure with the same slots, and EAGLE-3 at 16 rows offline with
-# k = 3 and 5 beside the default 4: the queue behind the GPU table of docs/serving.md. Carried as .stage/queue.sh with the
+# slots), the offline continuous figure with the same slots (EOS ignored, as the server's requests
+# do, and stopping at EOS), and EAGLE-3 at 16 rows offline with k = 3 and 5 beside the default 4:
+# the queue behind the GPU table of docs/serving.md. Carried as .stage/queue.sh with the
 # serve extra's wheels (fastapi, starlette, pydantic, pydantic-core, annotated-types,
 # typing-inspection, annotated-doc, opentelemetry-api, typing-extensions, uvicorn) installed into
 # /tmp/site; launch.sh runs it.
@@ -14,10 +15,6 @@ Q=${QUICK:-}  # QUICK=1: a few requests per setting, to try the queue on a CPU
   python3 -c "import jax, jaxlib, flax, fastapi, uvicorn; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'flax', flax.__version__, 'fastapi', fastapi.__version__, 'uvicorn', uvicorn.__version__)"
   git -C /root/stage rev-parse HEAD 2>/dev/null; cat /root/stage/commit.txt 2>/dev/null; date -u; } > $R/device.txt 2>&1
 cat $R/device.txt
-echo "== kernel check"
-timeout 240 python3 benchmarks/kernels_bench.py --check --rows 1,7,32 --tokens 1,7,32 --iterations 1 --trace-calls 1 \
-  --out $R/kernels_check.json > $R/kernels_check.txt 2>&1 || { tail -5 $R/kernels_check.txt; echo "CHECK FAILED"; echo BENCH DONE; exit 1; }
-tail -2 $R/kernels_check.txt
 port=8100
 serve() {  # name slots rates concurrency [server flags...]: one server, Poisson rates (one call each), a closed loop
   local name=$1 slots=$2 rates=$3 conc=$4; shift 4
@@ -47,18 +44,20 @@ PY
   python3 -c "import httpx, sys; print(httpx.get(f'http://127.0.0.1:{sys.argv[1]}/metrics').text)" $port > $R/metrics_$name.txt 2>/dev/null || true
   kill -TERM $pid; wait $pid; echo "server exit $?"
 }
+off() {  # label slots [eagle.py flags...]: the offline continuous figure, 320 MT-Bench first turns of 256 tokens
+  local label=$1 slots=$2; shift 2
+  echo "== offline continuous, $slots slots, $label ($(date -u +%T))"
+  timeout 400 python3 benchmarks/eagle.py --max_num_seqs $slots --scheduler continuous --num_prompts 320 \
+    --max_new_tokens 256 --out $R/mtbench.json "$@" 2>&1 | grep -E "tok/s|tokens/s|Error" | tail -4
+}
+# The server's requests ignore EOS (256 tokens each), so the like-for-like offline figure does too.
 serve eagle3-16 16 1,4,16,64 32 --method eagle3
 serve plain-16 16 1,4,16,64 32 --num-speculative-tokens 0
-echo "== offline continuous, 16 slots ($(date -u +%T))"
-timeout 400 python3 benchmarks/eagle.py --method eagle3,none --num_spec_tokens 4 --max_num_seqs 16 --scheduler continuous \
-  --num_prompts 320 --max_new_tokens 256 --out $R/mtbench.json 2>&1 | grep -E "tok/s|tokens/s|Error" | tail -4
+off "EOS ignored" 16 --method eagle3,none --num_spec_tokens 4 --ignore_eos
 serve eagle3-64 64 1,4,16,64 128 --method eagle3
 serve plain-64 64 1,4,16,64 128 --num-speculative-tokens 0
-echo "== offline continuous, 64 slots ($(date -u +%T))"
-timeout 400 python3 benchmarks/eagle.py --method eagle3,none --num_spec_tokens 4 --max_num_seqs 64 --scheduler continuous \
-  --num_prompts 320 --max_new_tokens 256 --out $R/mtbench.json 2>&1 | grep -E "tok/s|tokens/s|Error" | tail -4
-echo "== offline continuous, 16 slots, k = 3 and 5 ($(date -u +%T))"
-timeout 400 python3 benchmarks/eagle.py --method eagle3 --num_spec_tokens 3,5 --max_num_seqs 16 --scheduler continuous \
-  --num_prompts 320 --max_new_tokens 256 --out $R/mtbench.json 2>&1 | grep -E "tok/s|tokens/s|Error" | tail -4
+off "EOS ignored" 64 --method eagle3,none --num_spec_tokens 4 --ignore_eos
+off "stopping at EOS" 16 --method eagle3,none --num_spec_tokens 4
+off "stopping at EOS, k = 3 and 5" 16 --method eagle3 --num_spec_tokens 3,5
 echo "queue end $(date -u +%T)"
 echo BENCH DONE
