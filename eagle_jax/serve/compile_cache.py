@@ -40,6 +40,7 @@ import os
 import secrets
 import stat
 import tempfile
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -191,6 +192,7 @@ class CompileCache:
         self.hits = 0
         self.misses = 0
         self._key: bytes | None = None
+        self._lock = threading.Lock()  # `compile` runs on several threads at once (`Compiler.compiling`)
 
     def module_dir(self, module: str, key: str) -> Path:
         device = jax.devices()[0]
@@ -208,11 +210,12 @@ class CompileCache:
 
     def secret_key(self) -> bytes:
         """The root's HMAC key, creating the root and the key on first use."""
-        if self._key is None:
-            _make_directory(self.root)
-            self._key = _load_or_create_key(self.root)
-            remove_stale_temporaries(self.root)
-        return self._key
+        with self._lock:
+            if self._key is None:
+                _make_directory(self.root)
+                self._key = _load_or_create_key(self.root)
+                remove_stale_temporaries(self.root)
+            return self._key
 
     def compile(self, module: str, key: str, lowered) -> tuple[object, float]:
         """Returns (compiled executable, seconds spent compiling or loading).
@@ -228,15 +231,15 @@ class CompileCache:
         """
         began = time.perf_counter()
         if self.root is None:
-            self.misses += 1
+            self._count(hit=False)
             return lowered.compile(), time.perf_counter() - began
         secret = self.secret_key()
         entry = self.entry_path(module, key, lowered)
         compiled = self._load(entry, lowered, secret, self.devices())
         if compiled is not None:
-            self.hits += 1
+            self._count(hit=True)
             return compiled, time.perf_counter() - began
-        self.misses += 1
+        self._count(hit=False)
         compiled = lowered.compile()
         try:
             payload = serialize_executable.serialize(compiled)[0]
@@ -246,6 +249,13 @@ class CompileCache:
         except Exception as error:  # a backend that cannot serialise still runs, uncached
             warnings.warn(f"compilation cache: could not save {entry}: {error}")
         return compiled, time.perf_counter() - began
+
+    def _count(self, hit: bool) -> None:
+        with self._lock:
+            if hit:
+                self.hits += 1
+            else:
+                self.misses += 1
 
     def devices(self) -> list:
         """The devices the programs run on, in the order they were compiled for.

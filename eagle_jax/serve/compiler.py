@@ -8,7 +8,12 @@ observable). `Engine` asks it for the programs of a static batch or of the decod
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import dataclasses
 import functools
+import os
+import time
 from typing import Callable, Sequence
 
 import jax
@@ -25,6 +30,25 @@ from eagle_jax.serve import inputs
 from eagle_jax.serve import programs as programs_lib
 from eagle_jax.serve import sharding as sharding_lib
 from eagle_jax.decode import state as state_lib
+
+
+# Threads compiling the slot programs at once: XLA's compile releases the GIL, and a server's
+# start-up compiles some fifty programs (every prefill row and width bucket).
+COMPILE_THREADS = min(8, os.cpu_count() or 1)
+
+
+class Pending:
+    """A program whose compilation runs on a worker thread (`Compiler.compiling`): called, it waits for it."""
+
+    def __init__(self, lowered, future: concurrent.futures.Future):
+        self.lowered, self.future = lowered, future
+
+    @property
+    def out_info(self):
+        return self.lowered.out_info
+
+    def __call__(self, *args):
+        return self.future.result()(*args)
 
 
 class Compiler:
@@ -54,6 +78,7 @@ class Compiler:
         self.compile_cache = compile_cache_lib.CompileCache(config.cache_dir, self.mesh)
         self.compiled: dict = {}
         self.compile_seconds = 0.0
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # set inside `compiling`
 
     def slot_programs(self, sampling_mode: sampling_lib.SamplingMode = sampling_lib.SamplingMode(),
                       steps_per_call: int | None = None) -> programs_lib.SlotPrograms:
@@ -66,12 +91,38 @@ class Compiler:
         one run program per attention length (`_run_programs`); all compiled here, so none
         compiles mid-run. Each row's settings and stop ids are data (`sampling.SamplingParams`,
         `sampling.STOP_WIDTH` ids a row), written at its prefill: any mix of requests that
-        `sampling_mode` covers runs on them.
+        `sampling_mode` covers runs on them. They compile on `COMPILE_THREADS` threads at once.
         """
-        steps_per_call = steps_per_call or self.config.steps_per_call
+        compile_before = self.compile_seconds
+        with self.compiling():
+            programs = self._slot_programs(sampling_mode, steps_per_call or self.config.steps_per_call)
+        return dataclasses.replace(programs, compile_seconds=self.compile_seconds - compile_before)
+
+    @contextlib.contextmanager
+    def compiling(self, threads: int = COMPILE_THREADS):
+        """Programs asked for inside are lowered here and compiled (or loaded) on `threads` worker
+        threads; all are ready on exit. The wall time inside counts as compile time."""
+        began = time.perf_counter()
+        pending = lambda: [key for key, program in self.compiled.items() if isinstance(program, Pending)]
+        try:
+            with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="eagle_jax-compile") as pool:
+                self._pool = pool
+                try:
+                    yield
+                finally:
+                    self._pool = None  # leaving the pool's block waits for every compilation
+            for key in pending():
+                self.compiled[key] = self.compiled[key].future.result()  # raises a compilation's error
+        except BaseException:
+            for key in pending():  # asked for again, each compiles anew
+                del self.compiled[key]
+            raise
+        finally:
+            self.compile_seconds += time.perf_counter() - began
+
+    def _slot_programs(self, sampling_mode: sampling_lib.SamplingMode, steps_per_call: int) -> programs_lib.SlotPrograms:
         opts = self.options(sampling_mode=sampling_mode, max_new_tokens=self.max_length - self.headroom - 1,
                             cache_length=self.max_length)
-        compile_before = self.compile_seconds
         params, slots = (self.target_params, self.head_params), self.config.batch_size
         row_counts = inputs.row_buckets(slots)
 
@@ -120,7 +171,7 @@ class Compiler:
                 *params, state, refill_at),
             empty=empty,
             batch_size=slots, row_counts=row_counts, widths=tuple(widths), attend_lengths=tuple(runs),
-            steps_per_call=steps_per_call, compile_seconds=self.compile_seconds - compile_before, opts=opts)
+            steps_per_call=steps_per_call, compile_seconds=0.0, opts=opts)
 
     def batch_programs(self, prompts: Sequence[np.ndarray], rng: jax.Array, opts: state_lib.Options,
                        steps_per_call: int | None = None,
@@ -197,8 +248,14 @@ class Compiler:
                                 self.max_length, self.config.steps_per_check, mode))
             jitted = jax.jit(function, static_argnames=tuple(static), donate_argnames=donate)
             module = programs_lib.module_name(name, static.get("opts"), self.head_config)
-            self.compiled[key], seconds = self.compile_cache.compile(module, description, jitted.lower(*args, **static))
-            self.compile_seconds += seconds
+            began = time.perf_counter()
+            lowered = jitted.lower(*args, **static)
+            if self._pool is not None:  # `compiling` counts the time
+                future = self._pool.submit(lambda: self.compile_cache.compile(module, description, lowered)[0])
+                self.compiled[key] = Pending(lowered, future)
+            else:
+                self.compiled[key] = self.compile_cache.compile(module, description, lowered)[0]
+                self.compile_seconds += time.perf_counter() - began
         return self.compiled[key]
 
     # Pure functions of (params, inputs): the jit boundary merges modules inside.
