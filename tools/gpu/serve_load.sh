@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The server under load on a GPU machine staged by stage_local.sh (EAGLE-3 against plain, 16 and 64
-# slots), the offline continuous figure with the same slots (EOS ignored, as the server's requests
-# do, and stopping at EOS), and EAGLE-3 at 16 rows offline with k = 3 and 5 beside the default 4:
-# the queue behind the GPU table of docs/serving.md. Carried as .stage/queue.sh with the
-# serve extra's wheels (fastapi, starlette, pydantic, pydantic-core, annotated-types,
-# typing-inspection, annotated-doc, opentelemetry-api, typing-extensions, uvicorn) installed into
-# /tmp/site; launch.sh runs it.
+# slots; EAGLE-3 with --greedy-only), the offline continuous figure with the same slots (EOS
+# ignored, as the server's requests do, and stopping at EOS), and EAGLE-3 at 16 rows offline with
+# k = 3 and 5 beside the default 4: the queue behind the GPU table of docs/serving.md. Carried as
+# .stage/queue.sh with the serve extra's wheels (fastapi, starlette, pydantic, pydantic-core,
+# annotated-types, typing-inspection, annotated-doc, opentelemetry-api, typing-extensions,
+# uvicorn) installed into /tmp/site; launch.sh runs it.
 set -u
 R=${RESULTS:?}; W=${WORK:-/root/work}; cd $W
 export PYTHONPATH=/tmp/site:$W PYTHONUNBUFFERED=1
@@ -54,6 +54,7 @@ off() {  # label slots [eagle.py flags...]: the offline continuous figure, 320 M
 serve eagle3-16 16 1,4,16,64 32 --method eagle3
 serve plain-16 16 1,4,16,64 32 --num-speculative-tokens 0
 off "EOS ignored" 16 --method eagle3,none --num_spec_tokens 4 --ignore_eos
+serve eagle3-16-greedy-only 16 1,64 32 --method eagle3 --greedy-only
 serve eagle3-64 64 1,4,16,64 128 --method eagle3
 serve plain-64 64 1,4,16,64 128 --num-speculative-tokens 0
 off "EOS ignored" 64 --method eagle3,none --num_spec_tokens 4 --ignore_eos
