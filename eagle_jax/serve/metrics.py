@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import prometheus_client as prom
 
+from eagle_jax.serve import device_calls
+
 PREFIX = "eagle_jax:"
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0)
@@ -49,6 +51,19 @@ class Metrics:
         self.accepted_per_position = [per_position.labels(model_name=model_name, position=str(i))
                                       for i in range(num_speculative_tokens)]
         self.num_speculative_tokens = num_speculative_tokens
+        # The device loop's own account (`device_calls.CallCounts`), to tell where a round's time goes.
+        calls = prom.Counter(PREFIX + "device_calls", "Device calls of the decode loop, by kind (argmax_run: "
+                             "run calls that took the argmax step)", registry=self.registry,
+                             labelnames=("model_name", "call"))
+        self.device_calls = {name: calls.labels(model_name=model_name, call=name)
+                             for name in ("run", "argmax_run", "prefill", "insert", "fetch")}
+        loop_seconds = prom.Counter(PREFIX + "device_loop_seconds", "Wall time of the decode loop's rounds, by part: "
+                                    "run calls, prefill and insert calls, fetches (waiting for the device), the rest "
+                                    "on the host", registry=self.registry, labelnames=("model_name", "part"))
+        self.device_loop_seconds = {name: loop_seconds.labels(model_name=model_name, part=name)
+                                    for name in ("run", "prefill", "fetch", "host")}
+        self.decode_steps = metric(prom.Counter, "decode_steps", "Device-loop steps (each one token, or one "
+                                   "verified draft, per running request)")
 
     def finished(self, reason: str) -> None:
         self.requests.labels(model_name=self._label, finished_reason=reason).inc()
@@ -63,6 +78,18 @@ class Metrics:
         self.num_accepted_tokens.inc(int(stats.get("num_accepted_tokens", 0)))
         for counter, rate in zip(self.accepted_per_position, stats.get("acceptance_rate_per_position", [])):
             counter.inc(round(rate * drafts))
+
+    def device_round(self, before: device_calls.CallCounts, after: device_calls.CallCounts, seconds: float) -> None:
+        """Adds one round of the device loop: its counts from `before` to `after`, `seconds` its wall time."""
+        for name, field in (("run", "run_calls"), ("argmax_run", "argmax_run_calls"), ("prefill", "prefill_calls"),
+                            ("insert", "insert_calls"), ("fetch", "syncs")):
+            self.device_calls[name].inc(getattr(after, field) - getattr(before, field))
+        parts = {name: getattr(after, field) - getattr(before, field)
+                 for name, field in (("run", "run_seconds"), ("prefill", "prefill_seconds"), ("fetch", "sync_seconds"))}
+        for name, value in parts.items():
+            self.device_loop_seconds[name].inc(value)
+        self.device_loop_seconds["host"].inc(max(0.0, seconds - sum(parts.values())))
+        self.decode_steps.inc(after.run_steps - before.run_steps)
 
     def exposition(self) -> tuple[bytes, str]:
         return prom.generate_latest(self.registry), prom.CONTENT_TYPE_LATEST

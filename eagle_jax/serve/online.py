@@ -251,6 +251,7 @@ class OnlineEngine:
                 if self._draining and not self._inbox:
                     return
                 continue
+            before, began = dataclasses.replace(loop.calls), time.perf_counter()
             try:
                 events = loop.step()
             except Exception as error:  # a device failure ends every request in flight, not the process
@@ -259,6 +260,7 @@ class OnlineEngine:
                     self._end(handle, "error")
                 loop = self._loop = self._new_loop(self._programs)
                 continue
+            self.metrics.device_round(before, loop.calls, time.perf_counter() - began)
             self._record(events)
 
     def _record(self, events: list[scheduler_lib.Event]) -> None:

@@ -204,6 +204,15 @@ def test_metrics_parse_and_add_up(server, client):
     assert drafts > 0 and 0 <= accepted <= K * drafts
     assert delta("eagle_jax:spec_decode_num_accepted_tokens_per_pos_total") == accepted
     assert total(after, "eagle_jax:num_requests_running") == 0
+    # The device loop's account. The requests came one at a time: each a prefill and an insert of
+    # one row, then run calls (all greedy: every one an argmax call), each round one fetch; one
+    # request running, every step of the device loop verified one of its drafts.
+    calls = lambda call: delta("eagle_jax:device_calls_total", call=call)
+    assert calls("prefill") == calls("insert") == 3 and calls("run") >= 3 and calls("argmax_run") == calls("run")
+    assert calls("fetch") == calls("run") + calls("prefill")
+    assert delta("eagle_jax:decode_steps_total") == drafts
+    parts = [delta("eagle_jax:device_loop_seconds_total", part=part) for part in ("run", "prefill", "fetch", "host")]
+    assert all(part >= 0 for part in parts) and sum(parts) > 0
 
 
 def wait_for(condition, what: str, deadline_seconds: float = 120):
