@@ -202,9 +202,9 @@ class OnlineEngine:
 
     def _new_loop(self, programs) -> scheduler_lib.SlotLoop:
         # EOS ends rows on the device (where min_tokens masks it), unless a request ignores it. A
-        # new request's first token streams as soon as its prefill ends, not after a run call.
+        # new request's first token streams as soon as its prefill ends, not after the run call.
         return scheduler_lib.SlotLoop(programs, jax.random.key(self.seed), self.engine.config.resolved_refill_at,
-                                      eos_ids=self.eos_ids, first_tokens_at_prefill=True)
+                                      eos_ids=self.eos_ids, on_first_tokens=self._record)
 
     def start(self) -> None:
         """Compiles, then starts the device thread: from then on `ready`."""

@@ -98,17 +98,20 @@ class SlotLoop:
         eos_ids: the model's EOS ids; a request ends at them unless it ignores EOS (none: no row
             ends at EOS on the device; a server may watch for them on the host instead).
         tokenizer: decodes each request's text and finds its stop strings (`outputs.RowOutput`).
-        first_tokens_at_prefill: a round that refills slots returns after the prefill, with the
-            new requests' first tokens, and runs no steps (the next round does): a server's time to
-            first token then waits for no run call. One more fetch a refill; off offline.
+        on_first_tokens: called, in a round that refills slots, with the new requests' first
+            tokens (an `Event` each, read from the prefill's rows) before the round's run call, so
+            that a server's time to first token waits for the prefill and not for the steps too
+            (on a GPU a run call returns when its loop ends). One small fetch more a refill; the
+            round's own events then carry each request's tokens after the first. None: the first
+            token comes with the rest of the round's (offline).
     """
 
     def __init__(self, programs: programs_lib.SlotPrograms, rng: jax.Array, refill_at: int = 1,
                  began: float | None = None, eos_ids: tuple[int, ...] = (), tokenizer=None,
-                 first_tokens_at_prefill: bool = False):
+                 on_first_tokens: Callable[[list[Event]], None] | None = None):
         self.programs = programs
         self.refill_at = refill_at
-        self.first_tokens_at_prefill = first_tokens_at_prefill
+        self.on_first_tokens = on_first_tokens
         self.began = time.perf_counter() if began is None else began
         self.eos_ids, self.tokenizer = tuple(eos_ids), tokenizer
         self.calls = device_calls.CallCounts()
@@ -164,8 +167,8 @@ class SlotLoop:
         return not self._queue and all(slot is None for slot in self._slots)
 
     def step(self) -> list[Event]:
-        """One round: refill free slots from the queue, one run call (none after a refill, with
-        `first_tokens_at_prefill`), one fetch.
+        """One round: refill free slots from the queue (and fetch the new requests' first tokens,
+        with `on_first_tokens`), one run call, one fetch.
 
         Returns:
             An event for each request with new tokens or finished in this round.
@@ -174,11 +177,11 @@ class SlotLoop:
         if self._to_stop:
             self._state = device_calls.stop_rows(self._state, self._host.done, self._to_stop)
             self._to_stop.clear()
-        refilled = self._refill()
+        started = self._refill()
         if all(slot is None for slot in self._slots):
             return events
-        if refilled and self.first_tokens_at_prefill:
-            return events + self._harvest()
+        if started is not None and self.on_first_tokens is not None:
+            self.on_first_tokens(self._first_tokens(*started))
         programs, calls = self.programs, self.calls
         running = [(slot.prompt_length, slot.budget, slot.generated) for slot in self._slots if slot is not None]
         # Leave the device loop to refill only when slots can be refilled, and as a batch.
@@ -242,12 +245,14 @@ class SlotLoop:
                 slot.first_token_seconds, now - self.began, finish_reason="abort")))
         return events
 
-    def _refill(self) -> bool:
-        """One prefill and one insert call fill every free slot from the queue; whether any was."""
+    def _refill(self) -> tuple[state_lib.DecodeState, list[int]] | None:
+        """One prefill and one insert call fill every free slot from the queue; returns the
+        prefill's rows and the slot each of the started requests took (row i: slot i), or None
+        if none started."""
         free = [row for row, slot in enumerate(self._slots) if slot is None]
         starting = [(row, self._queue.popleft()) for row in free[:len(self._queue)]]
         if not starting:
-            return False
+            return None
         now = time.perf_counter()
         programs = self.programs
         requests = [request for _, request in starting]
@@ -269,7 +274,23 @@ class SlotLoop:
         self._state = self.calls.timed("prefill_seconds", programs.insert, self._state, rows, slot_ids)
         self.calls.prefill_calls += 1
         self.calls.insert_calls += 1
-        return True
+        return rows, [row for row, _ in starting]
+
+    def _first_tokens(self, rows: state_lib.DecodeState, slots: list[int]) -> list[Event]:
+        """The started requests' first tokens, fetched from their prefill's rows (`rows`, which
+        insert did not donate): waits for the prefill, not for the insert queued after it."""
+        wanted = any(self._slots[slot].output.logprobs is not None for slot in slots)
+        host = self.calls.fetch(device_calls.host_view(rows, wanted))
+        now = time.perf_counter()
+        events = []
+        for index, slot_index in enumerate(slots):
+            slot = self._slots[slot_index]
+            slot.first_token_seconds = now - self.began
+            new, logprobs = slot.output.take(host.output[index], int(host.num_generated[index]),
+                                             outputs_lib.row_logprobs(host.logprobs, index))
+            if new:
+                events.append(Event(slot.request_id, new, None, logprobs))
+        return events
 
 
 def generate(programs: programs_lib.SlotPrograms, prompts: Sequence[np.ndarray], budgets: Sequence[int],

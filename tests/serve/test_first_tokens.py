@@ -1,6 +1,7 @@
-"""`SlotLoop(first_tokens_at_prefill=True)`, the server's loop: a round that refills slots returns
-the new requests' first tokens after the prefill, without a run call, and the next round runs;
-the tokens are those of the loop without it. Asserts on counters and tokens, never on time."""
+"""`SlotLoop(on_first_tokens=...)`, the server's loop: a round that refills slots hands over the new
+requests' first tokens from their prefill, before the round's run call, and then runs as any
+round does; the tokens are those of the loop without it. Asserts on counters and tokens, never on
+time."""
 
 import jax
 import numpy as np
@@ -22,10 +23,11 @@ def programs(speculation_target, agreeing_head):
     return engine.slot_programs(sampling_lib.SamplingMode())
 
 
-def drain(loop: scheduler_lib.SlotLoop, prompts) -> tuple[dict, list]:
-    """Every request's streamed tokens, and per round (run calls before, after, request ids with events)."""
+def drain(loop: scheduler_lib.SlotLoop, prompts, streamed: dict | None = None) -> tuple[dict, list]:
+    """Every request's streamed tokens (added to `streamed`), and each round's (run calls before, after, events)."""
     ids = [loop.add(np.asarray(p, np.int32), budget) for p, budget in zip(prompts, BUDGETS)]
-    streamed, rounds = {i: [] for i in ids}, []
+    streamed = {i: [] for i in ids} if streamed is None else streamed
+    rounds = []
     while not loop.idle:
         before = loop.calls.run_calls
         events = loop.step()
@@ -35,20 +37,31 @@ def drain(loop: scheduler_lib.SlotLoop, prompts) -> tuple[dict, list]:
     return streamed, rounds
 
 
-def test_first_tokens_come_before_any_run_call(programs, random_prompts):
+def test_first_tokens_come_from_the_prefill_before_the_run_call(programs, random_prompts):
     prompts = random_prompts((5, 9, 6, 8, 7), seed=2)
     expected, _ = drain(scheduler_lib.SlotLoop(programs, jax.random.key(0), refill_at=1), prompts)
-    loop = scheduler_lib.SlotLoop(programs, jax.random.key(0), refill_at=1, first_tokens_at_prefill=True)
-    streamed, rounds = drain(loop, prompts)
+    streamed = {i: [] for i in range(len(prompts))}
+    handed = []  # (run calls so far, events) per hand-over
+
+    def on_first_tokens(events):
+        handed.append((loop.calls.run_calls, events))
+        for event in events:
+            streamed[event.request_id] += event.token_ids
+
+    loop = scheduler_lib.SlotLoop(programs, jax.random.key(0), refill_at=1, on_first_tokens=on_first_tokens)
+    streamed, rounds = drain(loop, prompts, streamed)
     assert streamed == expected
     assert [len(tokens) for tokens in streamed.values()] == list(BUDGETS)
-    # The first round prefills two requests and runs nothing: each gets exactly its first token.
-    before, after, events = rounds[0]
-    assert before == after == 0 and sorted(len(e.token_ids) for e in events) == [1, 1]
-    # Every round that refilled ran no steps, and a round follows each with a run call.
-    refills = [r for r in rounds if r[0] == r[1]]
-    assert len(refills) == loop.calls.prefill_calls and loop.calls.run_calls == len(rounds) - len(refills)
-    # The request with a budget of 1 finished in a refill round, before any step.
-    done_at_prefill = [e for before, after, events in refills for e in events if e.result is not None
-                       and e.result.token_ids == streamed[3]]
-    assert done_at_prefill and streamed[3] == expected[3]
+    # Every request's first token, and only that, came through a hand-over; the first one came
+    # before any run call, and each came before its round's run call.
+    firsts = {e.request_id: e.token_ids for _, events in handed for e in events}
+    assert firsts == {i: tokens[:1] for i, tokens in streamed.items()}
+    assert all(e.result is None for _, events in handed for e in events)
+    assert handed[0][0] == 0 and sorted(len(e.token_ids) for e in handed[0][1]) == [1, 1]
+    refill_rounds = [(before, after) for before, after, _ in rounds if after > before]
+    assert {before for before, _ in handed} <= {before for before, _ in refill_rounds}
+    # No round is spent on the first tokens: every round ran a call, and each refill fetched once more.
+    assert loop.calls.run_calls == len(rounds) and loop.calls.syncs == len(rounds) + loop.calls.prefill_calls
+    # The request with a budget of 1 finished at its prefill; its result came with the next round.
+    result = next(e.result for _, _, events in rounds for e in events if e.request_id == 3 and e.result)
+    assert result.token_ids == expected[3] == firsts[3]

@@ -205,8 +205,9 @@ def test_metrics_parse_and_add_up(server, client):
     assert delta("eagle_jax:spec_decode_num_accepted_tokens_per_pos_total") == accepted
     assert total(after, "eagle_jax:num_requests_running") == 0
     # The device loop's account. The requests came one at a time: each a prefill and an insert of
-    # one row, then run calls (all greedy: every one an argmax call), each round one fetch; one
-    # request running, every step of the device loop verified one of its drafts.
+    # one row, then run calls (all greedy: every one an argmax call); a fetch after each run call
+    # and one of each prefill's first tokens; one request running, every step of the device loop
+    # verified one of its drafts.
     calls = lambda call: delta("eagle_jax:device_calls_total", call=call)
     assert calls("prefill") == calls("insert") == 3 and calls("run") >= 3 and calls("argmax_run") == calls("run")
     assert calls("fetch") == calls("run") + calls("prefill")
