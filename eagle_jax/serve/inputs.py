@@ -47,9 +47,9 @@ def row_buckets(batch_size: int) -> tuple[int, ...]:
     return tuple(4 ** i for i in range(8) if 4 ** i < batch_size) + (batch_size,)
 
 
-def bucket_rows(count: int, buckets: Sequence[int]) -> int:
-    """The smallest of `buckets` (ascending) that holds `count` rows."""
-    return next(rows for rows in buckets if rows >= count)
+def smallest_bucket(size: int, buckets: Sequence[int]) -> int:
+    """The smallest of `buckets` (ascending) that holds `size` (rows, or a prompt's tokens)."""
+    return next(bucket for bucket in buckets if bucket >= size)
 
 
 def fixed_max_length(longest_prompt: int, max_new_tokens: int, headroom: int, limit: int) -> int:

@@ -340,8 +340,8 @@ def _prefill_inputs(prompts: Sequence[np.ndarray], budgets: Sequence[int], row_c
     """A refill's prefill inputs: prompt i in row i, padded to the narrowest width bucket that holds
     the longest and to the fewest rows of `row_counts` that hold them all; the padding rows hold one
     token and a budget of one."""
-    width = next(w for w in widths if w >= max(len(prompt) for prompt in prompts))
-    rows = inputs_lib.bucket_rows(len(prompts), row_counts)
+    width = inputs_lib.smallest_bucket(max(len(prompt) for prompt in prompts), widths)
+    rows = inputs_lib.smallest_bucket(len(prompts), row_counts)
     tokens = np.zeros((rows, width), np.int32)
     lengths = np.ones((rows,), np.int32)
     row_budgets = np.ones((rows,), np.int32)

@@ -391,7 +391,7 @@ def test_a_slot_loop_takes_requests_between_rounds_and_frees_cancelled_slots(slo
 def test_row_buckets():
     assert inputs.row_buckets(64) == (1, 4, 16, 64) and inputs.row_buckets(16) == (1, 4, 16)
     assert inputs.row_buckets(5) == (1, 4, 5) and inputs.row_buckets(1) == (1,)
-    assert [inputs.bucket_rows(n, (1, 4, 5)) for n in (1, 2, 4, 5)] == [1, 4, 4, 5]
+    assert [inputs.smallest_bucket(n, (1, 4, 5)) for n in (1, 2, 4, 5)] == [1, 4, 4, 5]
 
 
 def test_a_refill_prefills_the_fewest_rows_that_hold_its_requests(slot_programs, prompts, reference, eos_id):
