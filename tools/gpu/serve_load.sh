@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The server under load on a GPU machine staged by stage_local.sh (EAGLE-3 against plain, 16 and 64
 # slots; EAGLE-3 with --greedy-only), the offline continuous figure with the same slots (EOS
-# ignored, as the server's requests do, and stopping at EOS), and EAGLE-3 at 16 rows offline with
-# k = 3 and 5 beside the default 4: the queue behind the GPU table of docs/serving.md. Carried as
+# ignored, as the server's requests do), and EAGLE-3 at 16 rows offline with k = 3, 4 and 5: the
+# queue behind the GPU table of docs/serving.md. Carried as
 # .stage/queue.sh with the serve extra's wheels (fastapi, starlette, pydantic, pydantic-core,
 # annotated-types, typing-inspection, annotated-doc, opentelemetry-api, typing-extensions,
 # uvicorn) installed into /tmp/site; launch.sh runs it.
@@ -51,14 +51,15 @@ off() {  # label slots [eagle.py flags...]: the offline continuous figure, 320 M
     --max_new_tokens 256 --out $R/mtbench.json "$@" 2>&1 | grep -E "tok/s|tokens/s|Error" | tail -4
 }
 # The server's requests ignore EOS (256 tokens each), so the like-for-like offline figure does too.
+# Ordered by what the goals need first: EAGLE-3 against plain at 16 slots, the offline figure for
+# the same slots, the 16-row k choice, then 64 slots and --greedy-only.
 serve eagle3-16 16 1,4,16,64 32 --method eagle3
 serve plain-16 16 1,4,16,64 32 --num-speculative-tokens 0
 off "EOS ignored" 16 --method eagle3,none --num_spec_tokens 4 --ignore_eos
-serve eagle3-16-greedy-only 16 1,64 32 --method eagle3 --greedy-only
-serve eagle3-64 64 1,4,16,64 128 --method eagle3
-serve plain-64 64 1,4,16,64 128 --num-speculative-tokens 0
+off "stopping at EOS, k = 3, 4 and 5" 16 --method eagle3 --num_spec_tokens 3,4,5
+serve eagle3-64 64 1,64 128 --method eagle3
+serve plain-64 64 1,64 128 --num-speculative-tokens 0
 off "EOS ignored" 64 --method eagle3,none --num_spec_tokens 4 --ignore_eos
-off "stopping at EOS" 16 --method eagle3,none --num_spec_tokens 4
-off "stopping at EOS, k = 3 and 5" 16 --method eagle3 --num_spec_tokens 3,5
+serve eagle3-16-greedy-only 16 1,64 32 --method eagle3 --greedy-only
 echo "queue end $(date -u +%T)"
 echo BENCH DONE
