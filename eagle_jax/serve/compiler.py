@@ -154,23 +154,32 @@ class Compiler:
                                                                      np.zeros((rows,), np.int32)), {}, (rows, w),
                                             donate=("state",), mode=sampling_mode)
                    for rows, w in shapes}
-        # Its own name: a static batch would lower the same step for the prefill's output types.
-        runs = self._run_programs("slots-run", state_shape, steps_per_call, opts, (np.int32(1),), stop_on_finish=True)
         # While every running row is greedy with no processor (the common case), a call runs the
         # argmax step on the same state: processing every row (a vocabulary sort for top-p, the
         # penalties) cost a 16-slot EAGLE-3 step 2.3x on an H100 (docs/serving.md). Token counts
         # and logprob buffers ride along; the counts stay current, so a penalised row can come later.
         argmax_mode = sampling_lib.SamplingMode()
-        argmax_runs = runs if sampling_mode == argmax_mode else self._run_programs(
-            "slots-run", state_shape, steps_per_call, opts.replace(sampling_mode=argmax_mode), (np.int32(1),),
-            stop_on_finish=True)
+        modes = {False: opts, True: opts.replace(sampling_mode=argmax_mode)}
+        if sampling_mode == argmax_mode:
+            modes = {False: opts}
+        # One set per row bucket: while R slots or fewer hold requests, a call runs those rows
+        # alone (`programs.take_rows`), so a lone request's step costs one row's, not every slot's.
+        # Its own name: a static batch would lower the same step for the prefill's output types.
+        runs = {(argmax, rows): self._run_programs("slots-run", state_shape, steps_per_call, mode, (np.int32(1),),
+                                                   rows=None if rows == slots else rows, stop_on_finish=True)
+                for argmax, mode in modes.items() for rows in row_counts}
+
+        def run(state, attend_length, refill_at, argmax=False, slot_ids=None):
+            program = runs[argmax and True in modes, slots if slot_ids is None else len(slot_ids)][attend_length]
+            row_args = () if slot_ids is None else (slot_ids,)
+            return program(*params, state, refill_at, *row_args)
+
         return programs_lib.SlotPrograms(
             prefill=lambda tokens, *args: prefills[tokens.shape](*params, tokens, *args),
             insert=lambda state, new, slot_ids: inserts[len(slot_ids), new.cache.max_length](state, new, slot_ids),
-            run=lambda state, attend_length, refill_at, argmax=False: (argmax_runs if argmax else runs)[attend_length](
-                *params, state, refill_at),
-            empty=empty,
-            batch_size=slots, row_counts=row_counts, widths=tuple(widths), attend_lengths=tuple(runs),
+            run=run, empty=empty,
+            batch_size=slots, row_counts=row_counts, widths=tuple(widths),
+            attend_lengths={rows: tuple(runs[False, rows]) for rows in row_counts},
             steps_per_call=steps_per_call, compile_seconds=0.0, opts=opts)
 
     def batch_programs(self, prompts: Sequence[np.ndarray], rng: jax.Array, opts: state_lib.Options,
@@ -207,23 +216,28 @@ class Compiler:
                                           compile_seconds=self.compile_seconds - compile_before, opts=opts)
 
     def _run_programs(self, name: str, state_shape, steps_per_call: int, opts: state_lib.Options,
-                      extra_args: tuple = (), **static) -> dict[int, Callable]:
+                      extra_args: tuple = (), rows: int | None = None, **static) -> dict[int, Callable]:
         """The device loop compiled for a quarter, half and all of the cache as attention's reach
         (`Options.attend_length`), keyed by that length, ascending.
 
         Attention costs what it reads: the host picks, per call, the shortest length that covers
         its rows (`scheduler.attend_length`). One row reads mostly weights, so a batch of one
-        compiles the whole-cache program alone, as do trees.
+        compiles the whole-cache program alone, as do trees. `rows`: the programs run only that
+        many of the state's rows, named by one more argument, their [rows] int32 slot ids
+        (`_run_rows`); None: every row.
         """
         cache = opts.cache_length
-        if self.config.tree is not None or self.config.batch_size == 1:
+        if self.config.tree is not None or (rows or self.config.batch_size) == 1:
             lengths = [cache]
         else:
             lengths = sorted({max(cache // 4, inputs.MIN_BUCKET), max(cache // 2, inputs.MIN_BUCKET), cache})
         args = (self.target_params, self.head_params, state_shape) + extra_args
-        return {length: self._program(name, self._run, args, dict(
+        function = self._run
+        if rows is not None:
+            args, function = args + (np.zeros((rows,), np.int32),), self._run_rows
+        return {length: self._program(name, function, args, dict(
                     num_steps=steps_per_call, opts=opts if length == cache else opts.replace(attend_length=length),
-                    **static), 0, donate=("state",))
+                    **static), rows or 0, donate=("state",))
                 for length in lengths}
 
     def _program(self, name: str, function, args, static: dict, bucket, donate: tuple[str, ...] = (),
@@ -281,6 +295,15 @@ class Compiler:
         target, head = self._modules(target_params, head_params)
         return self._place(speculative.run_steps(target, head, state, num_steps, opts, self.config.steps_per_check,
                                                  stop_on_finish, min_finished))
+
+    def _run_rows(self, target_params, head_params, state, min_finished, slot_ids, *, num_steps, opts,
+                  stop_on_finish=False):
+        """`_run` on the rows `slot_ids` of `state` alone (`programs.take_rows`, with the caches cut
+        to the attention's reach: every slot a call writes lies below it), put back in place."""
+        rows = programs_lib.take_rows(state, slot_ids, opts.attend_length or opts.cache_length)
+        rows = self._run(target_params, head_params, rows, min_finished, num_steps=num_steps,
+                         opts=opts.replace(cache_length=rows.cache.max_length), stop_on_finish=stop_on_finish)
+        return self._place(programs_lib.insert(state, rows, slot_ids).replace(rng=rows.rng))
 
     def _insert(self, state, rows, slot_ids):
         return self._place(programs_lib.insert(state, rows, slot_ids))

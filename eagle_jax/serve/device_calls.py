@@ -31,6 +31,7 @@ class CallCounts:
 
     run_calls: int = 0
     argmax_run_calls: int = 0  # run calls that took the argmax step: every running row greedy, unprocessed
+    row_run_calls: int = 0  # run calls over a row bucket below the slots (the held slots and idle padding)
     # Device-loop iterations over all run calls (each call: its longest-running row's steps; with
     # steps_per_check > 1, the idle steps up to a call's exit test are not counted).
     run_steps: int = 0

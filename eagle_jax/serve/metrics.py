@@ -53,10 +53,11 @@ class Metrics:
         self.num_speculative_tokens = num_speculative_tokens
         # The device loop's own account (`device_calls.CallCounts`), to tell where a round's time goes.
         calls = prom.Counter(PREFIX + "device_calls", "Device calls of the decode loop, by kind (argmax_run: "
-                             "run calls that took the argmax step)", registry=self.registry,
+                             "run calls that took the argmax step; row_run: run calls over fewer rows than the "
+                             "slots)", registry=self.registry,
                              labelnames=("model_name", "call"))
         self.device_calls = {name: calls.labels(model_name=model_name, call=name)
-                             for name in ("run", "argmax_run", "prefill", "insert", "fetch")}
+                             for name in ("run", "argmax_run", "row_run", "prefill", "insert", "fetch")}
         loop_seconds = prom.Counter(PREFIX + "device_loop_seconds", "Wall time of the decode loop's rounds, by part: "
                                     "run calls, prefill and insert calls, fetches (waiting for the device), the rest "
                                     "on the host", registry=self.registry, labelnames=("model_name", "part"))
@@ -81,8 +82,8 @@ class Metrics:
 
     def device_round(self, before: device_calls.CallCounts, after: device_calls.CallCounts, seconds: float) -> None:
         """Adds one round of the device loop: its counts from `before` to `after`, `seconds` its wall time."""
-        for name, field in (("run", "run_calls"), ("argmax_run", "argmax_run_calls"), ("prefill", "prefill_calls"),
-                            ("insert", "insert_calls"), ("fetch", "syncs")):
+        for name, field in (("run", "run_calls"), ("argmax_run", "argmax_run_calls"), ("row_run", "row_run_calls"),
+                            ("prefill", "prefill_calls"), ("insert", "insert_calls"), ("fetch", "syncs")):
             self.device_calls[name].inc(getattr(after, field) - getattr(before, field))
         parts = {name: getattr(after, field) - getattr(before, field)
                  for name, field in (("run", "run_seconds"), ("prefill", "prefill_seconds"), ("fetch", "sync_seconds"))}

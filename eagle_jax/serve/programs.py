@@ -2,7 +2,7 @@
 
 `Engine.batch_programs` compiles a `BatchPrograms` (one static batch), `Engine.slot_programs`
 a `SlotPrograms` (continuous batching: prefill, insert into slots, run); `scheduler` drives
-them. `insert`, `slot_shape` and `empty_state` are traced into the slot programs.
+them. `insert`, `take_rows`, `slot_shape` and `empty_state` are traced into the slot programs.
 """
 
 from __future__ import annotations
@@ -40,6 +40,24 @@ def insert(state: state_lib.DecodeState, rows: state_lib.DecodeState, slots: jax
 
     merged = jax.tree.map(put, state.replace(rng=None), rows.replace(rng=None))
     return merged.replace(rng=state.rng)
+
+
+def take_rows(state: state_lib.DecodeState, slots: jax.Array, cache_length: int) -> state_lib.DecodeState:
+    """Rows `slots` of `state` ([R] int32 ids, each below batch_size) as an R-row state whose caches
+    hold their first `cache_length` slots: all that a run attending that far reads and writes.
+
+    A run over the rows alone (then `insert` back) costs R rows' steps instead of batch_size's,
+    as a vLLM CUDA graph captured for R requests does. Every leaf but `rng` has batch as axis 0
+    (`insert`); the caches' keys and values [B, S, K, H] are cut along S first, so the gather
+    copies R x cache_length slots, not R whole caches.
+    """
+    def cut(cache):
+        short = lambda leaf: leaf[:, :cache_length]
+        return None if cache is None else cache.replace(keys=tuple(map(short, cache.keys)),
+                                                        values=tuple(map(short, cache.values)))
+
+    short = state.replace(rng=None, cache=cut(state.cache), draft_cache=cut(state.draft_cache))
+    return jax.tree.map(lambda leaf: leaf[slots], short).replace(rng=state.rng)
 
 
 def slot_shape(row_shape: state_lib.DecodeState, cache_length: int) -> state_lib.DecodeState:
@@ -111,12 +129,16 @@ class SlotPrograms:
     # insert(state, rows, slot_ids [R] int32) -> state, `rows` a prefill's output; row i goes to
     # slot slot_ids[i], ids >= batch_size (padding rows) are dropped; `state` is donated
     insert: Callable
+    # run(state, attend_length, refill_at, argmax=False, slot_ids=None) -> state after up to
+    # steps_per_call steps of the slots `slot_ids` ([R] int32, R in row_counts below batch_size;
+    # None: every slot), attending below attend_length (one of attend_lengths[R]); argmax: every
+    # running row is greedy and unprocessed; `state` is donated
     run: Callable
     empty: Callable  # empty(rng) -> a state of idle slots, caches the whole cache long, built on the device
     batch_size: int
     row_counts: tuple[int, ...]  # the prefill's row buckets, ascending; the last is batch_size
     widths: tuple[int, ...]  # the prefill's width buckets, ascending; the last is the longest prompt a slot takes
-    attend_lengths: tuple[int, ...]  # ascending; the last is the whole cache
+    attend_lengths: dict[int, tuple[int, ...]]  # rows run -> the run's attention reaches, ascending; the last is the whole cache
     steps_per_call: int
     compile_seconds: float
     opts: state_lib.Options  # what the programs were compiled for

@@ -186,12 +186,27 @@ class SlotLoop:
         running = [(slot.prompt_length, slot.budget, slot.generated) for slot in self._slots if slot is not None]
         # Leave the device loop to refill only when slots can be refilled, and as a batch.
         wait_for = min(self.refill_at, len(self._queue)) if self._queue else programs.batch_size + 1
-        length = device_calls.attend_length(programs.attend_lengths, programs.opts, programs.steps_per_call, running)
+        slot_ids = self._rows_to_run()
+        rows = programs.batch_size if slot_ids is None else len(slot_ids)
+        length = device_calls.attend_length(programs.attend_lengths[rows], programs.opts, programs.steps_per_call,
+                                            running)
         argmax = all(ARGMAX.covers(slot.output.sampling) for slot in self._slots if slot is not None)
-        self._state = calls.timed("run_seconds", programs.run, self._state, length, np.int32(wait_for), argmax)
+        self._state = calls.timed("run_seconds", programs.run, self._state, length, np.int32(wait_for), argmax,
+                                  slot_ids)
         calls.run_calls += 1
         calls.argmax_run_calls += argmax
+        calls.row_run_calls += slot_ids is not None
         return events + self._harvest()
+
+    def _rows_to_run(self) -> np.ndarray | None:
+        """The slots a run call takes: the held ones, padded with idle slots (done, so unchanged) to
+        the fewest rows of `programs.row_counts`; None while that is every slot."""
+        held = [row for row, slot in enumerate(self._slots) if slot is not None]
+        rows = inputs_lib.smallest_bucket(len(held), self.programs.row_counts)
+        if rows == self.programs.batch_size:
+            return None
+        idle = [row for row, slot in enumerate(self._slots) if slot is None]
+        return np.array(held + idle[:rows - len(held)], np.int32)
 
     def _harvest(self) -> list[Event]:
         """One fetch (tokens, cursors, logprobs and the acceptance counters, not the caches; the

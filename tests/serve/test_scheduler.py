@@ -17,6 +17,7 @@ import pytest
 from eagle_jax.serve import config as config_lib
 from eagle_jax.serve import device_calls
 from eagle_jax.serve import inputs
+from eagle_jax.serve import programs as programs_lib
 from eagle_jax.serve import engine as engine_lib
 from eagle_jax.decode import sampling as sampling_lib
 from eagle_jax.serve import scheduler as scheduler_lib
@@ -29,11 +30,11 @@ PROMPT_LENGTHS = (3, 17, 1, 9, 26, 6, 12)  # 7 prompts through 3 slots
 BUDGETS = (14, 5, 9, 1, 11, 16, 7)
 SLOTS = 3
 # Slot programs: one prefill and one insert per row bucket (1 and 3 rows here) and width bucket
-# (16 and 32), one building the idle slots, and one run per attention length (16, 32 and 64 slots
-# here: a quarter, half and all of the cache).
+# (16 and 32), one building the idle slots, one run of every slot per attention length (16, 32 and
+# 64 slots here: a quarter, half and all of the cache) and one run of a single row (whole cache).
 WIDTHS = sorted({inputs.bucket_length(n, MAX_LENGTH // 2) for n in range(1, MAX_LENGTH // 2 + 1)})
 ROWS = inputs.row_buckets(SLOTS)
-SLOT_PROGRAMS = 2 * len(ROWS) * len(WIDTHS) + 1 + 3
+SLOT_PROGRAMS = 2 * len(ROWS) * len(WIDTHS) + 1 + 3 + 1
 DRAFT_VOCAB = 64
 K = {"plain": 0, "eagle": 3, "eagle3": 4}
 
@@ -108,7 +109,7 @@ def test_continuous_equals_batch_one(target, prompts, heads, eos_id, reference, 
     assert [streamed[i] for i in range(len(prompts))] == expected
     # Prefill and insert (per bucket), empty and run: compiled once, before the first prompt; the prompts
     # compile nothing, nor does a second call with other budgets.
-    assert SLOT_PROGRAMS == 12 and engine.num_compilations == SLOT_PROGRAMS
+    assert SLOT_PROGRAMS == 13 and engine.num_compilations == SLOT_PROGRAMS
     with xla_compilations() as compiled:
         again = engine.generate(prompts[::-1], max_new_tokens=list(BUDGETS[::-1]), eos_ids=[eos_id])
     assert [r.token_ids for r in again] == expected[::-1]
@@ -125,6 +126,37 @@ def test_continuous_equals_batch_one(target, prompts, heads, eos_id, reference, 
             assert stats["num_drafts"] == 0 and stats["num_accepted_tokens"] == 0
     if kind == "eagle":
         assert sum(r.stats["num_accepted_tokens"] for r in results) > 0  # drafts were accepted
+
+
+@pytest.mark.parametrize("kind", ["plain", "eagle3"])
+def test_a_lone_request_runs_its_row_alone(target, prompts, heads, kind):
+    """Once one request is left in the three slots, run calls take its row alone (the 1-row
+    bucket, `programs.take_rows`) and put it back: its tokens, and its statistics, are still its
+    batch-1 ones, as are those of the requests that ran beside it before."""
+    budgets = [24, 2, 4]
+    engine = engine_lib.Engine(target, heads[kind], config=config_lib.EngineConfig(
+        num_speculative_tokens=K[kind], max_length=MAX_LENGTH, batch_size=SLOTS, scheduler="continuous", steps_per_call=2))
+    results = engine.generate(prompts[:3], max_new_tokens=budgets, eos_ids=[])
+    expected = static_results(target, heads[kind], K[kind], prompts[:3], budgets, eos_ids=[])
+    assert [r.token_ids for r in results] == [r.token_ids for r in expected]
+    assert [r.stats for r in results] == [r.stats for r in expected]
+    calls = results[0].calls
+    assert 0 < calls["row_run_calls"] < calls["run_calls"], calls
+    assert engine.num_compilations == SLOT_PROGRAMS
+
+
+def test_take_rows_gathers_rows_and_cuts_caches(slot_programs):
+    """`programs.take_rows`: row i of the result is slot ids[i] of every per-row leaf, caches cut to
+    their first slots, and the state's key kept."""
+    state = with_stale_caches(slot_programs("eagle").empty(jax.random.key(0)), seed=5)
+    state = state.replace(num_generated=jnp.arange(SLOTS, dtype=jnp.int32) + 7)
+    ids = np.array([2, 0], np.int32)
+    rows = programs_lib.take_rows(state, ids, 16)
+    for got, full in zip(cache_leaves(rows), cache_leaves(state)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(full)[ids, :16])
+    np.testing.assert_array_equal(np.asarray(rows.num_generated), [9, 7])
+    np.testing.assert_array_equal(np.asarray(rows.cache.lengths), np.asarray(state.cache.lengths)[ids])
+    assert jax.random.key_data(rows.rng).tolist() == jax.random.key_data(state.rng).tolist()
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
