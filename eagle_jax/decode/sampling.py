@@ -196,7 +196,8 @@ class SamplingMode:
 
 @struct.dataclass
 class SamplingParams:
-    """Every row's settings as arrays, [B] each (seed [B, 2], stop_ids [B, S]); built by `stack`.
+    """Every row's settings as arrays, [B] each (seed [B, 2], stop_ids [B, S]); built by `stack`
+    (numpy arrays, the arguments of a program) or `neutral` (jnp, inside one too).
 
     A greedy row stores top_k 0, top_p 1 and min_p 0 whatever it asked: its processed logits are
     then its penalised logits alone, in any batch (and its argmax is unchanged).
@@ -236,7 +237,9 @@ class SamplingParams:
         width = max(map(len, stops)) if stop_width is None else stop_width
         if any(len(ids) > width for ids in stops):
             raise ValueError(f"a row has {max(map(len, stops))} stop and EOS ids; at most {width} fit")
-        column = lambda values, dtype: jnp.asarray(np.array(list(values), dtype))
+        # Host (numpy) arrays: a compiled program takes them in one transfer with its other
+        # arguments, where a jnp array each would be a device transfer each (a refill's host time).
+        column = lambda values, dtype: np.array(list(values), dtype)
         sampled = lambda name, off: (off if s.greedy else getattr(s, name) for s in samplings)
         row_seeds = [s.seed for s in samplings] if seeds is None else list(seeds)
         seeds = [(seed or 0) % 2 ** 64 for seed in row_seeds]
@@ -254,7 +257,7 @@ class SamplingParams:
             seed=column(([seed >> 32, seed & 0xFFFFFFFF] for seed in seeds), np.uint32).reshape(-1, 2),
             seeded=column((seed is not None for seed in row_seeds), bool),
             min_tokens=column((s.min_tokens for s in samplings), np.int32),
-            stop_ids=jnp.asarray(stop_table),
+            stop_ids=stop_table,
         )
 
     @classmethod

@@ -11,7 +11,8 @@ thread, because a device call blocks. They meet in two places:
 
 Everything the server will run is compiled in `start`, before `/health` says ready: the slot
 programs (every prefill width, the insert, the run loops) for the engine's fixed sampling mode,
-so no request ever waits on a compilation. Each request brings its own `Sampling` (temperature,
+each then run once on idle slots (`SlotPrograms.warm_up`), so no request ever waits on a
+compilation or on a program's first execution. Each request brings its own `Sampling` (temperature,
 top-p, top-k, min-p, penalties, seed, logprobs, stop token ids, ignore_eos, min_tokens), written
 into its slot at its prefill: one set of programs serves any mix the mode covers, and a request
 it does not cover is refused naming the field. EOS and stop token ids end a row on the device;
@@ -190,9 +191,11 @@ class OnlineEngine:
 
     # -- lifecycle ------------------------------------------------------------------------------
     def compile(self) -> None:
-        """Compiles every program the server runs (an error is kept in `error`); requests may queue from now on."""
+        """Compiles every program the server runs, and runs each once (an error is kept in
+        `error`); requests may queue from now on."""
         try:
             programs = self.engine.slot_programs(self.mode)
+            programs.warm_up(jax.random.key(self.seed))
         except BaseException as error:
             self.error = error
             raise

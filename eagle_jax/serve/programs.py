@@ -143,6 +143,25 @@ class SlotPrograms:
     compile_seconds: float
     opts: state_lib.Options  # what the programs were compiled for
 
+    def warm_up(self, rng: jax.Array) -> None:
+        """Runs every program once on idle slots, changing none: each prefill bucket (its rows
+        inserted nowhere, every slot id a padding id), each run (all rows done: it exits at
+        once). On a GPU a program's first execution loads its modules, which a server pays here
+        before it is ready rather than in the first requests of each shape."""
+        state = self.empty(rng)
+        for rows in self.row_counts:
+            nowhere = np.full((rows,), self.batch_size, np.int32)
+            for width in self.widths:
+                new = self.prefill(np.zeros((rows, width), np.int32), np.ones((rows,), np.int32),
+                                   np.ones((rows,), np.int32),
+                                   sampling_lib.SamplingParams.neutral(rows, sampling_lib.STOP_WIDTH), rng)
+                state = self.insert(state, new, nowhere)
+            slot_ids = None if rows == self.batch_size else np.arange(rows, dtype=np.int32)
+            for length in self.attend_lengths[rows]:
+                for argmax in (False, True):
+                    state = self.run(state, length, np.int32(1), argmax, slot_ids)
+        jax.block_until_ready(state)
+
 
 def module_name(program: str, opts: state_lib.Options | None, head_config) -> str:
     """The name a compiled program's module (and persistent cache entry) carries: what it runs."""

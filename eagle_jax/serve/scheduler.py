@@ -46,6 +46,8 @@ from eagle_jax.serve import result as result_lib
 
 # What a run call needs when every running row is greedy and unprocessed: the argmax step.
 ARGMAX = sampling_lib.SamplingMode()
+# A refill's prefill key, compiled: op by op, fold_in dispatches each of its threefry ops.
+_fold_in = jax.jit(jax.random.fold_in)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +118,7 @@ class SlotLoop:
         self.eos_ids, self.tokenizer = tuple(eos_ids), tokenizer
         self.calls = device_calls.CallCounts()
         state_rng, self._prefill_rng = jax.random.split(rng)
+        _fold_in(self._prefill_rng, 0)  # compiled now, not in the first refill
         self._state = programs.empty(state_rng)
         self._queue: collections.deque[Request] = collections.deque()
         self._slots: list[Slot | None] = [None] * programs.batch_size
@@ -278,7 +281,7 @@ class SlotLoop:
         params = sampling_lib.SamplingParams.stack(
             [request.sampling for request in requests] + [sampling_lib.Sampling()] * padding, eos_ids=self.eos_ids,
             stop_width=sampling_lib.STOP_WIDTH, seeds=[request.seed for request in requests] + [None] * padding)
-        key = jax.random.fold_in(self._prefill_rng, requests[0].request_id)
+        key = _fold_in(self._prefill_rng, requests[0].request_id)
         rows = self.calls.timed("prefill_seconds", programs.prefill, tokens, lengths, budgets, params, key)
         slot_ids = np.full(len(lengths), programs.batch_size, np.int32)
         for index, (row, request) in enumerate(starting):

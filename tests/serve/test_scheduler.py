@@ -159,6 +159,40 @@ def test_take_rows_gathers_rows_and_cuts_caches(slot_programs):
     assert jax.random.key_data(rows.rng).tolist() == jax.random.key_data(state.rng).tolist()
 
 
+def test_warm_up_runs_every_program_once_on_idle_slots(slot_programs, xla_compilations):
+    """`SlotPrograms.warm_up` calls each prefill and insert bucket and each run (rows, reach, argmax
+    or not) once, compiles nothing, and leaves every slot idle: no row was inserted or stepped."""
+    programs = slot_programs("eagle")
+    seen = collections.Counter()
+    outputs = []
+
+    def recorded(kind, call, key):
+        def wrapped(*args):
+            seen[kind, key(*args)] += 1
+            outputs.append(call(*args))
+            return outputs[-1]
+        return wrapped
+
+    run_key = lambda state, length, refill_at, argmax, slot_ids: (
+        SLOTS if slot_ids is None else len(slot_ids), length, argmax)
+    warm = dataclasses.replace(
+        programs, prefill=recorded("prefill", programs.prefill, lambda tokens, *_: tokens.shape),
+        insert=recorded("insert", programs.insert, lambda state, new, ids: (len(ids), new.cache.max_length)),
+        run=recorded("run", programs.run, run_key))
+    with xla_compilations() as compiled:
+        warm.warm_up(jax.random.key(0))
+    assert compiled == []
+    buckets = [(rows, width) for rows in programs.row_counts for width in programs.widths]
+    runs = [(rows, length, argmax) for rows in programs.row_counts for length in programs.attend_lengths[rows]
+            for argmax in (False, True)]
+    assert programs.attend_lengths == {1: (MAX_LENGTH,), SLOTS: (16, 32, MAX_LENGTH)}
+    assert seen == collections.Counter([("prefill", b) for b in buckets] + [("insert", b) for b in buckets]
+                                       + [("run", r) for r in runs])
+    last = outputs[-1]
+    assert np.asarray(last.done).all() and not np.asarray(last.num_generated).any()
+    assert not np.asarray(last.cache.lengths).any()
+
+
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 def test_speculation_pauses_while_the_slots_are_full(target, prompts, heads, eos_id, reference, kind):
     """Speculation off while all three slots are busy (`speculative_disable_by_batch_size=2`), on in
