@@ -6,8 +6,8 @@ thread, because a device call blocks. They meet in two places:
 * `submit` (event loop) appends a request to a bounded inbox; the device thread moves the inbox
   into the slot loop (`scheduler.SlotLoop`) at each device-call boundary, where free slots are
   prefilled, so a request waits at most one device call for its prefill.
-* Each round's new token ids go back to their request's asyncio queue through
-  `call_soon_threadsafe`; `Handle.events()` reads them.
+* Each round's new token ids go back to their requests' asyncio queues through one
+  `call_soon_threadsafe` per event loop and round (`deliver`); `Handle.events()` reads them.
 
 Everything the server will run is compiled in `start`, before `/health` says ready: the slot
 programs (every prefill width, the insert, the run loops) for the engine's fixed sampling mode,
@@ -99,8 +99,21 @@ class Handle:
             self.cancelled, self.finish_reason = True, reason
             self.owner.cancel(self)
 
-    def _send(self, item) -> None:  # from the device thread
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+def deliver(items: list[tuple[Handle, Chunk | None]]) -> None:
+    """Hands each (handle, chunk, or None for its end) to its handler's event loop, in order: one
+    wake-up of each loop for them all (from the device thread, once a round), not one a chunk,
+    which with 64 streams a round would be 64 thread-safe calls competing with the handlers."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = collections.defaultdict(list)
+    for handle, item in items:
+        by_loop[handle.loop].append((handle.queue, item))
+    for loop, pairs in by_loop.items():
+        loop.call_soon_threadsafe(_put_all, pairs)
+
+
+def _put_all(pairs: list[tuple[asyncio.Queue, Chunk | None]]) -> None:
+    for queue, item in pairs:
+        queue.put_nowait(item)
 
 
 class OnlineEngine:
@@ -243,10 +256,12 @@ class OnlineEngine:
                 handle.request_id = loop.add(handle.prompt_ids, handle.budget, handle.sampling, handle.sample)
                 self._handles[handle.request_id] = handle
                 self.metrics.prompt_tokens.inc(handle.prompt_tokens)
+            ended = []
             for handle in cancels:
                 if handle.request_id in self._handles:
                     loop.cancel(handle.request_id)
-                    self._end(handle, handle.finish_reason)
+                    self._end(handle, handle.finish_reason, ended)
+            deliver(ended)
             if loop.idle:
                 # Cancels may have emptied the queue with no round to follow, which would leave the
                 # gauges where the last round set them (counting a request that is gone).
@@ -259,8 +274,10 @@ class OnlineEngine:
                 events = loop.step()
             except Exception as error:  # a device failure ends every request in flight, not the process
                 self.last_device_error = error
+                ended = []
                 for handle in list(self._handles.values()):
-                    self._end(handle, "error")
+                    self._end(handle, "error", ended)
+                deliver(ended)
                 loop = self._loop = self._new_loop(self._programs)
                 continue
             self.metrics.device_round(before, loop.calls, time.perf_counter() - began)
@@ -269,6 +286,7 @@ class OnlineEngine:
     def _record(self, events: list[scheduler_lib.Event]) -> None:
         now = time.perf_counter()
         self._set_gauges()
+        outbox = []
         for event in events:
             if event.result is not None:  # cancelled ones too: their drafts were verified
                 self.metrics.speculation(event.result.stats)
@@ -284,9 +302,10 @@ class OnlineEngine:
                         self.metrics.inter_token_latency.observe(per_token)
                 handle.last_token = now
                 self.metrics.generation_tokens.inc(len(event.token_ids))
-                handle._send(Chunk(event.token_ids, [self._logprob_entry(entry) for entry in event.logprobs]))
+                outbox.append((handle, Chunk(event.token_ids, [self._logprob_entry(entry) for entry in event.logprobs])))
             if event.result is not None:
-                self._end(handle, event.result.finish_reason)
+                self._end(handle, event.result.finish_reason, outbox)
+        deliver(outbox)
 
     def _logprob_entry(self, entry: dict) -> dict:
         """A row's entry (`outputs.RowOutput`, token ids) with the token strings the APIs show."""
@@ -298,11 +317,12 @@ class OnlineEngine:
         self.metrics.running.set(self._loop.num_running)
         self.metrics.waiting.set(self._loop.num_waiting + len(self._inbox))
 
-    def _end(self, handle: Handle, reason: str) -> None:
+    def _end(self, handle: Handle, reason: str, outbox: list) -> None:
+        """Ends a request: its reason, its metrics, and its last item (None) into `outbox` (`deliver`)."""
         if self._handles.pop(handle.request_id, None) is None:
             return
         if not handle.cancelled:
             handle.finish_reason = reason
         self.metrics.e2e_latency.observe(time.perf_counter() - handle.arrived)
         self.metrics.finished(reason)
-        handle._send(None)
+        outbox.append((handle, None))
