@@ -216,8 +216,7 @@ class SlotLoop:
         logprobs buffers ([B, C, N]) only while a request wants them), then each slot's new tokens
         and, for the rows that finished, their `Result`s; their slots are freed."""
         programs, calls = self.programs, self.calls
-        wanted = any(slot is not None and slot.output.logprobs is not None for slot in self._slots)
-        host = calls.fetch(device_calls.host_view(self._state, wanted))
+        host = self._fetch(self._state, [slot for slot in self._slots if slot is not None])
         calls.run_steps += int(np.max(host.num_steps - self._steps))
         self._steps = np.array(host.num_steps, np.int64)
         self._host = host
@@ -229,9 +228,7 @@ class SlotLoop:
                 continue
             if slot.first_token_seconds is None:  # prefill emitted it
                 slot.first_token_seconds = now - self.began
-            slot.generated = int(host.num_generated[row])
-            new, logprobs = slot.output.take(host.output[row], slot.generated,
-                                             outputs_lib.row_logprobs(host.logprobs, row))
+            new, logprobs = _take(slot, host, row)
             finished = None
             if host.done[row] or slot.output.finished:
                 if not host.done[row]:  # a stop string: the device row stops at the next round
@@ -297,18 +294,27 @@ class SlotLoop:
     def _first_tokens(self, rows: state_lib.DecodeState, slots: list[int]) -> list[Event]:
         """The started requests' first tokens, fetched from their prefill's rows (`rows`, which
         insert did not donate): waits for the prefill, not for the insert queued after it."""
-        wanted = any(self._slots[slot].output.logprobs is not None for slot in slots)
-        host = self.calls.fetch(device_calls.host_view(rows, wanted))
+        host = self._fetch(rows, [self._slots[slot] for slot in slots])
         now = time.perf_counter()
         events = []
         for index, slot_index in enumerate(slots):
             slot = self._slots[slot_index]
             slot.first_token_seconds = now - self.began
-            new, logprobs = slot.output.take(host.output[index], int(host.num_generated[index]),
-                                             outputs_lib.row_logprobs(host.logprobs, index))
+            new, logprobs = _take(slot, host, index)
             if new:
                 events.append(Event(slot.request_id, new, None, logprobs))
         return events
+
+    def _fetch(self, state: state_lib.DecodeState, slots: list[Slot]) -> state_lib.DecodeState:
+        """The host view of `state` (`device_calls.host_view`), with logprobs if one of `slots` wants them."""
+        wanted = any(slot.output.logprobs is not None for slot in slots)
+        return self.calls.fetch(device_calls.host_view(state, wanted))
+
+
+def _take(slot: Slot, host: state_lib.DecodeState, row: int) -> tuple[list[int], list]:
+    """The slot's new tokens (and their logprob entries) from row `row` of a fetched state; its count updated."""
+    slot.generated = int(host.num_generated[row])
+    return slot.output.take(host.output[row], slot.generated, outputs_lib.row_logprobs(host.logprobs, row))
 
 
 def generate(programs: programs_lib.SlotPrograms, prompts: Sequence[np.ndarray], budgets: Sequence[int],
