@@ -254,12 +254,13 @@ class Compiler:
 
         Attention costs what it reads: the host picks, per call, the shortest length that covers
         its rows (`scheduler.attend_length`). One row reads mostly weights, so a batch of one
-        compiles the whole-cache program alone, as do trees. `rows`: the programs run only that
+        compiles the whole-cache program alone, as do trees. `rows`: the program runs only that
         many of the state's rows, named by one more argument, their [rows] int32 slot ids
-        (`_run_rows`); None: every row.
+        (`_run_rows`); None: every row. Those few rows' attention reads little, so they too take
+        the whole-cache program alone (fewer programs to compile at start-up).
         """
         cache = opts.cache_length
-        if self.config.tree is not None or (rows or self.config.batch_size) == 1:
+        if self.config.tree is not None or self.config.batch_size == 1 or rows is not None:
             lengths = [cache]
         else:
             lengths = sorted({max(cache // 4, inputs.MIN_BUCKET), max(cache // 2, inputs.MIN_BUCKET), cache})
@@ -330,11 +331,9 @@ class Compiler:
 
     def _run_rows(self, target_params, head_params, state, min_finished, slot_ids, *, num_steps, opts,
                   stop_on_finish=False):
-        """`_run` on the rows `slot_ids` of `state` alone (`programs.take_rows`, with the caches cut
-        to the attention's reach: every slot a call writes lies below it), put back in place."""
-        rows = programs_lib.take_rows(state, slot_ids, opts.attend_length or opts.cache_length)
-        rows = self._run(target_params, head_params, rows, min_finished, num_steps=num_steps,
-                         opts=opts.replace(cache_length=rows.cache.max_length), stop_on_finish=stop_on_finish)
+        """`_run` on the rows `slot_ids` of `state` alone (`programs.take_rows`), put back in place."""
+        rows = self._run(target_params, head_params, programs_lib.take_rows(state, slot_ids), min_finished,
+                         num_steps=num_steps, opts=opts, stop_on_finish=stop_on_finish)
         return self._place(programs_lib.insert(state, rows, slot_ids).replace(rng=rows.rng))
 
     def _insert(self, state, rows, slot_ids):
