@@ -8,6 +8,7 @@ are its children, so each fixture is built once for the whole run.
 
 from __future__ import annotations
 
+import gc
 import os
 
 # Tests compile dozens of small programs and never time them: XLA:CPU's LLVM optimisation
@@ -21,7 +22,8 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=4"
 
-import jax.numpy as jnp  # noqa: E402 (after the flags)
+import jax  # noqa: E402 (after the flags)
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
@@ -47,6 +49,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def release_compiled_programs():
+    """After each test module, drops the programs it compiled (jit caches, and engines it no longer holds).
+
+    Every live XLA:CPU executable keeps a few memory mappings, and a process may hold 65,530
+    (`vm.max_map_count`): past that LLVM cannot map a new program's code, and the compile
+    crashes the process. One xdist worker compiles thousands of programs over the suite; freeing
+    each module's keeps it far below the limit.
+    """
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="package", autouse=True)
