@@ -160,8 +160,7 @@ class Compiler:
 
         def row_args(rows, w):
             neutral = jax.device_get(sampling_lib.SamplingParams.neutral(rows, sampling_lib.STOP_WIDTH))
-            return params + (np.zeros((rows, w), np.int32), np.ones((rows,), np.int32), np.ones((rows,), np.int32),
-                             neutral, jax.random.key(0))
+            return params + programs_lib.idle_rows(rows, w) + (neutral, jax.random.key(0))
 
         width = self.max_length // 2
         widths = sorted({inputs.bucket_length(length, width) for length in range(1, width + 1)})

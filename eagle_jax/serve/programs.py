@@ -42,6 +42,13 @@ def insert(state: state_lib.DecodeState, rows: state_lib.DecodeState, slots: jax
     return merged.replace(rng=state.rng)
 
 
+def idle_rows(rows: int, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A prefill's tokens [rows, width], lengths and budgets for idle rows (host arrays): one token
+    (id 0) and a budget of one each. A refill pads its rows with these and fills its requests in;
+    the compiler lowers the prefill on them and the warm-up runs it on them."""
+    return np.zeros((rows, width), np.int32), np.ones((rows,), np.int32), np.ones((rows,), np.int32)
+
+
 def take_rows(state: state_lib.DecodeState, slots: jax.Array) -> state_lib.DecodeState:
     """Rows `slots` of `state` ([R] int32 ids, each below batch_size) as an R-row state.
 
@@ -146,8 +153,7 @@ class SlotPrograms:
         for rows in self.row_counts:
             nowhere = np.full((rows,), self.batch_size, np.int32)
             for width in self.widths:
-                new = self.prefill(np.zeros((rows, width), np.int32), np.ones((rows,), np.int32),
-                                   np.ones((rows,), np.int32),
+                new = self.prefill(*idle_rows(rows, width),
                                    sampling_lib.SamplingParams.neutral(rows, sampling_lib.STOP_WIDTH), rng)
                 state = self.insert(state, new, nowhere)
             slot_ids = None if rows == self.batch_size else np.arange(rows, dtype=np.int32)

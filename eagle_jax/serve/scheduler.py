@@ -366,9 +366,7 @@ def _prefill_inputs(prompts: Sequence[np.ndarray], budgets: Sequence[int], row_c
     token and a budget of one."""
     width = inputs_lib.smallest_bucket(max(len(prompt) for prompt in prompts), widths)
     rows = inputs_lib.smallest_bucket(len(prompts), row_counts)
-    tokens = np.zeros((rows, width), np.int32)
-    lengths = np.ones((rows,), np.int32)
-    row_budgets = np.ones((rows,), np.int32)
+    tokens, lengths, row_budgets = programs_lib.idle_rows(rows, width)
     for row, (prompt, budget) in enumerate(zip(prompts, budgets)):
         tokens[row, :len(prompt)] = prompt
         lengths[row], row_budgets[row] = len(prompt), budget
