@@ -8,8 +8,10 @@ are its children, so each fixture is built once for the whole run.
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
+import sys
 
 # Tests compile dozens of small programs and never time them: XLA:CPU's LLVM optimisation
 # level 0 halves compile time here without changing what is computed. Set before jax starts its
@@ -62,6 +64,11 @@ def release_compiled_programs():
     """
     yield
     jax.clear_caches()
+    if "fastapi" in sys.modules:  # it keeps the route handlers of every app it has seen in lru_caches,
+        # and an app built in a test (`server.create_app`) holds its engine's programs through them
+        for cached in gc.get_objects():
+            if type(cached) is functools._lru_cache_wrapper and cached.__module__.startswith("fastapi"):
+                cached.cache_clear()
     gc.collect()
 
 
