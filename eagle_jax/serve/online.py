@@ -6,8 +6,12 @@ thread, because a device call blocks. They meet in two places:
 * `submit` (event loop) appends a request to a bounded inbox; the device thread moves the inbox
   into the slot loop (`scheduler.SlotLoop`) at each device-call boundary, where free slots are
   prefilled, so a request waits at most one device call for its prefill.
-* Each round's new token ids go back to their requests' asyncio queues through one
-  `call_soon_threadsafe` per event loop and round (`deliver`); `Handle.events()` reads them.
+* Each round's new token ids go to an output thread, which records their metrics and hands them
+  to their requests' asyncio queues through one `call_soon_threadsafe` per event loop and round
+  (`deliver`); `Handle.events()` reads them. The device thread goes straight on to its next
+  round: on a GPU a run call holds its thread until its loop ends, with the GIL released, so a
+  round's outputs are handed over while the next round runs rather than between rounds, where
+  the device would wait for them (JetStream's detokenizing thread beside its generate thread).
 
 Everything the server will run is compiled in `start`, before `/health` says ready: the slot
 programs (every prefill width, the insert, the run loops) for the engine's fixed sampling mode,
@@ -26,6 +30,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
+import logging
+import queue
 import threading
 import time
 from typing import Sequence
@@ -142,6 +149,10 @@ class OnlineEngine:
         self._wake = threading.Condition()
         self._draining = False
         self._thread: threading.Thread | None = None
+        # What the output thread runs, in order: recording and handing over a round's events,
+        # ending requests; None once the device thread has stopped.
+        self._outputs: queue.SimpleQueue = queue.SimpleQueue()
+        self._output_thread: threading.Thread | None = None
         self._programs = None
         self.error: BaseException | None = None  # why compiling at start failed
         self.last_device_error: Exception | None = None
@@ -220,12 +231,14 @@ class OnlineEngine:
         # EOS ends rows on the device (where min_tokens masks it), unless a request ignores it. A
         # new request's first token streams as soon as its prefill ends, not after the run call.
         return scheduler_lib.SlotLoop(programs, jax.random.key(self.seed), self.engine.config.resolved_refill_at,
-                                      eos_ids=self.eos_ids, on_first_tokens=self._record)
+                                      eos_ids=self.eos_ids, on_first_tokens=self._hand_over)
 
     def start(self) -> None:
         """Compiles, then starts the device thread: from then on `ready`."""
         if self._programs is None:
             self.compile()
+        self._output_thread = threading.Thread(target=self._emit, name="eagle_jax-outputs", daemon=True)
+        self._output_thread.start()
         self._thread = threading.Thread(target=self._run, name="eagle_jax-device-loop", daemon=True)
         self._thread.start()
         self.ready = True
@@ -236,8 +249,10 @@ class OnlineEngine:
         self.ready = False
         with self._wake:
             self._wake.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        began = time.monotonic()
+        for thread in (self._thread, self._output_thread):  # the outputs end after the device loop
+            if thread is not None:
+                thread.join(None if timeout is None else max(0.0, timeout - (time.monotonic() - began)))
 
     @property
     def _waiting(self) -> int:
@@ -245,6 +260,12 @@ class OnlineEngine:
 
     # -- the device thread ----------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._device_loop()
+        finally:
+            self._outputs.put(None)  # the output thread ends once it has handed over everything before
+
+    def _device_loop(self) -> None:
         loop = self._loop
         while True:
             with self._wake:
@@ -256,12 +277,11 @@ class OnlineEngine:
                 handle.request_id = loop.add(handle.prompt_ids, handle.budget, handle.sampling, handle.sample)
                 self._handles[handle.request_id] = handle
                 self.metrics.prompt_tokens.inc(handle.prompt_tokens)
-            ended = []
-            for handle in cancels:
-                if handle.request_id in self._handles:
-                    loop.cancel(handle.request_id)
-                    self._end(handle, handle.finish_reason, ended)
-            deliver(ended)
+            gone = [handle for handle in cancels if handle.request_id in self._handles]
+            for handle in gone:
+                loop.cancel(handle.request_id)
+            if gone:
+                self._outputs.put(functools.partial(self._end_all, gone))
             if loop.idle:
                 # Cancels may have emptied the queue with no round to follow, which would leave the
                 # gauges where the last round set them (counting a request that is gone).
@@ -274,18 +294,36 @@ class OnlineEngine:
                 events = loop.step()
             except Exception as error:  # a device failure ends every request in flight, not the process
                 self.last_device_error = error
-                ended = []
-                for handle in list(self._handles.values()):
-                    self._end(handle, "error", ended)
-                deliver(ended)
+                self._outputs.put(functools.partial(self._end_all, list(self._handles.values()), "error"))
                 loop = self._loop = self._new_loop(self._programs)
                 continue
             self.metrics.device_round(before, loop.calls, time.perf_counter() - began)
-            self._record(events)
+            self._set_gauges()
+            self._hand_over(events)
+
+    def _hand_over(self, events: list[scheduler_lib.Event]) -> None:
+        """Passes a round's events to the output thread (device thread)."""
+        self._outputs.put(functools.partial(self._record, events))
+
+    # -- the output thread ----------------------------------------------------------------------
+    def _emit(self) -> None:
+        """Runs what the device thread passed over, in order, until it has stopped."""
+        while (task := self._outputs.get()) is not None:
+            try:
+                task()
+            except Exception:  # a fault in one round's hand-over must not strand every later request
+                logging.getLogger(__name__).exception("handing over a round's outputs failed")
+
+    def _end_all(self, handles: list[Handle], reason: str | None = None) -> None:
+        """Ends each request (with `reason`, else its own finish reason: a cancel's)."""
+        ended = []
+        for handle in handles:
+            self._end(handle, reason or handle.finish_reason, ended)
+        deliver(ended)
 
     def _record(self, events: list[scheduler_lib.Event]) -> None:
+        """A round's metrics, and its chunks and ends handed to their handlers (output thread)."""
         now = time.perf_counter()
-        self._set_gauges()
         outbox = []
         for event in events:
             if event.result is not None:  # cancelled ones too: their drafts were verified

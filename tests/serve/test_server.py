@@ -302,16 +302,60 @@ def test_a_request_cancelled_before_the_device_thread_takes_it_leaves_the_gauges
 
     async def scenario():
         handle = backend.submit([5, 6, 7], 4, sampling.Sampling())
-        backend._record([])  # what a round ending now would record: the request waits in the inbox
+        backend._set_gauges()  # what a round ending now would set: the request waits in the inbox
         assert gauge("waiting") == 1
         handle.cancel()
         backend._draining = True  # the device thread's loop returns once nothing is left
         backend._run()  # on this thread: one pass takes the request and its cancel
+        backend._emit()  # and what the output thread would hand over
         assert [chunk async for chunk in handle.events()] == [] and handle.finish_reason == "abort"
 
     asyncio.run(scenario())
     assert gauge("waiting") == 0 and gauge("running") == 0
     assert "abort" in backend.metrics.exposition()[0].decode()
+
+
+def test_the_device_thread_runs_on_while_a_round_is_handed_over(offline):
+    """The first hand-over (the request's first token, from inside its first round) is held until
+    that round has ended: the device thread does not wait for the output thread, and the request
+    still gets every token in order."""
+    import asyncio
+    import threading
+
+    from eagle_jax.serve import online
+
+    engine, tokenizer = offline
+    backend = online.OnlineEngine(engine, tokenizer, MODEL)
+    backend.compile()
+    loop, stepped = backend._loop, threading.Semaphore(0)
+    step, record = loop.step, backend._record
+
+    def counted_step():
+        events = step()
+        stepped.release()
+        return events
+
+    held = []
+
+    def held_record(events):
+        if not held:  # waits on the device thread's steps, bounded so that a stall fails the test
+            held.append(stepped.acquire(timeout=120))
+        record(events)
+
+    loop.step, backend._record = counted_step, held_record
+    prompt = tokenization.encode(tokenizer, PROMPTS[0], chat=False)
+
+    async def scenario():
+        handle = backend.submit(prompt, 96, sampling.Sampling())
+        return [token for chunk in [chunk async for chunk in handle.events()] for token in chunk.token_ids]
+
+    backend.start()
+    try:
+        tokens = asyncio.run(scenario())
+    finally:
+        backend.drain(timeout=120)
+    assert held == [True]
+    assert tokens == engine.generate([prompt], max_new_tokens=96)[0].token_ids
 
 
 # ---- Per-request settings: every field served, each request its own, in the same programs ----
