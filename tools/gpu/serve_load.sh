@@ -6,6 +6,11 @@
 # .stage/queue.sh with the serve extra's wheels (fastapi, starlette, pydantic, pydantic-core,
 # annotated-types, typing-inspection, annotated-doc, opentelemetry-api, typing-extensions,
 # uvicorn) installed into /tmp/site; launch.sh runs it.
+# Two server variants, set per `serve` call, tell what a change of the host loop is worth:
+#   CODE=DIR    the server's code from DIR (holding eagle_jax/), e.g. an earlier commit's
+#               (`git archive COMMIT eagle_jax | tar -x -C DIR`, carried in .stage)
+#   SWITCH=S    the server process's GIL switch interval (sys.setswitchinterval; Python's default
+#               is 0.005 s): how long the device thread may wait for the GIL after a run call
 set -u
 R=${RESULTS:?}; W=${WORK:-/root/work}; cd $W
 export PYTHONPATH=/tmp/site:$W PYTHONUNBUFFERED=1
@@ -20,7 +25,11 @@ serve() {  # name slots rates concurrency [server flags...]: one server, Poisson
   local name=$1 slots=$2 rates=$3 conc=$4; shift 4
   port=$((port + 1))
   echo "== serve $name: $slots slots, flags: $*  ($(date -u +%T))"
-  setsid python3 -m eagle_jax.serve --dtype bfloat16 --max-num-seqs $slots --port $port "$@" > $R/server_$name.log 2>&1 < /dev/null &
+  local code=${CODE:-$W} launch=(python3 -m eagle_jax.serve)
+  [ -n "${SWITCH:-}" ] && launch=(python3 -c "import runpy, sys; sys.setswitchinterval(float(sys.argv.pop(1)))
+sys.argv[0] = 'eagle_jax.serve'; runpy.run_module('eagle_jax.serve', run_name='__main__', alter_sys=True)" "$SWITCH")
+  setsid env -C "$code" PYTHONPATH=/tmp/site:$code "${launch[@]}" --dtype bfloat16 --max-num-seqs $slots --port $port "$@" \
+    > $R/server_$name.log 2>&1 < /dev/null &
   local pid=$! began=$SECONDS
   python3 - $port <<'PY' || { echo "server $name not ready"; tail -5 $R/server_$name.log; kill -- -$pid 2>/dev/null; return 1; }
 import sys, time, httpx
@@ -51,15 +60,19 @@ off() {  # label slots [eagle.py flags...]: the offline continuous figure, 320 M
     --max_new_tokens 256 --out $R/mtbench.json "$@" 2>&1 | grep -E "tok/s|tokens/s|Error" | tail -4
 }
 # The server's requests ignore EOS (256 tokens each), so the like-for-like offline figure does too.
-# Ordered by what the goals need first: EAGLE-3 against plain at 16 slots, the offline figure for
-# the same slots, the 16-row k choice, then 64 slots and --greedy-only.
+# Ordered by what the goals need first: EAGLE-3 at 16 slots on this code, then the same with a
+# 0.5 ms GIL switch interval and on the code before the output thread (base/, if carried), plain
+# at 16 slots, the offline figures for the same slots, then 64 slots, the 16-row k choice and
+# --greedy-only.
 serve eagle3-16 16 1,4,16,64 32 --method eagle3
+SWITCH=0.0005 serve eagle3-16-switch0.5ms 16 1,64 32 --method eagle3
+[ -d /root/stage/base/eagle_jax ] && CODE=/root/stage/base serve eagle3-16-base 16 1,64 32 --method eagle3
 serve plain-16 16 1,4,16,64 32 --num-speculative-tokens 0
 off "EOS ignored" 16 --method eagle3,none --num_spec_tokens 4 --ignore_eos
-off "stopping at EOS, k = 3, 4 and 5" 16 --method eagle3 --num_spec_tokens 3,4,5
 serve eagle3-64 64 1,64 128 --method eagle3
 serve plain-64 64 1,64 128 --num-speculative-tokens 0
 off "EOS ignored" 64 --method eagle3,none --num_spec_tokens 4 --ignore_eos
+off "stopping at EOS, k = 3, 4 and 5" 16 --method eagle3 --num_spec_tokens 3,4,5
 serve eagle3-16-greedy-only 16 1,64 32 --method eagle3 --greedy-only
 echo "queue end $(date -u +%T)"
 echo BENCH DONE
