@@ -7,8 +7,9 @@
 # annotated-types, typing-inspection, annotated-doc, opentelemetry-api, typing-extensions,
 # uvicorn) installed into /tmp/site; launch.sh runs it.
 # Two server variants, set per `serve` call, tell what a change of the host loop is worth:
-#   CODE=DIR    the server's code from DIR (holding eagle_jax/), e.g. an earlier commit's
-#               (`git archive COMMIT eagle_jax | tar -x -C DIR`, carried in .stage)
+#   CODE=DIR    the server's code from DIR (holding eagle_jax/). The queue builds /root/stage/base
+#               from this tree with the files of /root/stage/base_overlay over it (carried: an
+#               earlier commit's changed files, `git show COMMIT:PATH`, at their paths)
 #   SWITCH=S    the server process's GIL switch interval (sys.setswitchinterval; Python's default
 #               is 0.005 s): how long the device thread may wait for the GIL after a run call
 set -u
@@ -66,7 +67,10 @@ off() {  # label slots [eagle.py flags...]: the offline continuous figure, 320 M
 # --greedy-only.
 serve eagle3-16 16 1,4,16,64 32 --method eagle3
 SWITCH=0.0005 serve eagle3-16-switch0.5ms 16 1,64 32 --method eagle3
-[ -d /root/stage/base/eagle_jax ] && CODE=/root/stage/base serve eagle3-16-base 16 1,64 32 --method eagle3
+if [ -d /root/stage/base_overlay ]; then
+  rm -rf /root/stage/base && mkdir -p /root/stage/base && cp -r $W/eagle_jax /root/stage/base/ \
+    && cp -r /root/stage/base_overlay/. /root/stage/base/ && CODE=/root/stage/base serve eagle3-16-base 16 1,64 32 --method eagle3
+fi
 serve plain-16 16 1,4,16,64 32 --num-speculative-tokens 0
 off "EOS ignored" 16 --method eagle3,none --num_spec_tokens 4 --ignore_eos
 serve eagle3-64 64 1,64 128 --method eagle3
