@@ -90,6 +90,7 @@ class Handle:
         self.arrived = time.perf_counter()
         self.last_token: float | None = None
         self.request_id: int | None = None  # the slot loop's, once the device thread has taken it
+        self.ended = False  # its end handed over (output thread)
 
     async def events(self):
         """Chunks until the request ends (its budget, or `cancel`)."""
@@ -277,9 +278,10 @@ class OnlineEngine:
                 handle.request_id = loop.add(handle.prompt_ids, handle.budget, handle.sampling, handle.sample)
                 self._handles[handle.request_id] = handle
                 self.metrics.prompt_tokens.inc(handle.prompt_tokens)
-            gone = [handle for handle in cancels if handle.request_id in self._handles]
+            gone = [handle for handle in cancels if self._handles.get(handle.request_id) is handle]
             for handle in gone:
                 loop.cancel(handle.request_id)
+                del self._handles[handle.request_id]
             if gone:
                 self._outputs.put(functools.partial(self._end_all, gone))
             if loop.idle:
@@ -294,7 +296,9 @@ class OnlineEngine:
                 events = loop.step()
             except Exception as error:  # a device failure ends every request in flight, not the process
                 self.last_device_error = error
-                self._outputs.put(functools.partial(self._end_all, list(self._handles.values()), "error"))
+                # Out of the table now: the new loop numbers its requests from 0 again.
+                failed, self._handles = list(self._handles.values()), {}
+                self._outputs.put(functools.partial(self._end_all, failed, "error"))
                 loop = self._loop = self._new_loop(self._programs)
                 continue
             self.metrics.device_round(before, loop.calls, time.perf_counter() - began)
@@ -302,8 +306,14 @@ class OnlineEngine:
             self._hand_over(events)
 
     def _hand_over(self, events: list[scheduler_lib.Event]) -> None:
-        """Passes a round's events to the output thread (device thread)."""
-        self._outputs.put(functools.partial(self._record, events))
+        """Passes a round's events to the output thread, each with its request's handle (None: gone),
+        looked up here: the table of requests in flight is the device thread's alone."""
+        pairs = []
+        for event in events:
+            pairs.append((self._handles.get(event.request_id), event))
+            if event.result is not None:
+                self._handles.pop(event.request_id, None)
+        self._outputs.put(functools.partial(self._record, pairs))
 
     # -- the output thread ----------------------------------------------------------------------
     def _emit(self) -> None:
@@ -321,15 +331,18 @@ class OnlineEngine:
             self._end(handle, reason or handle.finish_reason, ended)
         deliver(ended)
 
-    def _record(self, events: list[scheduler_lib.Event]) -> None:
+    def _record(self, pairs: list[tuple[Handle | None, scheduler_lib.Event]]) -> None:
         """A round's metrics, and its chunks and ends handed to their handlers (output thread)."""
         now = time.perf_counter()
         outbox = []
-        for event in events:
+        for handle, event in pairs:
             if event.result is not None:  # cancelled ones too: their drafts were verified
                 self.metrics.speculation(event.result.stats)
-            handle = self._handles.get(event.request_id)
-            if handle is None or handle.cancelled:
+            if handle is None:
+                continue
+            if handle.cancelled:  # its chunks go nowhere; it ends here if it finished before its cancel came
+                if event.result is not None:
+                    self._end(handle, handle.finish_reason, outbox)
                 continue
             if event.token_ids:
                 if handle.last_token is None:
@@ -356,9 +369,10 @@ class OnlineEngine:
         self.metrics.waiting.set(self._loop.num_waiting + len(self._inbox))
 
     def _end(self, handle: Handle, reason: str, outbox: list) -> None:
-        """Ends a request: its reason, its metrics, and its last item (None) into `outbox` (`deliver`)."""
-        if self._handles.pop(handle.request_id, None) is None:
+        """Ends a request once: its reason, its metrics, and its last item (None) into `outbox` (`deliver`)."""
+        if handle.ended:
             return
+        handle.ended = True
         if not handle.cancelled:
             handle.finish_reason = reason
         self.metrics.e2e_latency.observe(time.perf_counter() - handle.arrived)

@@ -358,6 +358,39 @@ def test_the_device_thread_runs_on_while_a_round_is_handed_over(offline):
     assert tokens == engine.generate([prompt], max_new_tokens=96)[0].token_ids
 
 
+def test_a_device_failure_ends_the_requests_in_flight_and_the_next_is_served(offline):
+    """A round that raises ends the requests in flight with "error" and a fresh slot loop takes
+    the next request, numbered from 0 again: it gets its own tokens, not a failed request's."""
+    import asyncio
+
+    from eagle_jax.serve import online
+
+    engine, tokenizer = offline
+    backend = online.OnlineEngine(engine, tokenizer, MODEL)
+    backend.compile()
+
+    def failing_step():
+        raise RuntimeError("device lost")
+
+    backend._loop.step = failing_step  # the first slot loop only: the failure replaces it
+    prompt = tokenization.encode(tokenizer, PROMPTS[1], chat=False)
+
+    async def scenario():
+        failed = backend.submit(prompt, 8, sampling.Sampling())
+        lost = [chunk async for chunk in failed.events()]
+        served = backend.submit(prompt, 8, sampling.Sampling())
+        return failed, lost, served, [token for chunk in [c async for c in served.events()] for token in chunk.token_ids]
+
+    backend.start()
+    try:
+        failed, lost, served, tokens = asyncio.run(scenario())
+    finally:
+        backend.drain(timeout=120)
+    assert lost == [] and failed.finish_reason == "error" and str(backend.last_device_error) == "device lost"
+    assert served.request_id == failed.request_id == 0
+    assert tokens == engine.generate([prompt], max_new_tokens=8)[0].token_ids and served.finish_reason != "error"
+
+
 # ---- Per-request settings: every field served, each request its own, in the same programs ----
 
 def offline_results(offline, prompts, max_tokens, settings):
