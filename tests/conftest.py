@@ -54,8 +54,9 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def release_compiled_programs():
-    """After each test module, drops the programs it compiled (jit caches, and engines it no longer holds).
+def release_compiled_programs(request):
+    """After each test module, drops the programs it compiled: jit caches, the engines its
+    memoised helpers keep, and engines it no longer holds.
 
     Every live XLA:CPU executable keeps a few memory mappings, and a process may hold 65,530
     (`vm.max_map_count`): past that LLVM cannot map a new program's code, and the compile
@@ -63,6 +64,9 @@ def release_compiled_programs():
     each module's keeps it far below the limit.
     """
     yield
+    for value in vars(request.module).values():  # e.g. a module's @functools.cache engine factory
+        if type(value) is functools._lru_cache_wrapper:
+            value.cache_clear()
     jax.clear_caches()
     if "fastapi" in sys.modules:  # it keeps the route handlers of every app it has seen in lru_caches,
         # and an app built in a test (`server.create_app`) holds its engine's programs through them
