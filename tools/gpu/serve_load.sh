@@ -62,7 +62,7 @@ off() {  # label slots [eagle.py flags...]: the offline continuous figure, 320 M
 }
 # The server's requests ignore EOS (256 tokens each), so the like-for-like offline figure does too.
 # Ordered by what the goals need first: EAGLE-3 at 16 slots on this code, then the same with a
-# 0.5 ms GIL switch interval and on the code before the output thread (base/, if carried), plain
+# 0.5 ms GIL switch interval and on the code before the output thread (if base_overlay is carried), plain
 # at 16 slots, the offline figures for the same slots, then 64 slots, the 16-row k choice and
 # --greedy-only.
 serve eagle3-16 16 1,4,16,64 32 --method eagle3
