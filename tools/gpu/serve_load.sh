@@ -63,7 +63,7 @@ off() {  # label slots [eagle.py flags...]: the offline continuous figure, 320 M
 # The server's requests ignore EOS (256 tokens each), so the like-for-like offline figure does too.
 # Ordered by what the goals need first: EAGLE-3 at 16 slots on this code, then the same with a
 # 0.5 ms GIL switch interval and on the code before the output thread (if base_overlay is carried), plain
-# at 16 slots, the offline figures for the same slots, then 64 slots, the 16-row k choice and
+# at 16 slots, the offline figures for the same slots, the 16-row k choice, then 64 slots and
 # --greedy-only.
 serve eagle3-16 16 1,4,16,64 32 --method eagle3
 SWITCH=0.0005 serve eagle3-16-switch0.5ms 16 1,64 32 --method eagle3
@@ -73,10 +73,10 @@ if [ -d /root/stage/base_overlay ]; then
 fi
 serve plain-16 16 1,4,16,64 32 --num-speculative-tokens 0
 off "EOS ignored" 16 --method eagle3,none --num_spec_tokens 4 --ignore_eos
+off "stopping at EOS, k = 3, 4 and 5" 16 --method eagle3 --num_spec_tokens 3,4,5
 serve eagle3-64 64 1,64 128 --method eagle3
 serve plain-64 64 1,64 128 --num-speculative-tokens 0
 off "EOS ignored" 64 --method eagle3,none --num_spec_tokens 4 --ignore_eos
-off "stopping at EOS, k = 3, 4 and 5" 16 --method eagle3 --num_spec_tokens 3,4,5
 serve eagle3-16-greedy-only 16 1,64 32 --method eagle3 --greedy-only
 echo "queue end $(date -u +%T)"
 echo BENCH DONE
