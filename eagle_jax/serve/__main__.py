@@ -44,9 +44,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--decode-kernels", choices=("auto", "xla", "pallas", "pallas_linear"), default="auto")
     parser.add_argument("--cache-dir", help="compilation cache root (default: $EAGLE_JAX_CACHE_DIR/xla)")
+    parser.add_argument("--gil-switch-interval", type=_positive_seconds, default=0.0005, metavar="SECONDS",
+                        help="Python's thread switch interval in the server (sys.setswitchinterval; Python's "
+                             "default is 0.005): how long the device loop may wait for the interpreter after a "
+                             "device call while the HTTP handlers run")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     return parser.parse_args(argv)
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be above 0 and at most 1 second, got {text}")
+    return value
 
 
 def build(args):
@@ -106,6 +120,11 @@ def serve(argv=None) -> int:
     args = parse_args(argv)
     backend, name = build(args)
     app = server.create_app(backend, name)
+    # The device thread releases the interpreter while a device call runs and needs it back the
+    # moment the call returns; with Python's 5 ms interval it can wait that long behind the HTTP
+    # handlers and the output thread at every call (on an H100 at 16 slots, 0.5 ms served 8% more
+    # tokens/s in a closed loop: docs/serving.md).
+    sys.setswitchinterval(args.gil_switch_interval)
     print(f"eagle_jax: serving {name} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=600)
     return 0

@@ -45,3 +45,26 @@ def test_plot_draws_one_line_per_label(tmp_path):
     assert [text.get_text() for text in figure.axes[0].get_legend().get_texts()] == ["eagle3", "plain"]
     tpot_line = [line for line in figure.axes[0].get_lines() if line.get_label() == "plain"][0]
     assert len(tpot_line.get_xdata()) == 2  # its two request rates; the closed loop is a cross apart
+
+
+def test_a_closed_loop_opens_its_connections_before_the_clock_starts():
+    """Every client's GET /health comes before the first request, and the results are the requests'."""
+    import asyncio
+    import json
+
+    import httpx
+
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.url.path)
+        if request.url.path == "/health":
+            return httpx.Response(200)
+        chunks = [{"choices": [{"delta": {"content": "a"}}]}, {"choices": [], "usage": {"completion_tokens": 1}}]
+        body = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in chunks) + "data: [DONE]\n\n"
+        return httpx.Response(200, text=body, headers={"content-type": "text/event-stream"})
+
+    results, seconds = asyncio.run(serve_bench.run_setting(
+        "http://server", "m", ["p"] * 5, 1, concurrency=3, transport=httpx.MockTransport(handler)))
+    assert seen == ["/health"] * 3 + ["/v1/chat/completions"] * 5
+    assert [r["tokens"] for r in results] == [1] * 5 and seconds > 0

@@ -1,17 +1,14 @@
 #!/usr/bin/env bash
 # The server under load on a GPU machine staged by stage_local.sh (EAGLE-3 against plain, 16 and 64
 # slots; EAGLE-3 with --greedy-only), the offline continuous figure with the same slots (EOS
-# ignored, as the server's requests do), and EAGLE-3 at 16 rows offline with k = 3, 4 and 5: the
-# queue behind the GPU table of docs/serving.md. Carried as
+# ignored, as the server's requests do): the queue behind the GPU table of docs/serving.md. Carried as
 # .stage/queue.sh with the serve extra's wheels (fastapi, starlette, pydantic, pydantic-core,
 # annotated-types, typing-inspection, annotated-doc, opentelemetry-api, typing-extensions,
 # uvicorn) installed into /tmp/site; launch.sh runs it.
-# Two server variants, set per `serve` call, tell what a change of the host loop is worth:
+# A server variant, set per `serve` call, tells what a change of the host loop is worth:
 #   CODE=DIR    the server's code from DIR (holding eagle_jax/). The queue builds /root/stage/base
 #               from this tree with the files of /root/stage/base_overlay over it (carried: an
 #               earlier commit's changed files, `git show COMMIT:PATH`, at their paths)
-#   SWITCH=S    the server process's GIL switch interval (sys.setswitchinterval; Python's default
-#               is 0.005 s): how long the device thread may wait for the GIL after a run call
 set -u
 R=${RESULTS:?}; W=${WORK:-/root/work}; cd $W
 export PYTHONPATH=/tmp/site:$W PYTHONUNBUFFERED=1
@@ -19,17 +16,22 @@ export EAGLE_JAX_MTBENCH=${EAGLE_JAX_MTBENCH:-/root/stage/mtbench_question.jsonl
 Q=${QUICK:-}  # QUICK=1: a few requests per setting, to try the queue on a CPU
 { nvidia-smi --query-gpu=name,driver_version --format=csv
   python3 -c "import jax, jaxlib, flax, fastapi, uvicorn; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'flax', flax.__version__, 'fastapi', fastapi.__version__, 'uvicorn', uvicorn.__version__)"
-  git -C /root/stage rev-parse HEAD 2>/dev/null; cat /root/stage/commit.txt 2>/dev/null; date -u; } > $R/device.txt 2>&1
+  git -C /root/stage rev-parse HEAD 2>/dev/null; cat /root/stage/commit.txt 2>/dev/null; date -u
+  echo "somaxconn $(cat /proc/sys/net/core/somaxconn)"; } > $R/device.txt 2>&1
+listen_drops() {  # the kernel's counts of connections a full listen queue refused (TcpExt)
+  python3 -c "
+rows = [line.split() for line in open('/proc/net/netstat') if line.startswith('TcpExt:')]
+values = dict(zip(rows[0][1:], rows[1][1:]))
+print('listen overflows', values.get('ListenOverflows'), 'drops', values.get('ListenDrops'))"
+}
 cat $R/device.txt
 port=8100
 serve() {  # name slots rates concurrency [server flags...]: one server, Poisson rates (one call each), a closed loop
   local name=$1 slots=$2 rates=$3 conc=$4; shift 4
   port=$((port + 1))
   echo "== serve $name: $slots slots, flags: $*  ($(date -u +%T))"
-  local code=${CODE:-$W} launch=(python3 -m eagle_jax.serve)
-  [ -n "${SWITCH:-}" ] && launch=(python3 -c "import runpy, sys; sys.setswitchinterval(float(sys.argv.pop(1)))
-sys.argv[0] = 'eagle_jax.serve'; runpy.run_module('eagle_jax.serve', run_name='__main__', alter_sys=True)" "$SWITCH")
-  setsid env -C "$code" PYTHONPATH=/tmp/site:$code "${launch[@]}" --dtype bfloat16 --max-num-seqs $slots --port $port "$@" \
+  local code=${CODE:-$W}
+  setsid env -C "$code" PYTHONPATH=/tmp/site:$code python3 -m eagle_jax.serve --dtype bfloat16 --max-num-seqs $slots --port $port "$@" \
     > $R/server_$name.log 2>&1 < /dev/null &
   local pid=$! began=$SECONDS
   python3 - $port <<'PY' || { echo "server $name not ready"; tail -5 $R/server_$name.log; kill -- -$pid 2>/dev/null; return 1; }
@@ -49,8 +51,9 @@ PY
     timeout 300 python3 benchmarks/serve_bench.py --url http://127.0.0.1:$port --request-rate $rate --num-prompts $n \
       --label "$name" --out $R/serve.json 2>&1 | grep -v -i warn | tail -1
   done
-  [ -n "$conc" ] && timeout 300 python3 benchmarks/serve_bench.py --url http://127.0.0.1:$port --concurrency $conc \
+  [ -n "$conc" ] && echo "before the closed loop: $(listen_drops)" && timeout 300 python3 benchmarks/serve_bench.py --url http://127.0.0.1:$port --concurrency $conc \
       --num-prompts $([ -n "$Q" ] && echo 4 || echo $((conc * 8))) --label "$name" --out $R/serve.json 2>&1 | grep -v -i warn | tail -1
+  [ -n "$conc" ] && echo "after it: $(listen_drops)"
   python3 -c "import httpx, sys; print(httpx.get(f'http://127.0.0.1:{sys.argv[1]}/metrics').text)" $port > $R/metrics_$name.txt 2>/dev/null || true
   kill -TERM $pid; wait $pid; echo "server exit $?"
 }
@@ -61,19 +64,17 @@ off() {  # label slots [eagle.py flags...]: the offline continuous figure, 320 M
     --max_new_tokens 256 --out $R/mtbench.json "$@" 2>&1 | grep -E "tok/s|tokens/s|Error" | tail -4
 }
 # The server's requests ignore EOS (256 tokens each), so the like-for-like offline figure does too.
-# Ordered by what the goals need first: EAGLE-3 at 16 slots on this code, then the same with a
-# 0.5 ms GIL switch interval and on the code before the output thread (if base_overlay is carried), plain
-# at 16 slots, the offline figures for the same slots, the 16-row k choice, then 64 slots and
-# --greedy-only.
+# Ordered by what the goals need first: EAGLE-3 and plain at 16 slots (the second EAGLE-3 server
+# with Python's own 5 ms switch interval, against the server's 0.5 ms), the offline figures for the
+# same slots, the base variant (if base_overlay is carried), then 64 slots and --greedy-only.
 serve eagle3-16 16 1,4,16,64 32 --method eagle3
-SWITCH=0.0005 serve eagle3-16-switch0.5ms 16 1,64 32 --method eagle3
+serve plain-16 16 1,4,16,64 32 --num-speculative-tokens 0
+serve eagle3-16-switch5ms 16 1,64 32 --method eagle3 --gil-switch-interval 0.005
+off "EOS ignored" 16 --method eagle3,none --num_spec_tokens 4 --ignore_eos
 if [ -d /root/stage/base_overlay ]; then
   rm -rf /root/stage/base && mkdir -p /root/stage/base && cp -r $W/eagle_jax /root/stage/base/ \
     && cp -r /root/stage/base_overlay/. /root/stage/base/ && CODE=/root/stage/base serve eagle3-16-base 16 1,64 32 --method eagle3
 fi
-serve plain-16 16 1,4,16,64 32 --num-speculative-tokens 0
-off "EOS ignored" 16 --method eagle3,none --num_spec_tokens 4 --ignore_eos
-off "stopping at EOS, k = 3, 4 and 5" 16 --method eagle3 --num_spec_tokens 3,4,5
 serve eagle3-64 64 1,64 128 --method eagle3
 serve plain-64 64 1,64 128 --num-speculative-tokens 0
 off "EOS ignored" 64 --method eagle3,none --num_spec_tokens 4 --ignore_eos
