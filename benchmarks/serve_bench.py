@@ -9,7 +9,9 @@ setting decodes the same number of tokens). Arrivals are Poisson at each `--requ
 (requests/s; `inf` sends all at once), or a closed loop of `--concurrency` clients. Per setting
 it prints and appends one JSON row (to `--out`): request throughput, output tokens/s, TTFT,
 TPOT (time per output token after the first) and ITL (between streamed chunks, per token)
-p50/p90/p99, and the acceptance length from the server's /metrics counters over the run.
+p50/p90/p99, and from the server's /metrics counters over the setting the acceptance length and
+where the device loop's time went (`device_loop`: run, prefill, fetch and host seconds; calls;
+steps; and run ms a step, host ms a run call, prefill ms a refill, ms a fetch).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from eagle_jax.train import data as data_lib
 from results_file import append_rows
 
 COUNTERS = ("spec_decode_num_drafts_total", "spec_decode_num_accepted_tokens_total", "generation_tokens_total")
+DEVICE_LOOP = (("device_loop_seconds_total", "part"), ("device_calls_total", "call"))  # (metric, its label)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -156,12 +159,37 @@ def summarise(results: list[dict], seconds: float) -> dict:
 def scrape(url: str) -> dict:
     import httpx
 
-    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return counters(httpx.get(f"{url}/metrics", timeout=30).text)
+
+
+def counters(text: str) -> dict:
+    """From a /metrics text: each of COUNTERS summed over its labels, and the device loop's
+    counters by label ("device_loop_seconds_total/run", "device_calls_total/prefill", ...)."""
     values = {}
     for name in COUNTERS:
-        found = re.findall(rf"^eagle_jax:{name}\{{[^}}]*\}} ([0-9.e+]+)$", text, re.M)
+        found = re.findall(rf"^eagle_jax:{name}\{{[^}}]*\}} ([0-9.e+-]+)$", text, re.M)
         values[name] = sum(map(float, found))
+    for name, label in DEVICE_LOOP:
+        for value, number in re.findall(rf"^eagle_jax:{name}\{{[^}}]*{label}=\"(\w+)\"[^}}]*\}} ([0-9.e+-]+)$", text, re.M):
+            values[f"{name}/{value}"] = float(number)
+    found = re.findall(r"^eagle_jax:decode_steps_total\{[^}]*\} ([0-9.e+-]+)$", text, re.M)
+    values["decode_steps_total"] = sum(map(float, found))
     return values
+
+
+def device_loop(before: dict, after: dict) -> dict:
+    """Where the server's device loop spent a setting, from /metrics before and after it: seconds
+    by part, calls by kind, steps, and the costs per unit (run ms a step, host ms a run call,
+    prefill ms a refill, fetch ms a fetch)."""
+    delta = {key: after.get(key, 0.0) - before.get(key, 0.0) for key in after if "/" in key or key == "decode_steps_total"}
+    seconds = {key.split("/")[1]: value for key, value in delta.items() if key.startswith("device_loop_seconds")}
+    calls = {key.split("/")[1]: int(value) for key, value in delta.items() if key.startswith("device_calls")}
+    steps = int(delta.get("decode_steps_total", 0))
+    per = lambda part, count: 1e3 * seconds.get(part, 0.0) / count if count else None  # noqa: E731
+    return dict(seconds=seconds, calls=calls, steps=steps,
+                run_ms_per_step=per("run", steps), host_ms_per_run_call=per("host", calls.get("run", 0)),
+                prefill_ms_per_refill=per("prefill", calls.get("prefill", 0)),
+                fetch_ms_per_fetch=per("fetch", calls.get("fetch", 0)))
 
 
 def git_commit() -> str | None:
@@ -190,16 +218,24 @@ def main(argv=None) -> int:
                    commit=git_commit(), command="python benchmarks/serve_bench.py " + shlex.join(sys.argv[1:] if argv is None else argv),
                    url=args.url, model=model, dataset=args.dataset, max_tokens=args.max_tokens, label=args.label,
                    **{kind: value}, **summarise(results, seconds),
-                   acceptance_length=1 + accepted / drafts if drafts else None)
+                   acceptance_length=1 + accepted / drafts if drafts else None,
+                   device_loop=device_loop(before, after))
         rows.append(row)
         print(f"{kind} {value:>6}: {row['request_throughput']:.2f} req/s, {row['output_tokens_per_second']:.0f} tok/s, "
               f"TTFT p50 {1e3 * (row['ttft_seconds']['p50'] or 0):.1f} ms, TPOT p50 "
               f"{1e3 * (row['tpot_seconds']['p50'] or 0):.2f} ms, failed {row['failed']}, "
-              f"acceptance {row['acceptance_length'] or 1:.2f}", flush=True)
+              f"acceptance {row['acceptance_length'] or 1:.2f}; {loop_summary(row['device_loop'])}", flush=True)
     append_rows(args.out, rows)
     if args.plot:
         plot(rows, args.plot)
     return 0
+
+
+def loop_summary(loop: dict) -> str:
+    """One line of `device_loop`'s costs per unit (absent ones left out)."""
+    parts = [("run", "run_ms_per_step", "ms a step"), ("host", "host_ms_per_run_call", "ms a call"),
+             ("prefill", "prefill_ms_per_refill", "ms a refill"), ("fetch", "fetch_ms_per_fetch", "ms")]
+    return ", ".join(f"{name} {loop[key]:.2f} {unit}" for name, key, unit in parts if loop.get(key) is not None)
 
 
 def plot(rows: list[dict], path: str):

@@ -156,6 +156,8 @@ class OnlineEngine:
         self._output_thread: threading.Thread | None = None
         self._programs = None
         self.error: BaseException | None = None  # why compiling at start failed
+        # The start-up's two parts: compiling (or loading from the cache), and running each program once.
+        self.compile_seconds = self.warm_up_seconds = 0.0
         self.last_device_error: Exception | None = None
 
     # -- called from the event loop -------------------------------------------------------------
@@ -219,8 +221,11 @@ class OnlineEngine:
         """Compiles every program the server runs, and runs each once (an error is kept in
         `error`); requests may queue from now on."""
         try:
+            began = time.perf_counter()
             programs = self.engine.slot_programs(self.mode)
+            compiled = time.perf_counter()
             programs.warm_up(jax.random.key(self.seed))
+            self.compile_seconds, self.warm_up_seconds = compiled - began, time.perf_counter() - compiled
         except BaseException as error:
             self.error = error
             raise

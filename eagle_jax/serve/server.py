@@ -36,7 +36,8 @@ def create_app(backend: online_lib.OnlineEngine, model_name: str) -> fastapi.Fas
         backend.start()
         cache = backend.engine.compile_cache
         print(f"eagle_jax: ready after {time.perf_counter() - began:.1f} s: {cache.misses} programs compiled, "
-              f"{cache.hits} loaded from the compilation cache", file=sys.stderr, flush=True)
+              f"{cache.hits} loaded from the compilation cache in {backend.compile_seconds:.1f} s, each run once "
+              f"in {backend.warm_up_seconds:.1f} s", file=sys.stderr, flush=True)
 
     @contextlib.asynccontextmanager
     async def lifespan(_):

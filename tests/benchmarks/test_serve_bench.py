@@ -68,3 +68,37 @@ def test_a_closed_loop_opens_its_connections_before_the_clock_starts():
         "http://server", "m", ["p"] * 5, 1, concurrency=3, transport=httpx.MockTransport(handler)))
     assert seen == ["/health"] * 3 + ["/v1/chat/completions"] * 5
     assert [r["tokens"] for r in results] == [1] * 5 and seconds > 0
+
+
+METRICS = """# HELP eagle_jax:device_loop_seconds_total ...
+eagle_jax:device_loop_seconds_total{model_name="m",part="run"} {run}
+eagle_jax:device_loop_seconds_total{model_name="m",part="host"} {host}
+eagle_jax:device_loop_seconds_total{model_name="m",part="prefill"} {prefill}
+eagle_jax:device_loop_seconds_created{model_name="m",part="run"} 1.7e+09
+eagle_jax:device_calls_total{call="run",model_name="m"} {runs}
+eagle_jax:device_calls_total{call="prefill",model_name="m"} {prefills}
+eagle_jax:decode_steps_total{model_name="m"} {steps}
+eagle_jax:spec_decode_num_drafts_total{model_name="m"} {drafts}
+"""
+
+
+def metrics_text(**values) -> str:
+    text = METRICS
+    for name, value in values.items():
+        text = text.replace("{" + name + "}", str(value))
+    return text
+
+
+def test_device_loop_is_the_change_of_the_server_s_counters_over_a_setting():
+    before = serve_bench.counters(metrics_text(run=1.0, host=0.5, prefill=0.25, runs=10, prefills=4, steps=100,
+                                               drafts=7))
+    after = serve_bench.counters(metrics_text(run=3.0, host=0.7, prefill=0.45, runs=20, prefills=8, steps=300,
+                                              drafts=9))
+    assert after["spec_decode_num_drafts_total"] == 9 and "device_loop_seconds_created/run" not in after
+    loop = serve_bench.device_loop(before, after)
+    assert loop["seconds"] == pytest.approx({"run": 2.0, "host": 0.2, "prefill": 0.2})
+    assert loop["calls"] == {"run": 10, "prefill": 4} and loop["steps"] == 200
+    assert loop["run_ms_per_step"] == pytest.approx(10.0)  # 2 s over 200 steps
+    assert loop["host_ms_per_run_call"] == pytest.approx(20.0) and loop["prefill_ms_per_refill"] == pytest.approx(50.0)
+    assert loop["fetch_ms_per_fetch"] is None  # no fetch counted
+    assert serve_bench.loop_summary(loop) == "run 10.00 ms a step, host 20.00 ms a call, prefill 50.00 ms a refill"

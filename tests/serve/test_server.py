@@ -10,6 +10,7 @@ import concurrent.futures
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -246,6 +247,13 @@ def test_one_slot_server_disconnect_queue_full_and_sigterm(aligned_model_dir, he
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         # uvicorn re-raises SIGTERM once it has shut down, so the exit is the signal's, not an error's.
         assert process.wait(timeout=120) in (0, -signal.SIGTERM)
+    # The start-up line tells its parts apart: compiling (or loading) every program, then running each once.
+    log = next(tmp_path.glob("server-*.log")).read_text()
+    ready = re.search(r"ready after ([\d.]+) s: (\d+) programs compiled, (\d+) loaded from the compilation cache "
+                      r"in ([\d.]+) s, each run once in ([\d.]+) s", log)
+    assert ready, "no start-up line in the server's log"
+    whole, compiled, loaded, compiling, warming = (float(group) for group in ready.groups())
+    assert compiled + loaded > 0 and compiling + warming <= whole + 0.1
 
 
 def test_a_full_queue_answers_429_and_a_freed_place_is_taken_again(offline):

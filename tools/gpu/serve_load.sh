@@ -69,6 +69,17 @@ off() {  # label slots [eagle.py flags...]: the offline continuous figure, 320 M
 # same slots, the base variant (if base_overlay is carried), then 64 slots and --greedy-only.
 serve eagle3-16 16 1,4,16,64 32 --method eagle3
 serve plain-16 16 1,4,16,64 32 --num-speculative-tokens 0
+# The engine's own batch-1 step of the real model, with the server's k and cache (2048 slots), to
+# set against each server's run ms a step at 1 request/s; and the torch peer on the same GPU.
+hf=${EAGLE_JAX_MODEL_DIR:-$(python3 -c "from eagle_jax.io import default_model; print(default_model.default_model_dir())")}
+for method in "none" "eagle3 --k 4"; do
+  echo "== step, batch 1, --method $method ($(date -u +%T))"
+  timeout 240 python3 benchmarks/profile_step.py --parts step_trace --decode-kernels pallas --trace-steps 64 \
+    --cache-length 2048 --dtype bfloat16 --out $R/profile.json --method $method 2>&1 | grep -E "step_trace|Error" | tail -2
+done
+echo "== torch peer ($(date -u +%T))"
+timeout 300 python3 /root/stage/torch_step_peer.py --model $hf --batch 1 --k 4 --max-len 2048 --out $R/torch_peer.jsonl \
+  2>&1 | grep -v -i warn | tail -6
 serve eagle3-16-switch5ms 16 1,64 32 --method eagle3 --gil-switch-interval 0.005
 off "EOS ignored" 16 --method eagle3,none --num_spec_tokens 4 --ignore_eos
 if [ -d /root/stage/base_overlay ]; then
