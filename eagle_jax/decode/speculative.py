@@ -118,10 +118,11 @@ def step(target: llama.Llama, head, state: state_lib.DecodeState, opts: state_li
     return jax.lax.cond(busy, lambda s: chain.step(target, head, s, opts, 0), speculate, state)
 
 
-def run_steps(target: llama.Llama, head, state: state_lib.DecodeState, num_steps: int, opts: state_lib.Options,
-              steps_per_check: int = 1, stop_on_finish: bool = False,
+def run_steps(target: llama.Llama, head, state: state_lib.DecodeState, num_steps: int | jax.Array,
+              opts: state_lib.Options, steps_per_check: int = 1, stop_on_finish: bool = False,
               min_finished: jax.Array | int = 1) -> state_lib.DecodeState:
-    """Up to `num_steps` steps on the device, stopping early once every row is done.
+    """Up to `num_steps` steps on the device (an int, or an int32 scalar the host picks per call
+    without a recompile), stopping early once every row is done.
 
     The exit test (`all rows done`) runs every `steps_per_check` steps; between tests the steps
     run in a fixed-length `fori_loop`. A data-dependent exit every step may cost a device-to-host

@@ -196,14 +196,17 @@ class Compiler:
         # One set per row bucket: while R slots or fewer hold requests, a call runs those rows
         # alone (`programs.take_rows`), so a lone request's step costs one row's, not every slot's.
         # Its own name: a static batch would lower the same step for the prefill's output types.
-        runs = {(argmax, rows): self._run_programs("slots-run", state_shape, steps_per_call, mode, (np.int32(1),),
+        # A call's step limit is an argument too (`steps`): the host lengthens calls while every
+        # slot is held and requests wait (`scheduler.SlotLoop`), without a second set of programs.
+        runs = {(argmax, rows): self._run_programs("slots-run", state_shape, None, mode,
+                                                   (np.int32(1), np.int32(steps_per_call)),
                                                    rows=None if rows == slots else rows, stop_on_finish=True)
                 for argmax, mode in modes.items() for rows in row_counts}
 
-        def run(state, attend_length, refill_at, argmax=False, slot_ids=None):
+        def run(state, attend_length, refill_at, argmax=False, slot_ids=None, steps=None):
             program = runs[argmax and True in modes, slots if slot_ids is None else len(slot_ids)][attend_length]
             row_args = () if slot_ids is None else (slot_ids,)
-            return program(*params, state, refill_at, *row_args)
+            return program(*params, state, refill_at, np.int32(steps or steps_per_call), *row_args)
 
         return programs_lib.SlotPrograms(
             prefill=lambda tokens, *args: prefills[tokens.shape](*params, tokens, *args),
@@ -246,7 +249,7 @@ class Compiler:
                                           idle=np.arange(rows) >= len(prompts), steps_per_call=steps_per_call,
                                           compile_seconds=self.compile_seconds - compile_before, opts=opts)
 
-    def _run_programs(self, name: str, state_shape, steps_per_call: int, opts: state_lib.Options,
+    def _run_programs(self, name: str, state_shape, steps_per_call: int | None, opts: state_lib.Options,
                       extra_args: tuple = (), rows: int | None = None, **static) -> dict[int, Callable]:
         """The device loop compiled for a quarter, half and all of the cache as attention's reach
         (`Options.attend_length`), keyed by that length, ascending.
@@ -256,7 +259,9 @@ class Compiler:
         compiles the whole-cache program alone, as do trees. `rows`: the program runs only that
         many of the state's rows, named by one more argument, their [rows] int32 slot ids
         (`_run_rows`); None: every row. Those few rows' attention reads little, so they too take
-        the whole-cache program alone (fewer programs to compile at start-up).
+        the whole-cache program alone (fewer programs to compile at start-up). `steps_per_call`:
+        the steps a call takes, compiled in; None: each call's limit is an argument, after
+        min_finished in `extra_args` (`_run`'s `steps`).
         """
         cache = opts.cache_length
         if self.config.tree is not None or self.config.batch_size == 1 or rows is not None:
@@ -323,15 +328,17 @@ class Compiler:
         target, head = self._modules(target_params, head_params)
         return self._place(speculative.start(target, head, tokens, lengths, rng, opts, budgets, params))
 
-    def _run(self, target_params, head_params, state, min_finished=1, *, num_steps, opts, stop_on_finish=False):
+    def _run(self, target_params, head_params, state, min_finished=1, steps=None, *, num_steps, opts,
+             stop_on_finish=False):
+        """Up to num_steps steps (static), or up to `steps` (an int32 scalar, traced) when num_steps is None."""
         target, head = self._modules(target_params, head_params)
-        return self._place(speculative.run_steps(target, head, state, num_steps, opts, self.config.steps_per_check,
-                                                 stop_on_finish, min_finished))
+        return self._place(speculative.run_steps(target, head, state, steps if num_steps is None else num_steps,
+                                                 opts, self.config.steps_per_check, stop_on_finish, min_finished))
 
-    def _run_rows(self, target_params, head_params, state, min_finished, slot_ids, *, num_steps, opts,
+    def _run_rows(self, target_params, head_params, state, min_finished, steps, slot_ids, *, num_steps, opts,
                   stop_on_finish=False):
         """`_run` on the rows `slot_ids` of `state` alone (`programs.take_rows`), put back in place."""
-        rows = self._run(target_params, head_params, programs_lib.take_rows(state, slot_ids), min_finished,
+        rows = self._run(target_params, head_params, programs_lib.take_rows(state, slot_ids), min_finished, steps,
                          num_steps=num_steps, opts=opts, stop_on_finish=stop_on_finish)
         return self._place(programs_lib.insert(state, rows, slot_ids).replace(rng=rows.rng))
 

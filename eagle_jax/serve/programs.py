@@ -130,10 +130,11 @@ class SlotPrograms:
     # insert(state, rows, slot_ids [R] int32) -> state, `rows` a prefill's output; row i goes to
     # slot slot_ids[i], ids >= batch_size (padding rows) are dropped; `state` is donated
     insert: Callable
-    # run(state, attend_length, refill_at, argmax=False, slot_ids=None) -> state after up to
-    # steps_per_call steps of the slots `slot_ids` ([R] int32, R in row_counts below batch_size;
-    # None: every slot), attending below attend_length (one of attend_lengths[R]); argmax: every
-    # running row is greedy and unprocessed; `state` is donated
+    # run(state, attend_length, refill_at, argmax=False, slot_ids=None, steps=None) -> state after
+    # up to `steps` (default steps_per_call; any count, picked per call) steps of the slots
+    # `slot_ids` ([R] int32, R in row_counts below batch_size; None: every slot), attending below
+    # attend_length (one of attend_lengths[R]); argmax: every running row is greedy and
+    # unprocessed; `state` is donated
     run: Callable
     empty: Callable  # empty(rng) -> a state of idle slots, caches the whole cache long, built on the device
     batch_size: int

@@ -106,13 +106,20 @@ class SlotLoop:
             (on a GPU a run call returns when its loop ends). One small fetch more a refill; the
             round's own events then carry each request's tokens after the first. None: the first
             token comes with the rest of the round's (offline).
+        full_steps: the steps a run call may take while every slot is held and requests wait
+            (default `programs.steps_per_call`). No waiting request can start before rows finish
+            then, and the call returns once `refill_at` of them have, so a longer call delays
+            nobody and saves the rounds (a fetch, the host's work) that shorter calls would end
+            in. A server keeps its calls short otherwise: a request that arrives while a slot is
+            free waits for the call in flight.
     """
 
     def __init__(self, programs: programs_lib.SlotPrograms, rng: jax.Array, refill_at: int = 1,
                  began: float | None = None, eos_ids: tuple[int, ...] = (), tokenizer=None,
-                 on_first_tokens: Callable[[list[Event]], None] | None = None):
+                 on_first_tokens: Callable[[list[Event]], None] | None = None, full_steps: int | None = None):
         self.programs = programs
         self.refill_at = refill_at
+        self.full_steps = full_steps or programs.steps_per_call
         self.on_first_tokens = on_first_tokens
         self.began = time.perf_counter() if began is None else began
         self.eos_ids, self.tokenizer = tuple(eos_ids), tokenizer
@@ -189,13 +196,13 @@ class SlotLoop:
         running = [(slot.prompt_length, slot.budget, slot.generated) for slot in self._slots if slot is not None]
         # Leave the device loop to refill only when slots can be refilled, and as a batch.
         wait_for = min(self.refill_at, len(self._queue)) if self._queue else programs.batch_size + 1
+        steps = self.full_steps if self._queue and len(running) == programs.batch_size else programs.steps_per_call
         slot_ids = self._rows_to_run()
         rows = programs.batch_size if slot_ids is None else len(slot_ids)
-        length = device_calls.attend_length(programs.attend_lengths[rows], programs.opts, programs.steps_per_call,
-                                            running)
+        length = device_calls.attend_length(programs.attend_lengths[rows], programs.opts, steps, running)
         argmax = all(ARGMAX.covers(slot.output.sampling) for slot in self._slots if slot is not None)
         self._state = calls.timed("run_seconds", programs.run, self._state, length, np.int32(wait_for), argmax,
-                                  slot_ids)
+                                  slot_ids, steps)
         calls.run_calls += 1
         calls.argmax_run_calls += argmax
         calls.row_run_calls += slot_ids is not None
