@@ -40,7 +40,8 @@ from eagle_jax.cli import errors as script_errors
 from eagle_jax.train import data as data_lib
 from results_file import append_rows
 
-COUNTERS = ("spec_decode_num_drafts_total", "spec_decode_num_accepted_tokens_total", "generation_tokens_total")
+COUNTERS = ("spec_decode_num_drafts_total", "spec_decode_num_accepted_tokens_total", "generation_tokens_total",
+            "decode_steps_total")
 DEVICE_LOOP = (("device_loop_seconds_total", "part"), ("device_calls_total", "call"))  # (metric, its label)
 
 
@@ -172,8 +173,6 @@ def counters(text: str) -> dict:
     for name, label in DEVICE_LOOP:
         for value, number in re.findall(rf"^eagle_jax:{name}\{{[^}}]*{label}=\"(\w+)\"[^}}]*\}} ([0-9.e+-]+)$", text, re.M):
             values[f"{name}/{value}"] = float(number)
-    found = re.findall(r"^eagle_jax:decode_steps_total\{[^}]*\} ([0-9.e+-]+)$", text, re.M)
-    values["decode_steps_total"] = sum(map(float, found))
     return values
 
 

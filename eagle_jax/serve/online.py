@@ -161,8 +161,7 @@ class OnlineEngine:
         self._output_thread: threading.Thread | None = None
         self._programs = None
         self.error: BaseException | None = None  # why compiling at start failed
-        # The start-up's two parts: compiling (or loading from the cache), and running each program once.
-        self.compile_seconds = self.warm_up_seconds = 0.0
+        self.warm_up_seconds = 0.0  # the start-up's running of each program once, after compiling
         self.last_device_error: Exception | None = None
 
     # -- called from the event loop -------------------------------------------------------------
@@ -226,11 +225,10 @@ class OnlineEngine:
         """Compiles every program the server runs, and runs each once (an error is kept in
         `error`); requests may queue from now on."""
         try:
-            began = time.perf_counter()
             programs = self.engine.slot_programs(self.mode)
-            compiled = time.perf_counter()
+            began = time.perf_counter()
             programs.warm_up(jax.random.key(self.seed))
-            self.compile_seconds, self.warm_up_seconds = compiled - began, time.perf_counter() - compiled
+            self.warm_up_seconds = time.perf_counter() - began
         except BaseException as error:
             self.error = error
             raise
@@ -266,6 +264,11 @@ class OnlineEngine:
         for thread in (self._thread, self._output_thread):  # the outputs end after the device loop
             if thread is not None:
                 thread.join(None if timeout is None else max(0.0, timeout - (time.monotonic() - began)))
+
+    @property
+    def compile_seconds(self) -> float:
+        """The start-up's compiling (or loading from the cache) of every program."""
+        return self._programs.compile_seconds if self._programs is not None else 0.0
 
     @property
     def _waiting(self) -> int:
