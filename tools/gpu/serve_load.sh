@@ -64,11 +64,17 @@ off() {  # label slots [eagle.py flags...]: the offline continuous figure, 320 M
     --max_new_tokens 256 --out $R/mtbench.json "$@" 2>&1 | grep -E "tok/s|tokens/s|Error" | tail -4
 }
 # The server's requests ignore EOS (256 tokens each), so the like-for-like offline figure does too.
-# Ordered by what the goals need first: EAGLE-3 and plain at 16 slots (the second EAGLE-3 server
-# with Python's own 5 ms switch interval, against the server's 0.5 ms), the offline figures for the
-# same slots, the base variant (if base_overlay is carried), then 64 slots and --greedy-only.
+# Ordered by what the goals need first: EAGLE-3 and plain at 16 slots; the base variant (if
+# base_overlay is carried) beside them on the same machine; the engine's own step; the offline
+# figure for the same slots; --greedy-only; then 64 slots.
 serve eagle3-16 16 1,4,16,64 32 --method eagle3
+# The same server started again: a start from the compilation cache, and a second 1 request/s figure.
+serve eagle3-16-warm 16 1 "" --method eagle3
 serve plain-16 16 1,4,16,64 32 --num-speculative-tokens 0
+if [ -d /root/stage/base_overlay ]; then
+  rm -rf /root/stage/base && mkdir -p /root/stage/base && cp -r $W/eagle_jax /root/stage/base/ \
+    && cp -r /root/stage/base_overlay/. /root/stage/base/ && CODE=/root/stage/base serve eagle3-16-base 16 1,64 32 --method eagle3
+fi
 # The engine's own batch-1 step of the real model, with the server's k and cache (2048 slots), to
 # set against each server's run ms a step at 1 request/s; and the torch peer on the same GPU.
 hf=${EAGLE_JAX_MODEL_DIR:-$(python3 -c "from eagle_jax.io import default_model; print(default_model.default_model_dir())")}
@@ -80,15 +86,10 @@ done
 echo "== torch peer ($(date -u +%T))"
 timeout 300 python3 /root/stage/torch_step_peer.py --model $hf --batch 1 --k 4 --max-len 2048 --out $R/torch_peer.jsonl \
   2>&1 | grep -v -i warn | tail -6
-serve eagle3-16-switch5ms 16 1,64 32 --method eagle3 --gil-switch-interval 0.005
 off "EOS ignored" 16 --method eagle3,none --num_spec_tokens 4 --ignore_eos
-if [ -d /root/stage/base_overlay ]; then
-  rm -rf /root/stage/base && mkdir -p /root/stage/base && cp -r $W/eagle_jax /root/stage/base/ \
-    && cp -r /root/stage/base_overlay/. /root/stage/base/ && CODE=/root/stage/base serve eagle3-16-base 16 1,64 32 --method eagle3
-fi
+serve eagle3-16-greedy-only 16 1 32 --method eagle3 --greedy-only
 serve eagle3-64 64 1,64 128 --method eagle3
 serve plain-64 64 1,64 128 --num-speculative-tokens 0
 off "EOS ignored" 64 --method eagle3,none --num_spec_tokens 4 --ignore_eos
-serve eagle3-16-greedy-only 16 1,64 32 --method eagle3 --greedy-only
 echo "queue end $(date -u +%T)"
 echo BENCH DONE
