@@ -214,12 +214,12 @@ def _origin(tiling: Tiling) -> tuple[jax.Array, jax.Array]:
 def _inverse_rms(x_ref, row: jax.Array, eps: float, tiling: Tiling) -> jax.Array:
     """[block_m, 1] float32 1 / rms of the program's rows of x [M, K]."""
     size = x_ref.shape[1]
-
-    def add_squares(chunk, total):
-        x = _tile(x_ref, (row, chunk * tiling.block_k), (tiling.block_m, tiling.block_k)).astype(jnp.float32)
-        return total + jnp.sum(x * x, axis=1, keepdims=True)
-
-    total = lax.fori_loop(0, pl.cdiv(size, tiling.block_k), add_squares, jnp.zeros((tiling.block_m, 1), jnp.float32))
+    # Unrolled (K is static and a few chunks long): the chunks' loads are issued together, one
+    # memory round trip before the weights' loop starts instead of one a chunk.
+    total = jnp.zeros((tiling.block_m, 1), jnp.float32)
+    for chunk in range(pl.cdiv(size, tiling.block_k)):  # a traced start: the last chunk's edge is masked
+        x = _tile(x_ref, (row, jnp.int32(chunk * tiling.block_k)), (tiling.block_m, tiling.block_k)).astype(jnp.float32)
+        total = total + jnp.sum(x * x, axis=1, keepdims=True)
     return lax.rsqrt(total / size + eps)
 
 
@@ -276,7 +276,8 @@ def _norm_gate_up_kernel(x_ref, norm_ref, w_ref, out_ref, *, eps: float, tiling:
 def _linear_residual_kernel(x_ref, w_ref, residual_ref, out_ref, *, tiling: Tiling):
     row, column = _origin(tiling)
     rows = lambda k: _tile(x_ref, (row, k), (tiling.block_m, tiling.block_k))
-    [out] = _project(rows, w_ref, [(column, w_ref.shape[1])], tiling)
+    # Loaded before the weights' loop, so its round trip overlaps the loop instead of following it.
     residual = _tile(residual_ref, (row, column), (tiling.block_m, tiling.block_n)).astype(jnp.float32)
+    [out] = _project(rows, w_ref, [(column, w_ref.shape[1])], tiling)
     # Rounded to dtype before the add, as the unfused linear layer's output is.
     _store(out_ref, (row, column), (out.astype(out_ref.dtype).astype(jnp.float32) + residual).astype(out_ref.dtype))

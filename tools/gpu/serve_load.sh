@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The server under load on a GPU machine staged by stage_local.sh (EAGLE-3 against plain, 16 and 64
-# slots; EAGLE-3 with --greedy-only), the offline continuous figure with the same slots (EOS
+# On a GPU machine staged by stage_local.sh: a kernel change against the code before it (the
+# engine's batch-1 step) and the torch peer; then the server under load (EAGLE-3 against plain, 16
+# and 64 slots; EAGLE-3 with --greedy-only), the offline continuous figure with the same slots (EOS
 # ignored, as the server's requests do): the queue behind the GPU table of docs/serving.md. Carried as
 # .stage/queue.sh with the serve extra's wheels (fastapi, starlette, pydantic, pydantic-core,
 # annotated-types, typing-inspection, annotated-doc, opentelemetry-api, typing-extensions,
@@ -63,29 +64,44 @@ off() {  # label slots [eagle.py flags...]: the offline continuous figure, 320 M
   timeout 400 python3 benchmarks/eagle.py --max_num_seqs $slots --scheduler continuous --num_prompts 320 \
     --max_new_tokens 256 --out $R/mtbench.json "$@" 2>&1 | grep -E "tok/s|tokens/s|Error" | tail -4
 }
+hf=${EAGLE_JAX_MODEL_DIR:-$(python3 -c "from eagle_jax.io import default_model; print(default_model.default_model_dir())")}
+# A kernel change against the code before it (kernel_base, if carried: the earlier files at their
+# paths over this tree), on this machine: the Pallas kernels checked against XLA's, then the engine's
+# batch-1 step of the real model (the server's k and 2048-slot cache), alternated; the torch peer.
+kbase=""
+if [ -d /root/stage/kernel_base ]; then
+  kbase=/root/stage/kbase && rm -rf $kbase && mkdir -p $kbase && cp -r $W/eagle_jax $kbase/ \
+    && cp -r /root/stage/kernel_base/. $kbase/
+fi
+step() {  # label code [profile_step flags...]
+  local label=$1 code=$2; shift 2
+  echo "== step, batch 1, $label: $* ($(date -u +%T))"
+  PYTHONPATH=/tmp/site:$code timeout 240 python3 benchmarks/profile_step.py --parts step_trace --decode-kernels pallas \
+    --trace-steps 64 --cache-length 2048 --dtype bfloat16 --label "$label" --out $R/profile.json "$@" 2>&1 \
+    | grep -E "step_trace|Error" | tail -2
+}
+echo "== kernels checked against XLA ($(date -u +%T))"
+timeout 200 python3 benchmarks/kernels_bench.py --check --rows 1,5 --tokens 1,5 --iterations 1 --trace-calls 1 \
+  --out $R/kernels.json 2>&1 | grep -v -i warn | tail -12
+for pass in 1 2; do
+  step "this tree" $W --method none
+  [ -n "$kbase" ] && step "kernel base" $kbase --method none
+done
+step "this tree" $W --method eagle3 --k 4
+[ -n "$kbase" ] && step "kernel base" $kbase --method eagle3 --k 4
+echo "== torch peer ($(date -u +%T))"
+timeout 300 python3 /root/stage/torch_step_peer.py --model $hf --batch 1 --k 4 --max-len 2048 --out $R/torch_peer.jsonl \
+  2>&1 | grep -v -i warn | tail -6
 # The server's requests ignore EOS (256 tokens each), so the like-for-like offline figure does too.
 # Ordered by what the goals need first: EAGLE-3 and plain at 16 slots; the base variant (if
-# base_overlay is carried) beside them on the same machine; the engine's own step; the offline
-# figure for the same slots; --greedy-only; then 64 slots.
+# base_overlay is carried) beside them on the same machine; the offline figure for the same
+# slots; --greedy-only; then 64 slots.
 serve eagle3-16 16 1,4,16,64 32 --method eagle3
-# The same server started again: a start from the compilation cache, and a second 1 request/s figure.
-serve eagle3-16-warm 16 1 "" --method eagle3
-serve plain-16 16 1,4,16,64 32 --num-speculative-tokens 0
+serve plain-16 16 1,64 32 --num-speculative-tokens 0
 if [ -d /root/stage/base_overlay ]; then
   rm -rf /root/stage/base && mkdir -p /root/stage/base && cp -r $W/eagle_jax /root/stage/base/ \
     && cp -r /root/stage/base_overlay/. /root/stage/base/ && CODE=/root/stage/base serve eagle3-16-base 16 1,64 32 --method eagle3
 fi
-# The engine's own batch-1 step of the real model, with the server's k and cache (2048 slots), to
-# set against each server's run ms a step at 1 request/s; and the torch peer on the same GPU.
-hf=${EAGLE_JAX_MODEL_DIR:-$(python3 -c "from eagle_jax.io import default_model; print(default_model.default_model_dir())")}
-for method in "none" "eagle3 --k 4"; do
-  echo "== step, batch 1, --method $method ($(date -u +%T))"
-  timeout 240 python3 benchmarks/profile_step.py --parts step_trace --decode-kernels pallas --trace-steps 64 \
-    --cache-length 2048 --dtype bfloat16 --out $R/profile.json --method $method 2>&1 | grep -E "step_trace|Error" | tail -2
-done
-echo "== torch peer ($(date -u +%T))"
-timeout 300 python3 /root/stage/torch_step_peer.py --model $hf --batch 1 --k 4 --max-len 2048 --out $R/torch_peer.jsonl \
-  2>&1 | grep -v -i warn | tail -6
 off "EOS ignored" 16 --method eagle3,none --num_spec_tokens 4 --ignore_eos
 serve eagle3-16-greedy-only 16 1 32 --method eagle3 --greedy-only
 serve eagle3-64 64 1,64 128 --method eagle3
