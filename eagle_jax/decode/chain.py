@@ -108,4 +108,5 @@ def step(target: llama.Llama, head, state: state_lib.DecodeState, opts: state_li
                                                  None if keys is None else keys[:, k])
     features = eagle.target_features(head, hidden, captured) if uses_head else None
     return commit_lib.commit(state, rng, cache, draft_ids, num_accepted, next_token, draft_cache, features,
-                             row_sampling.logprobs(opts, processed, draft_ids, num_accepted, next_token))
+                             row_sampling.logprobs(opts, processed, draft_ids, num_accepted, next_token),
+                             count_tokens=mode.penalties)

@@ -50,7 +50,8 @@ def append_tokens(state: state_lib.DecodeState, tokens: jax.Array, counts: jax.A
 
 def commit(state: state_lib.DecodeState, rng: jax.Array, cache: kv_cache_lib.KVCache, drafts: jax.Array,
            num_accepted: jax.Array, next_token: jax.Array, draft_cache: kv_cache_lib.KVCache | None,
-           features: jax.Array | None, logprobs: sampling_lib.Logprobs | None = None) -> state_lib.DecodeState:
+           features: jax.Array | None, logprobs: sampling_lib.Logprobs | None = None,
+           count_tokens: bool = True) -> state_lib.DecodeState:
     """Emits the accepted drafts and the next token, advances the cursors, queues the pending pairs.
 
     Args:
@@ -60,6 +61,10 @@ def commit(state: state_lib.DecodeState, rng: jax.Array, cache: kv_cache_lib.KVC
         draft_cache: the head's cache after eating the pending pairs (and drafting); None without a head.
         features: [B, k+1, D] the head-space target features at the path's positions, root first.
         logprobs: [B, k+1] entries for the emitted tokens, position by position (`row_sampling.logprobs`).
+        count_tokens: whether the penalties' token counts (if the state has them) take this
+            step's tokens. False in a program with no penalties (`SamplingMode.penalties`): its
+            rows never read their counts, and a penalised row starts its own at its prefill.
+            Skipping them saves a [B, V] scatter and its index work a step.
     """
     k, batch = drafts.shape[1], state.next_token.shape[0]
     active = ~state.done
@@ -82,7 +87,7 @@ def commit(state: state_lib.DecodeState, rng: jax.Array, cache: kv_cache_lib.KVC
         accepted_per_position=state.accepted_per_position
         + (depth[None] < num_emitted_drafts[:, None]).astype(jnp.int32),
     )
-    if state.counts is not None:  # a row that just finished counts tokens it did not emit: it never reads them
+    if state.counts is not None and count_tokens:  # a row that just finished counts tokens it did not emit: it never reads them
         new = new.replace(counts=state.counts.commit(drafts, jnp.where(active, num_accepted, 0),
                                                      jnp.where(active, next_token, -1)))
     if draft_cache is None:

@@ -81,4 +81,5 @@ def step(target: llama.Llama, head, state: state_lib.DecodeState, opts: state_li
     if opts.sampling_mode.logprobs is not None:  # the path's positions only: [B, k+1, V]
         logprobs = row_sampling.logprobs(opts, on_path(processed), drafts, num_accepted, next_token)
     return commit_lib.commit(state, rng, cache, drafts, num_accepted, next_token, draft_cache,
-                             eagle.target_features(head, on_path(hidden), on_path(captured)), logprobs)
+                             eagle.target_features(head, on_path(hidden), on_path(captured)), logprobs,
+                             count_tokens=opts.sampling_mode.penalties)

@@ -188,7 +188,8 @@ class Compiler:
         # While every running row is greedy with no processor (the common case), a call runs the
         # argmax step on the same state: processing every row (a vocabulary sort for top-p, the
         # penalties) cost a 16-slot EAGLE-3 step 2.3x on an H100 (docs/serving.md). Token counts
-        # and logprob buffers ride along; the counts stay current, so a penalised row can come later.
+        # and logprob buffers ride along untouched: no row of such a call reads them, and a
+        # penalised row counts from its own prefill (`commit.commit`'s count_tokens).
         argmax_mode = sampling_lib.SamplingMode()
         modes = {False: opts, True: opts.replace(sampling_mode=argmax_mode)}
         if sampling_mode == argmax_mode:

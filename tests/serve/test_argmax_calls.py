@@ -4,11 +4,14 @@ tokens either way, and rows that need processing are processed whatever ran befo
 
 from __future__ import annotations
 
+import jax
+import numpy as np
 import pytest
 
 from eagle_jax.decode import sampling
 from eagle_jax.serve import config as config_lib
 from eagle_jax.serve import engine as engine_lib
+from eagle_jax.serve import scheduler as scheduler_lib
 
 ROWS, K = 3, 3
 MODE = sampling.SamplingMode(sample=True, penalties=True, min_p=True, top_k=8, top_p=True, logprobs=3,
@@ -69,3 +72,25 @@ def test_a_processed_row_after_argmax_calls(engines, prompts):
     assert results[ROWS].token_ids == alone
     calls = results[0].calls
     assert 0 < calls["argmax_run_calls"] < calls["run_calls"], calls
+
+
+def test_argmax_calls_leave_the_token_counts_alone(engines, prompts):
+    """The argmax step does no penalty bookkeeping: no row it runs reads its counts, and a penalised
+    row starts its own at its prefill (as the test above checks). After argmax calls, each greedy
+    row's counts hold the one token its prefill emitted; after processing calls, every token."""
+    programs = engines["generous"].slot_programs(MODE)
+
+    def counted(sampling_of_first_row):
+        loop = scheduler_lib.SlotLoop(programs, jax.random.key(0))
+        for row, prompt in enumerate(prompts[:ROWS]):
+            loop.add(np.asarray(prompt, np.int32), 10, sampling_of_first_row if row == 0 else GREEDY)
+        loop.step()  # refill and one run call, before any row finishes
+        assert loop.num_running == ROWS
+        return np.asarray(jax.device_get(loop._state.counts.output)).sum(axis=1), loop.calls
+
+    sums, calls = counted(GREEDY)
+    assert calls.argmax_run_calls == calls.run_calls == 1
+    assert sums.tolist() == [1] * ROWS
+    sums, calls = counted(SEEDED)
+    assert calls.argmax_run_calls == 0
+    assert all(total > 1 for total in sums), sums
