@@ -83,12 +83,9 @@ step() {  # label code [profile_step flags...]
 echo "== kernels checked against XLA ($(date -u +%T))"
 timeout 200 python3 benchmarks/kernels_bench.py --check --rows 1,5 --tokens 1,5 --iterations 1 --trace-calls 1 \
   --out $R/kernels.json 2>&1 | grep -v -i warn | tail -12
-for pass in 1 2; do
-  step "this tree" $W --method none
-  [ -n "$kbase" ] && step "kernel base" $kbase --method none
-done
+step "this tree" $W --method none
+[ -n "$kbase" ] && step "kernel base" $kbase --method none
 step "this tree" $W --method eagle3 --k 4
-[ -n "$kbase" ] && step "kernel base" $kbase --method eagle3 --k 4
 echo "== torch peer ($(date -u +%T))"
 timeout 300 python3 /root/stage/torch_step_peer.py --model $hf --batch 1 --k 4 --max-len 2048 --out $R/torch_peer.jsonl \
   2>&1 | grep -v -i warn | tail -6
@@ -98,11 +95,14 @@ timeout 300 python3 /root/stage/torch_step_peer.py --model $hf --batch 1 --k 4 -
 # slots; --greedy-only; then 64 slots.
 serve eagle3-16 16 1,4,16,64 32 --method eagle3
 serve plain-16 16 1,64 32 --num-speculative-tokens 0
+off "EOS ignored" 16 --method eagle3,none --num_spec_tokens 4 --ignore_eos
+[ -n "$kbase" ] && step "kernel base" $kbase --method eagle3 --k 4
+step "this tree" $W --method none
+[ -n "$kbase" ] && step "kernel base" $kbase --method none
 if [ -d /root/stage/base_overlay ]; then
   rm -rf /root/stage/base && mkdir -p /root/stage/base && cp -r $W/eagle_jax /root/stage/base/ \
     && cp -r /root/stage/base_overlay/. /root/stage/base/ && CODE=/root/stage/base serve eagle3-16-base 16 1,64 32 --method eagle3
 fi
-off "EOS ignored" 16 --method eagle3,none --num_spec_tokens 4 --ignore_eos
 serve eagle3-16-greedy-only 16 1 32 --method eagle3 --greedy-only
 serve eagle3-64 64 1,64 128 --method eagle3
 serve plain-64 64 1,64 128 --num-speculative-tokens 0
