@@ -110,6 +110,7 @@ class Compiler:
         self.compile_cache = compile_cache_lib.CompileCache(config.cache_dir, self.mesh)
         self.compiled: dict = {}
         self.compile_seconds = 0.0
+        self.lowering_seconds = 0.0  # of compile_seconds: tracing and lowering, one program after another
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # set inside `compiling`
 
     def slot_programs(self, sampling_mode: sampling_lib.SamplingMode = sampling_lib.SamplingMode(),
@@ -302,6 +303,7 @@ class Compiler:
             module = programs_lib.module_name(name, static.get("opts"), self.head_config)
             began = time.perf_counter()
             lowered = jitted.lower(*args, **static)
+            self.lowering_seconds += time.perf_counter() - began
             if self._pool is not None:  # `compiling` counts the time
                 future = self._pool.submit(lambda: self.compile_cache.compile(module, description, lowered)[0])
                 self.compiled[key] = Pending(lowered, future)

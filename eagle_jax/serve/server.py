@@ -36,8 +36,9 @@ def create_app(backend: online_lib.OnlineEngine, model_name: str) -> fastapi.Fas
         backend.start()
         cache = backend.engine.compile_cache
         print(f"eagle_jax: ready after {time.perf_counter() - began:.1f} s: {cache.misses} programs compiled, "
-              f"{cache.hits} loaded from the compilation cache in {backend.compile_seconds:.1f} s, each run once "
-              f"in {backend.warm_up_seconds:.1f} s", file=sys.stderr, flush=True)
+              f"{cache.hits} loaded from the compilation cache in {backend.compile_seconds:.1f} s "
+              f"({backend.engine.compiler.lowering_seconds:.1f} s of it lowering them on one thread), each run "
+              f"once in {backend.warm_up_seconds:.1f} s", file=sys.stderr, flush=True)
 
     @contextlib.asynccontextmanager
     async def lifespan(_):
