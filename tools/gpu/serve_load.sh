@@ -66,8 +66,9 @@ off() {  # label slots [eagle.py flags...]: the offline continuous figure, 320 M
 }
 hf=${EAGLE_JAX_MODEL_DIR:-$(python3 -c "from eagle_jax.io import default_model; print(default_model.default_model_dir())")}
 # A kernel change against the code before it (kernel_base, if carried: the earlier files at their
-# paths over this tree), on this machine: the Pallas kernels checked against XLA's, then the engine's
-# batch-1 step of the real model (the server's k and 2048-slot cache), alternated; the torch peer.
+# paths over this tree), on this machine: the engine's batch-1 step of the real model (the
+# server's k and 2048-slot cache), base and this tree alternated; the torch peer. The Pallas
+# kernels are checked against XLA's after the 16-slot servers.
 kbase=""
 if [ -d /root/stage/kernel_base ]; then
   kbase=/root/stage/kbase && rm -rf $kbase && mkdir -p $kbase && cp -r $W/eagle_jax $kbase/ \
@@ -80,9 +81,6 @@ step() {  # label code [profile_step flags...]
     --trace-steps 64 --cache-length 2048 --dtype bfloat16 --label "$label" --out $R/profile.json "$@" 2>&1 \
     | grep -E "step_trace|Error" | tail -2
 }
-echo "== kernels checked against XLA ($(date -u +%T))"
-timeout 200 python3 benchmarks/kernels_bench.py --check --rows 1,5 --tokens 1,5 --iterations 1 --trace-calls 1 \
-  --out $R/kernels.json 2>&1 | grep -v -i warn | tail -12
 step "this tree" $W --method none
 [ -n "$kbase" ] && step "kernel base" $kbase --method none
 step "this tree" $W --method eagle3 --k 4
@@ -95,6 +93,9 @@ timeout 300 python3 /root/stage/torch_step_peer.py --model $hf --batch 1 --k 4 -
 # slots; --greedy-only; then 64 slots.
 serve eagle3-16 16 1,4,16,64 32 --method eagle3
 serve plain-16 16 1,64 32 --num-speculative-tokens 0
+echo "== kernels checked against XLA ($(date -u +%T))"
+timeout 200 python3 benchmarks/kernels_bench.py --check --rows 1,5 --tokens 1,5 --iterations 1 --trace-calls 1 \
+  --out $R/kernels.json 2>&1 | grep -v -i warn | tail -12
 off "EOS ignored" 16 --method eagle3,none --num_spec_tokens 4 --ignore_eos
 [ -n "$kbase" ] && step "kernel base" $kbase --method eagle3 --k 4
 step "this tree" $W --method none
