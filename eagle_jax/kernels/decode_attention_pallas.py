@@ -144,10 +144,20 @@ def attention_call(heads, positions, keys, values, num_heads: int, inv_freq: np.
     """The attention kernel on heads [B, T, N + 2K, H] (qkv_proj's output, viewed by head):
     (attended, keys, values) with splits 1, else (outputs, keys, values, maxima, sums) with the
     float32 partials laid out as the module docstring says, for `combine_call` to merge."""
+    frequencies = jnp.asarray(np.concatenate([inv_freq, inv_freq]), jnp.float32)  # [H]: h turns at inv_freq[h % H/2]
+    tree = () if new_visible is None else (new_visible.astype(jnp.int32),)  # Triton loads no bools
+    return _attention_call(positions.astype(jnp.int32), frequencies, heads, keys, values, *tree, num_heads=num_heads,
+                           read=read, tiling=tiling, interpret=interpret)
+
+
+# Jitted with the settings static, as `fused_linear._pallas_call` is and for its reason: the calls
+# of one shape and setting are traced once and lowered to Triton once per program, not once a layer.
+@functools.partial(jax.jit, static_argnames=("num_heads", "read", "tiling", "interpret"))
+def _attention_call(positions, frequencies, heads, keys, values, *tree, num_heads: int, read: int,
+                    tiling: decode_attention.Tiling, interpret: bool):
     batch, length, _, head_dim = heads.shape
     num_kv_heads = keys.shape[2]
     per_block, blocks = tiling.token_blocks(length, num_heads // num_kv_heads)
-    frequencies = jnp.asarray(np.concatenate([inv_freq, inv_freq]), jnp.float32)  # [H]: h turns at inv_freq[h % H/2]
     caches = (jax.ShapeDtypeStruct(keys.shape, keys.dtype), jax.ShapeDtypeStruct(values.shape, values.dtype))
     if tiling.splits == 1:
         grid = (batch, num_kv_heads * blocks)
@@ -157,7 +167,6 @@ def attention_call(heads, positions, keys, values, num_heads: int, inv_freq: np.
         statistics = (*grid, _block(per_block * num_heads // num_kv_heads))  # [B, K Q, P, M']
         out_shape = (jax.ShapeDtypeStruct((*statistics, _block(head_dim)), jnp.float32), *caches,
                      jax.ShapeDtypeStruct(statistics, jnp.float32), jax.ShapeDtypeStruct(statistics, jnp.float32))
-    tree = () if new_visible is None else (new_visible.astype(jnp.int32),)  # Triton loads no bools
     return pl.pallas_call(
         functools.partial(_kernel, num_heads=num_heads, read=read, tiling=tiling, per_block=per_block,
                           blocks=blocks, tree=bool(tree)),
@@ -167,9 +176,11 @@ def attention_call(heads, positions, keys, values, num_heads: int, inv_freq: np.
         compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
         interpret=interpret,
         name="decode_attention",
-    )(positions.astype(jnp.int32), frequencies, heads, keys, values, *tree)
+    )(positions, frequencies, heads, keys, values, *tree)
 
 
+@functools.partial(jax.jit, static_argnames=("batch_length", "num_heads", "num_kv_heads", "head_dim", "dtype",
+                                             "interpret", "tiling"))
 def combine_call(outputs, maxima, sums, batch_length: tuple, num_heads: int, num_kv_heads: int, head_dim: int, dtype,
                  interpret: bool, tiling: decode_attention.Tiling):
     """attended [B, T, N, H] (batch_length: (B, T)) from the split kernel's partials: one program

@@ -86,8 +86,8 @@ def norm_linear(x: jax.Array, norm_weight: jax.Array, eps: float, weight: jax.Ar
     _check(implementation, x, weight)
     if implementation == "xla":
         return _linear(rms_norm(x, norm_weight, eps), weight)
-    kernel = functools.partial(_norm_linear_kernel, eps=eps)
-    return _call(kernel, "norm_linear", x, (norm_weight, weight), weight.shape[1], interpret, tiling)
+    return _call(_norm_linear_kernel, "norm_linear", x, (norm_weight, weight), weight.shape[1], interpret, tiling,
+                 eps=eps)
 
 
 def norm_gate_up(x: jax.Array, norm_weight: jax.Array, eps: float, weight_gate_up: jax.Array, *,
@@ -108,9 +108,8 @@ def norm_gate_up(x: jax.Array, norm_weight: jax.Array, eps: float, weight_gate_u
     if implementation == "xla":
         gate, up = jnp.split(_linear(rms_norm(x, norm_weight, eps), weight_gate_up), 2, axis=-1)
         return jax.nn.silu(gate) * up
-    kernel = functools.partial(_norm_gate_up_kernel, eps=eps)
-    return _call(kernel, "norm_gate_up", x, (norm_weight, weight_gate_up), weight_gate_up.shape[1] // 2,
-                 interpret, tiling)
+    return _call(_norm_gate_up_kernel, "norm_gate_up", x, (norm_weight, weight_gate_up), weight_gate_up.shape[1] // 2,
+                 interpret, tiling, eps=eps)
 
 
 def linear_residual(x: jax.Array, weight: jax.Array, residual: jax.Array, *, implementation: str = "xla",
@@ -130,9 +129,8 @@ def linear_residual(x: jax.Array, weight: jax.Array, residual: jax.Array, *, imp
         raise ValueError(f"residual shape {residual.shape} does not fit x {x.shape} @ weight {weight.shape}")
     if implementation == "xla":
         return residual + _linear(x, weight)
-    kernel = _linear_residual_kernel
     rows = residual.reshape(-1, weight.shape[1])  # [M, N]
-    return _call(kernel, "linear_residual", x, (weight, rows), weight.shape[1], interpret, tiling)
+    return _call(_linear_residual_kernel, "linear_residual", x, (weight, rows), weight.shape[1], interpret, tiling)
 
 
 # ---- the XLA reference ---------------------------------------------------------------------
@@ -159,22 +157,34 @@ def _check(implementation: str, x: jax.Array, weight: jax.Array) -> None:
 # ---- the Pallas kernels --------------------------------------------------------------------
 
 def _call(kernel, name: str, x: jax.Array, operands: tuple, width: int, interpret: bool | None,
-          tiling: Tiling) -> jax.Array:
-    """Runs `kernel(x [M, K], *operands, out [M, width], tiling=...)` over (row blocks, column blocks)."""
+          tiling: Tiling, **params) -> jax.Array:
+    """Runs `kernel(x [M, K], *operands, out [M, width], tiling=..., **params)` over (row blocks,
+    column blocks); `params` are the kernel's static settings (hashable)."""
     rows = x.reshape(-1, x.shape[-1])  # [M, K]
     if tiling.block_m is None:
         tiling = dataclasses.replace(tiling, block_m=row_block(rows.shape[0]))
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    out = pl.pallas_call(
-        functools.partial(kernel, tiling=tiling),
-        out_shape=jax.ShapeDtypeStruct((rows.shape[0], width), x.dtype),
+    out = _pallas_call(rows, *operands, kernel=kernel, name=name, width=width, interpret=interpret, tiling=tiling,
+                       params=tuple(sorted(params.items())))
+    return out.reshape(*x.shape[:-1], width)
+
+
+# Under jit, with everything but the arrays static: a pallas_call traces its kernel and lowers it to
+# Triton each time it is called, and a decode step calls these kernels four times a layer. Jitted,
+# the calls of one shape and setting are traced once and lowered once per program (a function the
+# program calls at each layer): lowering a server's programs on a GPU took most of its start-up.
+@functools.partial(jax.jit, static_argnames=("kernel", "name", "width", "interpret", "tiling", "params"))
+def _pallas_call(rows: jax.Array, *operands: jax.Array, kernel, name: str, width: int, interpret: bool,
+                 tiling: Tiling, params: tuple) -> jax.Array:
+    return pl.pallas_call(
+        functools.partial(kernel, tiling=tiling, **dict(params)),
+        out_shape=jax.ShapeDtypeStruct((rows.shape[0], width), rows.dtype),
         grid=(pl.cdiv(rows.shape[0], tiling.block_m), pl.cdiv(width, tiling.block_n)),
         compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
         interpret=interpret,
         name=name,
     )(rows, *operands)
-    return out.reshape(*x.shape[:-1], width)
 
 
 def row_block(rows: int) -> int:

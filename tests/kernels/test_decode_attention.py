@@ -27,6 +27,7 @@ from eagle_jax.serve import device_calls
 from eagle_jax.decode import tree as tree_lib
 from eagle_jax.kernels import decode_attention
 from eagle_jax.kernels import decode_attention_pallas
+from tests.kernels import kernel_calls
 
 # SmolLM2-135M's attention: 9 query heads, 3 kv heads (groups of 3), head dim 64.
 REAL = dict(num_heads=9, num_kv_heads=3, head_dim=64)
@@ -345,7 +346,7 @@ def test_a_tree_verify_takes_the_attention_kernel_given_its_ancestors(random_tar
         jaxpr = jax.make_jaxpr(lambda tokens: target(tokens, start[:, None] + depths, cache, mask=mask,
                                                         kernels=layers.Kernels("pallas")))(
             jnp.zeros((1, nodes), jnp.int32))
-        assert str(jaxpr).count("pallas_call") == kernels
+        assert kernel_calls.pallas_calls(jaxpr) == kernels
 
 
 def test_a_draft_heads_cached_calls_attend_in_the_kernel(random_target, random_head):
@@ -363,7 +364,7 @@ def test_a_draft_heads_cached_calls_attend_in_the_kernel(random_target, random_h
     for mask, kernels in ((None, 8), (chain_mask, 4)):  # a layer: attention split over the cache at one row,
         call = lambda setting: head(tokens, features, positions, cache, target, mask=mask,  # and the MLP's two
                                     kernels=layers.Kernels(setting))
-        assert str(jax.make_jaxpr(lambda: call("pallas"))()).count("pallas_call") == kernels
+        assert kernel_calls.pallas_calls(jax.make_jaxpr(lambda: call("pallas"))()) == kernels
         (out, logits, written), (want_out, want_logits, want_written) = call("pallas"), call("xla")
         np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=2e-5, atol=2e-5)
         np.testing.assert_allclose(np.asarray(logits), np.asarray(want_logits), rtol=2e-5, atol=2e-5)
