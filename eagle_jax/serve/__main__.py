@@ -48,6 +48,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="Python's thread switch interval in the server (sys.setswitchinterval; Python's "
                              "default is 0.005): how long the device loop may wait for the interpreter after a "
                              "device call while the HTTP handlers run")
+    parser.add_argument("--profile-dir", metavar="DIR",
+                        help="adds POST /start_profile and /stop_profile, which write a jax.profiler trace "
+                             "(TensorBoard, Perfetto) of the device loop between them into DIR")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     return parser.parse_args(argv)
@@ -119,7 +122,7 @@ def serve(argv=None) -> int:
 
     args = parse_args(argv)
     backend, name = build(args)
-    app = server.create_app(backend, name)
+    app = server.create_app(backend, name, args.profile_dir)
     # The device thread releases the interpreter while a device call runs and needs it back the
     # moment the call returns; with Python's 5 ms interval it can wait that long behind the HTTP
     # handlers and the output thread at every call (on an H100 at 16 slots, 0.5 ms served 8% more

@@ -2,7 +2,8 @@
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (both streamed as server-sent events
 ending `data: [DONE]` when asked), `GET /v1/models`, `GET /health` (503 until the engine has
-compiled every program it will run), `GET /metrics` (Prometheus text). Errors carry OpenAI's
+compiled every program it will run), `GET /metrics` (Prometheus text), and with a profile
+directory `POST /start_profile` and `/stop_profile`. Errors carry OpenAI's
 error body: 400 for bad JSON, bad parameters, an unknown model or a prompt too long, 429 when
 the queue is full, 503 while starting or draining.
 """
@@ -17,6 +18,7 @@ import threading
 import time
 
 import fastapi
+import jax
 from fastapi import responses
 
 from eagle_jax.serve import online as online_lib
@@ -29,8 +31,13 @@ class RequestError(Exception):
         self.status, self.message, self.kind, self.param = status, message, kind, param
 
 
-def create_app(backend: online_lib.OnlineEngine, model_name: str) -> fastapi.FastAPI:
-    """The app serving `backend` under the model id `model_name`."""
+def create_app(backend: online_lib.OnlineEngine, model_name: str, profile_dir: str | None = None) -> fastapi.FastAPI:
+    """The app serving `backend` under the model id `model_name`.
+
+    `profile_dir`: adds POST /start_profile and /stop_profile (as vLLM and SGLang name them), which
+    record a `jax.profiler` trace of everything the process runs in between (the device loop's
+    calls and kernels; TensorBoard's profile plugin or Perfetto reads it) into that directory.
+    """
     def start():
         began = time.perf_counter()
         backend.start()
@@ -73,6 +80,23 @@ def create_app(backend: online_lib.OnlineEngine, model_name: str) -> fastapi.Fas
     async def metrics():
         body, content_type = backend.metrics.exposition()
         return responses.Response(body, media_type=content_type)
+
+    if profile_dir is not None:
+        @app.post("/start_profile")
+        def start_profile():  # a plain def: FastAPI runs it on a worker thread, off the event loop
+            try:
+                jax.profiler.start_trace(profile_dir)
+            except RuntimeError as error:  # one trace at a time
+                raise RequestError(400, f"could not start a profile: {error}") from None
+            return {"status": "profiling", "dir": profile_dir}
+
+        @app.post("/stop_profile")
+        def stop_profile():  # writes the trace: seconds for a long one
+            try:
+                jax.profiler.stop_trace()
+            except RuntimeError as error:
+                raise RequestError(400, f"could not stop a profile: {error}") from None
+            return {"status": "written", "dir": profile_dir}
 
     @app.get("/v1/models")
     async def models():

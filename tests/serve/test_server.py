@@ -497,3 +497,32 @@ def test_a_greedy_only_server_refuses_what_it_does_not_compile(offline):
             assert response.status_code == 503  # a greedy request passes the checks: the server is not compiled
 
     asyncio.run(scenario())
+
+
+def test_profile_routes_write_a_trace_of_what_ran_between_them(offline, tmp_path):
+    """With a profile directory, POST /start_profile and /stop_profile bracket a jax.profiler trace
+    (one at a time: a second start, or a stop with none running, is a 400 with an error body);
+    without one, the routes do not exist."""
+    import asyncio
+
+    import jax.numpy as jnp
+
+    from eagle_jax.serve import online, server
+
+    engine, tokenizer = offline
+    backend = online.OnlineEngine(engine, tokenizer, MODEL)
+    profile_dir = tmp_path / "profile"
+
+    async def scenario(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+            return [await http.post(path) for path in ("/start_profile", "/start_profile")], \
+                await asyncio.to_thread(lambda: float(jnp.arange(1000.0).sum())), \
+                [await http.post("/stop_profile") for _ in range(2)]
+
+    started, total, stopped = asyncio.run(scenario(server.create_app(backend, MODEL, str(profile_dir))))
+    assert total == 499500.0
+    assert [r.status_code for r in started] == [200, 400] and "profile" in started[1].json()["error"]["message"]
+    assert [r.status_code for r in stopped] == [200, 400] and stopped[1].json()["error"]["type"]
+    assert list(profile_dir.rglob("*.xplane.pb")), f"no trace under {profile_dir}"
+    unprofiled = asyncio.run(scenario(server.create_app(backend, MODEL)))
+    assert [r.status_code for r in unprofiled[0] + unprofiled[2]] == [404] * 4

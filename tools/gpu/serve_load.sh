@@ -46,16 +46,44 @@ while time.time() < deadline:
 sys.exit(1)
 PY
   echo "ready after $((SECONDS - began)) s; $(grep -m1 "programs" $R/server_$name.log)"
+  # The GPU's SM clock, power and load every 100 ms while the server is measured: at a low request
+  # rate the GPU idles between requests, and a clock that drops there would slow every step.
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,utilization.gpu --format=csv -lms 100 \
+    > $R/gpu_clocks_$name.csv 2>/dev/null &
+  local clocks=$!
   for rate in ${rates//,/ }; do
     case $rate in 1) n=24;; 4) n=64;; 16) n=192;; *) n=384;; esac
     [ -n "$Q" ] && n=3
     timeout 300 python3 benchmarks/serve_bench.py --url http://127.0.0.1:$port --request-rate $rate --num-prompts $n \
       --label "$name" --out $R/serve.json 2>&1 | grep -v -i warn | tail -1
   done
+  if [[ " $* " == *" --profile-dir "* ]]; then  # four requests at 1 request/s under jax.profiler
+    local trace_dir="" previous=""
+    for flag in "$@"; do [ "$previous" = --profile-dir ] && trace_dir=$flag; previous=$flag; done
+    python3 -c "import httpx, sys; httpx.post(f'http://127.0.0.1:{sys.argv[1]}/start_profile', timeout=60).raise_for_status()" $port
+    timeout 120 python3 benchmarks/serve_bench.py --url http://127.0.0.1:$port --request-rate 1 --num-prompts 4 \
+      --label "$name, traced" --out $R/serve.json 2>&1 | grep -v -i warn | tail -1
+    python3 -c "import httpx, sys; httpx.post(f'http://127.0.0.1:{sys.argv[1]}/stop_profile', timeout=300).raise_for_status()" $port
+    python3 - $R $trace_dir <<'PY'  # the traced setting's kernels a step (its steps from /metrics) against its run ms a step
+import json, sys
+sys.path.insert(0, "benchmarks")
+import step_trace
+rows = json.load(open(f"{sys.argv[1]}/serve.json"))
+row = rows[-1]
+steps = row["device_loop"]["steps"]
+trace = step_trace.load_trace(step_trace.find_trace_file(sys.argv[2]))
+summary = dict(step_trace.summarize(trace, steps), label=row["label"], steps=steps,
+               run_ms_per_step=row["device_loop"]["run_ms_per_step"])
+open(f"{sys.argv[1]}/server_trace_summary.jsonl", "a").write(json.dumps(summary) + "\n")
+print(f"traced: {steps} steps, {summary['kernels_per_step']} kernels a step, busy {summary['busy_us_per_step']} us, "
+      f"span {summary['span_us_per_step']} us, run {summary['run_ms_per_step']:.2f} ms a step")
+PY
+  fi
   [ -n "$conc" ] && echo "before the closed loop: $(listen_drops)" && timeout 300 python3 benchmarks/serve_bench.py --url http://127.0.0.1:$port --concurrency $conc \
       --num-prompts $([ -n "$Q" ] && echo 4 || echo $((conc * 8))) --label "$name" --out $R/serve.json 2>&1 | grep -v -i warn | tail -1
   [ -n "$conc" ] && echo "after it: $(listen_drops)"
   python3 -c "import httpx, sys; print(httpx.get(f'http://127.0.0.1:{sys.argv[1]}/metrics').text)" $port > $R/metrics_$name.txt 2>/dev/null || true
+  kill $clocks 2>/dev/null
   kill -TERM $pid; wait $pid; echo "server exit $?"
 }
 off() {  # label slots [eagle.py flags...]: the offline continuous figure, 320 MT-Bench first turns of 256 tokens
@@ -91,7 +119,7 @@ timeout 300 python3 /root/stage/torch_step_peer.py --model $hf --batch 1 --k 4 -
 # Ordered by what the goals need first: EAGLE-3 and plain at 16 slots; the base variant (if
 # base_overlay is carried) beside them on the same machine; the offline figure for the same
 # slots; --greedy-only; then 64 slots.
-serve eagle3-16 16 1,4,16,64 32 --method eagle3
+serve eagle3-16 16 1,4,16,64 32 --method eagle3 --profile-dir /root/stage/server_trace
 serve plain-16 16 1,64 32 --num-speculative-tokens 0
 echo "== kernels checked against XLA ($(date -u +%T))"
 timeout 200 python3 benchmarks/kernels_bench.py --check --rows 1,5 --tokens 1,5 --iterations 1 --trace-calls 1 \
