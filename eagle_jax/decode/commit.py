@@ -87,7 +87,8 @@ def commit(state: state_lib.DecodeState, rng: jax.Array, cache: kv_cache_lib.KVC
         accepted_per_position=state.accepted_per_position
         + (depth[None] < num_emitted_drafts[:, None]).astype(jnp.int32),
     )
-    if state.counts is not None and count_tokens:  # a row that just finished counts tokens it did not emit: it never reads them
+    # A row that just finished counts tokens it did not emit: it never reads them.
+    if state.counts is not None and count_tokens:
         new = new.replace(counts=state.counts.commit(drafts, jnp.where(active, num_accepted, 0),
                                                      jnp.where(active, next_token, -1)))
     if draft_cache is None:

@@ -24,14 +24,17 @@ def test_a_bad_switch_interval_is_refused(value, capsys):
     assert "--gil-switch-interval" in capsys.readouterr().err
 
 
-def test_the_server_sets_the_switch_interval_before_it_serves(monkeypatch):
+def test_the_server_sets_the_switch_interval_before_it_serves(monkeypatch, tmp_path):
+    """And hands its app the profile directory, which adds the profile routes."""
     seen = {}
     monkeypatch.setattr(serve_cli, "build", lambda args: (object(), "tiny"))
-    monkeypatch.setattr(server, "create_app", lambda backend, name: "app")
+    monkeypatch.setattr(server, "create_app",
+                        lambda backend, name, profile_dir: seen.setdefault("profile_dir", profile_dir))
     monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: seen.setdefault("interval", sys.getswitchinterval()))
     before = sys.getswitchinterval()
     try:
-        assert serve_cli.serve(["--gil-switch-interval", "0.00125"]) == 0
+        assert serve_cli.serve(["--gil-switch-interval", "0.00125", "--profile-dir", str(tmp_path)]) == 0
     finally:
         sys.setswitchinterval(before)
     assert seen["interval"] == pytest.approx(0.00125)
+    assert seen["profile_dir"] == str(tmp_path)

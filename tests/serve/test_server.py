@@ -250,7 +250,8 @@ def test_one_slot_server_disconnect_queue_full_and_sigterm(aligned_model_dir, he
     # The start-up line tells its parts apart: compiling (or loading) every program, then running each once.
     log = next(tmp_path.glob("server-*.log")).read_text()
     ready = re.search(r"ready after ([\d.]+) s: (\d+) programs compiled, (\d+) loaded from the compilation cache "
-                      r"in ([\d.]+) s \(([\d.]+) s of it lowering them on one thread\), each run once in ([\d.]+) s", log)
+                      r"in ([\d.]+) s \(([\d.]+) s of it lowering them on one thread\), each run once "
+                      r"in ([\d.]+) s", log)
     assert ready, "no start-up line in the server's log"
     whole, compiled, loaded, compiling, lowering, warming = (float(group) for group in ready.groups())
     assert compiled + loaded > 0 and compiling + warming <= whole + 0.1 and 0 < lowering <= compiling
