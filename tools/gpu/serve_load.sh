@@ -27,6 +27,7 @@ print('listen overflows', values.get('ListenOverflows'), 'drops', values.get('Li
 }
 cat $R/device.txt
 port=8100
+post() { python3 -c "import httpx, sys; httpx.post(sys.argv[1], timeout=300).raise_for_status()" "$1"; }
 serve() {  # name slots rates concurrency [server flags...]: one server, Poisson rates (one call each), a closed loop
   local name=$1 slots=$2 rates=$3 conc=$4; shift 4
   port=$((port + 1))
@@ -60,10 +61,10 @@ PY
   if [[ " $* " == *" --profile-dir "* ]]; then  # four requests at 1 request/s under jax.profiler
     local trace_dir="" previous=""
     for flag in "$@"; do [ "$previous" = --profile-dir ] && trace_dir=$flag; previous=$flag; done
-    python3 -c "import httpx, sys; httpx.post(f'http://127.0.0.1:{sys.argv[1]}/start_profile', timeout=60).raise_for_status()" $port
+    post http://127.0.0.1:$port/start_profile
     timeout 120 python3 benchmarks/serve_bench.py --url http://127.0.0.1:$port --request-rate 1 --num-prompts 4 \
       --label "$name, traced" --out $R/serve.json 2>&1 | grep -v -i warn | tail -1
-    python3 -c "import httpx, sys; httpx.post(f'http://127.0.0.1:{sys.argv[1]}/stop_profile', timeout=300).raise_for_status()" $port
+    post http://127.0.0.1:$port/stop_profile
     python3 - $R $trace_dir <<'PY'  # the traced setting's kernels a step (its steps from /metrics) against its run ms a step
 import json, sys
 sys.path.insert(0, "benchmarks")
@@ -116,9 +117,9 @@ echo "== torch peer ($(date -u +%T))"
 timeout 300 python3 /root/stage/torch_step_peer.py --model $hf --batch 1 --k 4 --max-len 2048 --out $R/torch_peer.jsonl \
   2>&1 | grep -v -i warn | tail -6
 # The server's requests ignore EOS (256 tokens each), so the like-for-like offline figure does too.
-# Ordered by what the goals need first: EAGLE-3 and plain at 16 slots; the base variant (if
-# base_overlay is carried) beside them on the same machine; the offline figure for the same
-# slots; --greedy-only; then 64 slots.
+# Ordered by what the goals need first: EAGLE-3 (four of its requests traced) and plain at 16
+# slots; the kernel check; the offline figure for the same slots; the kernel A/B's second pass;
+# the base variant (if base_overlay is carried); --greedy-only; then 64 slots.
 serve eagle3-16 16 1,4,16,64 32 --method eagle3 --profile-dir /root/stage/server_trace
 serve plain-16 16 1,64 32 --num-speculative-tokens 0
 echo "== kernels checked against XLA ($(date -u +%T))"
