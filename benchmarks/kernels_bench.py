@@ -14,6 +14,8 @@ Random bf16 weights, no model files. Ops (`kernels.fused_linear`, implementation
   * norm_linear: input_layernorm + qkv_proj (576 -> 960)
   * norm_gate_up: post_attention_layernorm + gate_up_proj + silu(gate) * up (576 -> 2 x 1536 -> 1536)
   * o_proj_residual, down_proj_residual: linear_residual (576 -> 576, 1536 -> 576)
+  * o_proj_parts, down_proj_parts: the split-K pair the target's layers run instead: linear_parts,
+    then the kernel that sums its parts into the residual (norm_gate_up, norm_linear)
   * decode_attention: `kernels.decode_attention.attend` of --tokens tokens (1: a plain decode
     step; 6: a k = 5 chain's verify) in each of `rows` rows, from qkv_proj's output: rotary, cache
     write and attention over a --cache-length cache whose first half is filled (the new tokens
@@ -91,7 +93,8 @@ from results_file import append_rows
 DEFAULT_CONFIG = config_lib.LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=1,
                                         num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0)
 SMOLLM2_LAYERS = 30  # compact_cache moves a path in every layer's keys and values
-LINEAR_OPS = ("norm_linear", "norm_gate_up", "o_proj_residual", "down_proj_residual")  # fused_linear: <= MAX_ROWS rows
+LINEAR_OPS = ("norm_linear", "norm_gate_up", "o_proj_residual", "down_proj_residual", "o_proj_parts",
+              "down_proj_parts")  # fused_linear: <= MAX_ROWS rows
 OPS = LINEAR_OPS + ("decode_attention", "decoder_layer", "draft_top_k", "compact_cache")
 
 
@@ -268,10 +271,18 @@ def linear_cases(cfg: config_lib.LlamaConfig, rows: int, dtype, seed: int = 0) -
     norm_linear = lambda i, **kw: fused_linear.norm_linear(i[0], i[1], eps, i[2], **kw)
     norm_gate_up = lambda i, **kw: fused_linear.norm_gate_up(i[0], i[1], eps, i[2], **kw)
     linear_residual = lambda i, **kw: fused_linear.linear_residual(*i, **kw)
+
+    def split_k(fused):  # (x, its parts' inputs and weight, the summing kernel's norm and weight)
+        return lambda i, **kw: fused(i[0], i[3], eps, i[4], parts=fused_linear.linear_parts(i[1], i[2], **kw), **kw)
+
     return {"norm_linear": (norm_linear, (x, norm, qkv), size(qkv)),
             "norm_gate_up": (norm_gate_up, (x, norm, gate_up), size(gate_up)),
             "o_proj_residual": (linear_residual, (activations(attended), o_proj, x), size(o_proj)),
-            "down_proj_residual": (linear_residual, (activations(intermediate), down_proj, x), size(down_proj))}
+            "down_proj_residual": (linear_residual, (activations(intermediate), down_proj, x), size(down_proj)),
+            "o_proj_parts": (split_k(fused_linear.norm_gate_up), (x, activations(attended), o_proj, norm, gate_up),
+                             size(o_proj) + size(gate_up)),
+            "down_proj_parts": (split_k(fused_linear.norm_linear), (x, activations(intermediate), down_proj, norm, qkv),
+                                size(down_proj) + size(qkv))}
 
 
 def layer_case(cfg: config_lib.LlamaConfig, rows: int, dtype, setting: str, cache_length: int):

@@ -7,7 +7,15 @@ layer's projections take four kernels:
 
   norm_linear      rmsnorm(x) @ W                          input_layernorm + qkv_proj
   norm_gate_up     silu(n @ W_gate) * (n @ W_up), n = rmsnorm(x)   post_attention_layernorm + gate_up_proj
-  linear_residual  residual + x @ W                        o_proj, down_proj
+  linear_residual  residual + x @ W                        o_proj, down_proj (a head's layers)
+  linear_parts     x @ W as float32 partial sums over K      o_proj, down_proj (the target's layers)
+
+A split-K `linear_parts` spreads a narrow output (576 columns: 18 programs of 32 columns would
+leave most of the GPU idle, each streaming its whole K) over one program per block_k chunk of K
+as well, and leaves the sum to the next kernel: `norm_linear` and `norm_gate_up` given `parts`
+take residual + round(sum of parts) as their input, the residual add `linear_residual` does, as
+they load it, and store that sum (the residual stream the layer goes on with), so the split
+needs no reduction kernel of its own.
 
 `implementation="xla"` is the reference: plain jnp computing what `layers.RMSNorm` and a bias-free
 `nnx.Linear` compute. `"pallas"` is one Triton kernel per call (GPU); `interpret=None` runs it in
@@ -69,7 +77,8 @@ class Tiling:
 
 
 def norm_linear(x: jax.Array, norm_weight: jax.Array, eps: float, weight: jax.Array, *,
-                implementation: str = "xla", interpret: bool | None = None, tiling: Tiling = Tiling()) -> jax.Array:
+                parts: jax.Array | None = None, implementation: str = "xla", interpret: bool | None = None,
+                tiling: Tiling = Tiling()):
     """rmsnorm(x) @ weight: HF's RMSNorm (as `layers.RMSNorm`), then a bias-free linear layer.
 
     Args:
@@ -77,39 +86,46 @@ def norm_linear(x: jax.Array, norm_weight: jax.Array, eps: float, weight: jax.Ar
         norm_weight: [K] RMSNorm scale.
         eps: RMSNorm epsilon.
         weight: [K, N], `nnx.Linear`'s kernel layout.
+        parts: [S, ..., K] float32 partial sums of a linear layer closing a residual branch
+            (`linear_parts`); the input is then `add_parts(x, parts)`.
         implementation: "xla" (reference) or "pallas".
         interpret: run the Pallas kernel in interpret mode; None: unless the backend is a GPU.
         tiling: the Pallas kernel's block sizes.
     Returns:
-        [..., N] in x's dtype.
+        [..., N] in x's dtype; with parts, (that, the input `add_parts(x, parts)` [..., K]).
     """
-    _check(implementation, x, weight)
+    _check(implementation, x, weight, parts)
     if implementation == "xla":
-        return _linear(rms_norm(x, norm_weight, eps), weight)
+        normed = x if parts is None else add_parts(x, parts)
+        out = _linear(rms_norm(normed, norm_weight, eps), weight)
+        return out if parts is None else (out, normed)
     return _call(_norm_linear_kernel, "norm_linear", x, (norm_weight, weight), weight.shape[1], interpret, tiling,
-                 eps=eps)
+                 parts, eps=eps)
 
 
 def norm_gate_up(x: jax.Array, norm_weight: jax.Array, eps: float, weight_gate_up: jax.Array, *,
-                 implementation: str = "xla", interpret: bool | None = None, tiling: Tiling = Tiling()) -> jax.Array:
+                 parts: jax.Array | None = None, implementation: str = "xla", interpret: bool | None = None,
+                 tiling: Tiling = Tiling()):
     """silu(gate) * up of [gate | up] = rmsnorm(x) @ weight_gate_up: a SwiGLU MLP's first half.
 
     Args:
         x: [..., K] activations.
         norm_weight: [K] RMSNorm scale; eps: its epsilon.
         weight_gate_up: [K, 2F], gate's columns then up's (`layers.MLP.gate_up_proj`).
-        implementation, interpret, tiling: as `norm_linear`.
+        parts, implementation, interpret, tiling: as `norm_linear`.
     Returns:
-        [..., F] in x's dtype.
+        [..., F] in x's dtype; with parts, (that, the input `add_parts(x, parts)`).
     """
-    _check(implementation, x, weight_gate_up)
+    _check(implementation, x, weight_gate_up, parts)
     if weight_gate_up.shape[1] % 2:
         raise ValueError(f"gate_up weight needs an even number of columns, got {weight_gate_up.shape}")
     if implementation == "xla":
-        gate, up = jnp.split(_linear(rms_norm(x, norm_weight, eps), weight_gate_up), 2, axis=-1)
-        return jax.nn.silu(gate) * up
+        normed = x if parts is None else add_parts(x, parts)
+        gate, up = jnp.split(_linear(rms_norm(normed, norm_weight, eps), weight_gate_up), 2, axis=-1)
+        out = jax.nn.silu(gate) * up
+        return out if parts is None else (out, normed)
     return _call(_norm_gate_up_kernel, "norm_gate_up", x, (norm_weight, weight_gate_up), weight_gate_up.shape[1] // 2,
-                 interpret, tiling, eps=eps)
+                 interpret, tiling, parts, eps=eps)
 
 
 def linear_residual(x: jax.Array, weight: jax.Array, residual: jax.Array, *, implementation: str = "xla",
@@ -133,6 +149,38 @@ def linear_residual(x: jax.Array, weight: jax.Array, residual: jax.Array, *, imp
     return _call(_linear_residual_kernel, "linear_residual", x, (weight, rows), weight.shape[1], interpret, tiling)
 
 
+def linear_parts(x: jax.Array, weight: jax.Array, *, implementation: str = "xla", interpret: bool | None = None,
+                 tiling: Tiling = Tiling()) -> jax.Array:
+    """x @ weight as float32 partial sums over K, for `norm_linear` or `norm_gate_up` to add.
+
+    Args:
+        x: [..., K] activations.
+        weight: [K, N].
+        implementation, interpret, tiling: as `norm_linear`.
+    Returns:
+        [S, ..., N] float32 whose sum over S is x @ weight: S = 1 for "xla"; for "pallas" one part
+        per tiling.block_k chunk of K, each from its own programs.
+    """
+    _check(implementation, x, weight)
+    if implementation == "xla":
+        return _linear(x, weight, jnp.float32)[None]
+    rows = x.reshape(-1, x.shape[-1])  # [M, K]
+    if tiling.block_m is None:
+        tiling = dataclasses.replace(tiling, block_m=row_block(rows.shape[0]))
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    parts = _split_k_call(rows, weight, interpret=interpret, tiling=tiling)
+    return parts.reshape(parts.shape[0], *x.shape[:-1], weight.shape[1])
+
+
+def add_parts(residual: jax.Array, parts: jax.Array) -> jax.Array:
+    """residual + round(sum of parts) in residual's dtype: `linear_residual` from `linear_parts`'s
+    output. The sum is rounded to the dtype before the add, as the unfused linear layer's output is."""
+    dtype = residual.dtype
+    total = jnp.sum(parts, axis=0).astype(dtype).astype(jnp.float32)
+    return (residual.astype(jnp.float32) + total).astype(dtype)
+
+
 # ---- the XLA reference ---------------------------------------------------------------------
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -142,49 +190,83 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight.astype(x.dtype) * x32.astype(x.dtype)
 
 
-def _linear(x: jax.Array, weight: jax.Array) -> jax.Array:
-    """A bias-free `nnx.Linear` computing in x's dtype."""
-    return lax.dot_general(x, weight.astype(x.dtype), (((x.ndim - 1,), (0,)), ((), ())))
+def _linear(x: jax.Array, weight: jax.Array, out_dtype=None) -> jax.Array:
+    """A bias-free `nnx.Linear` computing in x's dtype (its output in out_dtype, default x's)."""
+    return lax.dot_general(x, weight.astype(x.dtype), (((x.ndim - 1,), (0,)), ((), ())),
+                           preferred_element_type=out_dtype)
 
 
-def _check(implementation: str, x: jax.Array, weight: jax.Array) -> None:
+def _check(implementation: str, x: jax.Array, weight: jax.Array, parts: jax.Array | None = None) -> None:
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"unknown implementation {implementation!r} ({', '.join(IMPLEMENTATIONS)})")
     if weight.ndim != 2 or weight.shape[0] != x.shape[-1]:
         raise ValueError(f"weight shape {weight.shape} does not take inputs of shape {x.shape}")
+    if parts is not None and (parts.shape[1:] != x.shape or parts.dtype != jnp.float32):
+        raise ValueError(f"parts {parts.shape} {parts.dtype} are not float32 partial sums of x {x.shape}")
 
 
 # ---- the Pallas kernels --------------------------------------------------------------------
 
 def _call(kernel, name: str, x: jax.Array, operands: tuple, width: int, interpret: bool | None,
-          tiling: Tiling, **params) -> jax.Array:
+          tiling: Tiling, parts: jax.Array | None = None, **params):
     """Runs `kernel(x [M, K], *operands, out [M, width], tiling=..., **params)` over (row blocks,
-    column blocks); `params` are the kernel's static settings (hashable)."""
+    column blocks); `params` are the kernel's static settings (hashable). With parts [S, ..., K],
+    `kernel(x, parts [S, M, K], *operands, out, summed [M, K], ...)`, returning (out, summed)."""
     rows = x.reshape(-1, x.shape[-1])  # [M, K]
     if tiling.block_m is None:
         tiling = dataclasses.replace(tiling, block_m=row_block(rows.shape[0]))
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
+    if parts is not None:
+        operands = (parts.reshape(parts.shape[0], *rows.shape), *operands)
     out = _pallas_call(rows, *operands, kernel=kernel, name=name, width=width, interpret=interpret, tiling=tiling,
-                       params=tuple(sorted(params.items())))
-    return out.reshape(*x.shape[:-1], width)
+                       summed=parts is not None, params=tuple(sorted(params.items())))
+    if parts is None:
+        return out.reshape(*x.shape[:-1], width)
+    out, summed = out
+    return out.reshape(*x.shape[:-1], width), summed.reshape(x.shape)
 
 
 # Under jit, with everything but the arrays static: a pallas_call traces its kernel and lowers it to
 # Triton each time it is called, and a decode step calls these kernels four times a layer. Jitted,
 # the calls of one shape and setting are traced once and lowered once per program (a function the
 # program calls at each layer): SmolLM2's 30-layer verify forward lowered in 1.0 s instead of 10.2.
-@functools.partial(jax.jit, static_argnames=("kernel", "name", "width", "interpret", "tiling", "params"))
+@functools.partial(jax.jit, static_argnames=("kernel", "name", "width", "interpret", "tiling", "summed", "params"))
 def _pallas_call(rows: jax.Array, *operands: jax.Array, kernel, name: str, width: int, interpret: bool,
-                 tiling: Tiling, params: tuple) -> jax.Array:
+                 tiling: Tiling, summed: bool, params: tuple):
+    out_shape = jax.ShapeDtypeStruct((rows.shape[0], width), rows.dtype)
+    if summed:  # operands start with the parts; the input's sum is a second output
+        out_shape = (out_shape, jax.ShapeDtypeStruct(rows.shape, rows.dtype))
+
+    def body(x_ref, *refs):
+        if not summed:
+            return kernel(x_ref, *refs, tiling=tiling, **dict(params))
+        parts_ref, *refs, summed_ref = refs
+        return kernel(x_ref, *refs, tiling=tiling, parts_ref=parts_ref, summed_ref=summed_ref, **dict(params))
+
     return pl.pallas_call(
-        functools.partial(kernel, tiling=tiling, **dict(params)),
-        out_shape=jax.ShapeDtypeStruct((rows.shape[0], width), rows.dtype),
+        body,
+        out_shape=out_shape,
         grid=(pl.cdiv(rows.shape[0], tiling.block_m), pl.cdiv(width, tiling.block_n)),
         compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
         interpret=interpret,
         name=name,
     )(rows, *operands)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "tiling"))
+def _split_k_call(rows: jax.Array, weight: jax.Array, *, interpret: bool, tiling: Tiling) -> jax.Array:
+    """[S, M, N] float32: part s = rows[:, chunk s] @ weight[chunk s, :], chunks of block_k features."""
+    size, width = weight.shape
+    splits = pl.cdiv(size, tiling.block_k)
+    return pl.pallas_call(
+        functools.partial(_linear_part_kernel, tiling=tiling),
+        out_shape=jax.ShapeDtypeStruct((splits, rows.shape[0], width), jnp.float32),
+        grid=(pl.cdiv(rows.shape[0], tiling.block_m), pl.cdiv(width, tiling.block_n), splits),
+        compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
+        interpret=interpret,
+        name="linear_parts",
+    )(rows, weight)
 
 
 def row_block(rows: int) -> int:
@@ -200,10 +282,18 @@ def _mask(start, shape, limits) -> jax.Array:
     return rows[:, None] & columns[None, :]
 
 
-def _tile(ref, start, shape, limits=None) -> jax.Array:
-    """ref[start : start + shape] (2-D), zeros outside `limits` (default: the array's shape)."""
-    window = ref.at[pl.ds(start[0], shape[0]), pl.ds(start[1], shape[1])]
-    return plgpu.load(window, mask=_mask(start, shape, limits or ref.shape), other=0.0)
+def _window(ref, start, shape, part=None):
+    """The 2-D window ref[start : start + shape] of a [rows, columns] ref, or of part `part` of
+    a [parts, rows, columns] one."""
+    index = (pl.ds(start[0], shape[0]), pl.ds(start[1], shape[1]))
+    return ref.at[index if part is None else (part, *index)]
+
+
+def _tile(ref, start, shape, limits=None, part=None) -> jax.Array:
+    """ref[start : start + shape] (2-D; of part `part` of a 3-D ref), zeros outside `limits`
+    (default: the window's array's shape)."""
+    mask = _mask(start, shape, limits or ref.shape[-2:])
+    return plgpu.load(_window(ref, start, shape, part), mask=mask, other=0.0)
 
 
 def _vector(ref, start, size: int) -> jax.Array:
@@ -211,9 +301,11 @@ def _vector(ref, start, size: int) -> jax.Array:
     return plgpu.load(ref.at[pl.ds(start, size)], mask=start + jnp.arange(size) < ref.shape[0], other=0.0)
 
 
-def _store(ref, start, value: jax.Array) -> None:
-    window = ref.at[pl.ds(start[0], value.shape[0]), pl.ds(start[1], value.shape[1])]
-    plgpu.store(window, value, mask=_mask(start, value.shape, ref.shape))
+def _store(ref, start, value: jax.Array, part=None, when=True) -> None:
+    """ref[start : start + value.shape] = value (2-D; of part `part` of a 3-D ref) inside the
+    array, where `when` holds."""
+    mask = _mask(start, value.shape, ref.shape[-2:]) & when
+    plgpu.store(_window(ref, start, value.shape, part), value, mask=mask)
 
 
 def _origin(tiling: Tiling) -> tuple[jax.Array, jax.Array]:
@@ -221,22 +313,40 @@ def _origin(tiling: Tiling) -> tuple[jax.Array, jax.Array]:
     return pl.program_id(0) * tiling.block_m, pl.program_id(1) * tiling.block_n
 
 
-def _inverse_rms(x_ref, row: jax.Array, eps: float, tiling: Tiling) -> jax.Array:
-    """[block_m, 1] float32 1 / rms of the program's rows of x [M, K]."""
+def _input(x_ref, parts_ref, row: jax.Array, k: jax.Array, tiling: Tiling) -> jax.Array:
+    """[block_m, block_k] of the kernel's input from feature k on, in x's dtype: x, or x plus
+    the rounded sum of its parts (`add_parts`)."""
+    x = _tile(x_ref, (row, k), (tiling.block_m, tiling.block_k))
+    if parts_ref is None:
+        return x
+    total = sum(_tile(parts_ref, (row, k), (tiling.block_m, tiling.block_k), part=jnp.int32(part))
+                for part in range(parts_ref.shape[0]))
+    dtype = x_ref.dtype
+    return (x.astype(jnp.float32) + total.astype(dtype).astype(jnp.float32)).astype(dtype)
+
+
+def _inverse_rms(x_ref, parts_ref, summed_ref, row: jax.Array, eps: float, tiling: Tiling) -> jax.Array:
+    """[block_m, 1] float32 1 / rms of the program's rows of the input [M, K]; with parts, the
+    programs of the first column block store the input's sum in summed_ref."""
     size = x_ref.shape[1]
     # Unrolled (K is static and a few chunks long): the chunks' loads are issued together, one
     # memory round trip before the weights' loop starts instead of one a chunk.
     total = jnp.zeros((tiling.block_m, 1), jnp.float32)
     for chunk in range(pl.cdiv(size, tiling.block_k)):  # a traced start: the last chunk's edge is masked
-        x = _tile(x_ref, (row, jnp.int32(chunk * tiling.block_k)), (tiling.block_m, tiling.block_k)).astype(jnp.float32)
+        k = jnp.int32(chunk * tiling.block_k)
+        x = _input(x_ref, parts_ref, row, k, tiling)
+        if summed_ref is not None:
+            _store(summed_ref, (row, k), x, when=pl.program_id(1) == 0)
+        x = x.astype(jnp.float32)
         total = total + jnp.sum(x * x, axis=1, keepdims=True)
     return lax.rsqrt(total / size + eps)
 
 
-def _normed(x_ref, norm_ref, row: jax.Array, k: jax.Array, inverse_rms: jax.Array, tiling: Tiling) -> jax.Array:
-    """[block_m, block_k] of rmsnorm(x) in x's dtype, from feature k on, rounded as `rms_norm` rounds."""
+def _normed(x_ref, parts_ref, norm_ref, row: jax.Array, k: jax.Array, inverse_rms: jax.Array,
+            tiling: Tiling) -> jax.Array:
+    """[block_m, block_k] of rmsnorm(input) in x's dtype, from feature k on, rounded as `rms_norm` rounds."""
     dtype = x_ref.dtype
-    x = _tile(x_ref, (row, k), (tiling.block_m, tiling.block_k)).astype(jnp.float32)
+    x = _input(x_ref, parts_ref, row, k, tiling).astype(jnp.float32)
     scale = _vector(norm_ref, k, tiling.block_k).astype(dtype).astype(jnp.float32)
     # The product of two dtype values is exact in float32, so rounding it once equals a
     # multiplication in dtype (math is done in float32: Triton lacks most bf16 arithmetic).
@@ -264,19 +374,21 @@ def _project(rows_at, w_ref, columns, tiling: Tiling) -> tuple[jax.Array, ...]:
     return lax.fori_loop(0, pl.cdiv(size, block_k), accumulate, (zeros,) * len(columns))
 
 
-def _norm_linear_kernel(x_ref, norm_ref, w_ref, out_ref, *, eps: float, tiling: Tiling):
+def _norm_linear_kernel(x_ref, norm_ref, w_ref, out_ref, *, eps: float, tiling: Tiling, parts_ref=None,
+                        summed_ref=None):
     row, column = _origin(tiling)
-    inverse_rms = _inverse_rms(x_ref, row, eps, tiling)
-    normed = lambda k: _normed(x_ref, norm_ref, row, k, inverse_rms, tiling)
+    inverse_rms = _inverse_rms(x_ref, parts_ref, summed_ref, row, eps, tiling)
+    normed = lambda k: _normed(x_ref, parts_ref, norm_ref, row, k, inverse_rms, tiling)
     [out] = _project(normed, w_ref, [(column, w_ref.shape[1])], tiling)
     _store(out_ref, (row, column), out.astype(out_ref.dtype))
 
 
-def _norm_gate_up_kernel(x_ref, norm_ref, w_ref, out_ref, *, eps: float, tiling: Tiling):
+def _norm_gate_up_kernel(x_ref, norm_ref, w_ref, out_ref, *, eps: float, tiling: Tiling, parts_ref=None,
+                         summed_ref=None):
     row, column = _origin(tiling)
     width = out_ref.shape[1]  # F: gate is w[:, :F], up is w[:, F:]
-    inverse_rms = _inverse_rms(x_ref, row, eps, tiling)
-    normed = lambda k: _normed(x_ref, norm_ref, row, k, inverse_rms, tiling)
+    inverse_rms = _inverse_rms(x_ref, parts_ref, summed_ref, row, eps, tiling)
+    normed = lambda k: _normed(x_ref, parts_ref, norm_ref, row, k, inverse_rms, tiling)
     gate, up = _project(normed, w_ref, [(column, width), (width + column, 2 * width)], tiling)
     # Rounded to dtype first, as the unfused gate_up_proj output is; the activation in float32.
     gate, up = (part.astype(out_ref.dtype).astype(jnp.float32) for part in (gate, up))
@@ -291,3 +403,13 @@ def _linear_residual_kernel(x_ref, w_ref, residual_ref, out_ref, *, tiling: Tili
     [out] = _project(rows, w_ref, [(column, w_ref.shape[1])], tiling)
     # Rounded to dtype before the add, as the unfused linear layer's output is.
     _store(out_ref, (row, column), (out.astype(out_ref.dtype).astype(jnp.float32) + residual).astype(out_ref.dtype))
+
+
+def _linear_part_kernel(x_ref, w_ref, out_ref, *, tiling: Tiling):
+    """One block_k chunk of K: no loop, a single round trip for its rows and its weight strip."""
+    row, column = _origin(tiling)
+    part = pl.program_id(2)
+    k = part * tiling.block_k
+    rows = _tile(x_ref, (row, k), (tiling.block_m, tiling.block_k))
+    strip = _tile(w_ref, (k, column), (tiling.block_k, tiling.block_n)).astype(rows.dtype)
+    _store(out_ref, (row, column), jnp.dot(rows, strip, preferred_element_type=jnp.float32), part=part)

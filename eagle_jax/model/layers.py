@@ -224,48 +224,92 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, rngs=rngs, **kw)
 
     def __call__(self, x, positions, keys, values, implementation: str = "xla", mask: SlotMask | None = None,
-                 attend_length: int | None = None, kernels: Kernels = XLA):
+                 attend_length: int | None = None, kernels: Kernels = XLA, pending: bool = False):
+        """x: [B, T, D], or a `PendingResidual`. pending: the fused linear kernels may return a
+        `PendingResidual` for the next layer to sum (a caller that reads the output itself
+        leaves it False)."""
         attention = self.self_attn
         linears = (attention.qkv_proj, attention.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
         # Cached calls only: cache-free calls compute training features, which need gradients
         # (the Pallas kernels define none).
-        if keys is not None and uses_decode_kernels(kernels.decode_kernels, x, *linears):
-            return self._kernel_decode(x, positions, keys, values, mask, attend_length, kernels, fused_linears=True)
+        base = x.base if isinstance(x, PendingResidual) else x
+        if keys is not None and uses_decode_kernels(kernels.decode_kernels, base, *linears):
+            out, keys, values = self._fused_decode(x, positions, keys, values, mask, attend_length, kernels)
+            return (out if pending else out.value()), keys, values
+        x = summed(x)
         if keys is not None and uses_attention_kernel(kernels.decode_kernels, x, mask, attention):
-            return self._kernel_decode(x, positions, keys, values, mask, attend_length, kernels, fused_linears=False)
+            return self._kernel_decode(x, positions, keys, values, mask, attend_length, kernels)
         attended, keys, values = attention(self.input_layernorm(x), positions, keys, values, implementation, mask,
                                            attend_length)
         x = x + attended
         return residual_mlp(x, self.post_attention_layernorm, self.mlp), keys, values
 
     def _kernel_decode(self, x, positions, keys, values, mask: SlotMask | None, attend_length: int | None,
-                       kernels: Kernels, fused_linears: bool):
-        """The cached call with the Pallas kernels. With fused_linears, five kernels: norm +
-        qkv_proj, attention (rotary, cache write and softmax attention; `kernels.decode_attention`),
-        o_proj + residual, norm + gate_up_proj + silu, down_proj + residual. Without (more rows than
-        the linear kernels take), only the attention kernel, between XLA's norms and matmuls: it reads
-        each row's filled slots only, where XLA's attention reads all attend_length of them. A tree's
-        verify takes the kernel too when its SlotMask carries `among_new` (the kernel then reads
-        which new tokens a query sees from it); other masks, and every call under "pallas_linear",
-        attend in XLA."""
-        attention, norm = self.self_attn, self.input_layernorm
-        if fused_linears:
-            qkv = fused_linear.norm_linear(x, norm.weight[...], norm.eps, attention.qkv_proj.kernel[...],
-                                           implementation=fused_kernels(kernels.decode_kernels))
+                       kernels: Kernels):
+        """The cached call with the Pallas attention kernel alone (more rows than the linear
+        kernels take), between XLA's norms and matmuls: it reads each row's filled slots only,
+        where XLA's attention reads all attend_length of them."""
+        attention = self.self_attn
+        qkv = attention.qkv_proj(self.input_layernorm(x))
+        attended, keys, values = self._attend(qkv, positions, keys, values, mask, attend_length, kernels)
+        x = x + attention.output(attended)
+        return residual_mlp(x, self.post_attention_layernorm, self.mlp), keys, values
+
+    def _fused_decode(self, x, positions, keys, values, mask: SlotMask | None, attend_length: int | None,
+                      kernels: Kernels):
+        """The cached call with the fused linear kernels: norm + qkv_proj (summing the previous
+        layer's pending residual), attention, o_proj's partial sums, norm + gate_up_proj + silu
+        (summing them into the residual stream), down_proj's partial sums, returned pending.
+        Five kernels with the attention kernel."""
+        attention, mlp = self.self_attn, self.mlp
+        implementation = fused_kernels(kernels.decode_kernels)
+        norm, weight = self.input_layernorm, attention.qkv_proj.kernel[...]
+        if isinstance(x, PendingResidual):
+            qkv, x = fused_linear.norm_linear(x.base, norm.weight[...], norm.eps, weight, parts=x.parts,
+                                              implementation=implementation)
         else:
-            qkv = attention.qkv_proj(norm(x))
-        if uses_attention_kernel(kernels.decode_kernels, x, mask, attention):
-            attended, keys, values = kernel_attend(attention, qkv, positions, keys, values, mask, attend_length,
-                                                   kernels.attention_tiling)
-        else:
-            q, k, v = attention.split_heads(qkv, positions)
-            attended, keys, values = attention.attend(q, k, v, positions, keys, values, mask, attend_length)
-        if not fused_linears:
-            x = x + attention.output(attended)
-            return residual_mlp(x, self.post_attention_layernorm, self.mlp), keys, values
-        x = fused_linear.linear_residual(attended.reshape(*x.shape[:2], -1), attention.o_proj.kernel[...], x,
-                                         implementation=fused_kernels(kernels.decode_kernels))
-        return residual_mlp(x, self.post_attention_layernorm, self.mlp, kernels.decode_kernels), keys, values
+            qkv = fused_linear.norm_linear(x, norm.weight[...], norm.eps, weight, implementation=implementation)
+        attended, keys, values = self._attend(qkv, positions, keys, values, mask, attend_length, kernels)
+        o_parts = fused_linear.linear_parts(attended.reshape(*x.shape[:2], -1), attention.o_proj.kernel[...],
+                                            implementation=implementation)
+        norm = self.post_attention_layernorm
+        hidden, x = fused_linear.norm_gate_up(x, norm.weight[...], norm.eps, mlp.gate_up_proj.kernel[...],
+                                              parts=o_parts, implementation=implementation)
+        down_parts = fused_linear.linear_parts(hidden, mlp.down_proj.kernel[...], implementation=implementation)
+        return PendingResidual(x, down_parts), keys, values
+
+    def _attend(self, qkv, positions, keys, values, mask: SlotMask | None, attend_length: int | None,
+                kernels: Kernels):
+        """Attention from the fused [q | k | v] projection: the Pallas kernel where
+        `uses_attention_kernel` says so (a tree's verify too when its SlotMask carries `among_new`:
+        the kernel then reads which new tokens a query sees from it); other masks, and every call
+        under "pallas_linear", attend in XLA."""
+        attention = self.self_attn
+        if uses_attention_kernel(kernels.decode_kernels, qkv, mask, attention):
+            return kernel_attend(attention, qkv, positions, keys, values, mask, attend_length, kernels.attention_tiling)
+        q, k, v = attention.split_heads(qkv, positions)
+        return attention.attend(q, k, v, positions, keys, values, mask, attend_length)
+
+
+class PendingResidual(NamedTuple):
+    """A residual stream not summed yet: base + round(sum of parts) (`fused_linear.add_parts`).
+
+    A target layer on the fused kernels ends in a split-K down_proj (`fused_linear.linear_parts`)
+    whose float32 parts [S, B, T, D] the next layer's first kernel sums as it loads its input,
+    so the sum needs no kernel of its own; `summed` adds them up in XLA where a caller reads
+    the stream (the final norm, EAGLE-3's captured features).
+    """
+
+    base: jax.Array
+    parts: jax.Array
+
+    def value(self) -> jax.Array:
+        return fused_linear.add_parts(self.base, self.parts)
+
+
+def summed(x) -> jax.Array:
+    """x itself, or a `PendingResidual`'s value."""
+    return x.value() if isinstance(x, PendingResidual) else x
 
 
 def residual_mlp(x: jax.Array, norm: RMSNorm, mlp: MLP, decode_kernels: str = "xla") -> jax.Array:

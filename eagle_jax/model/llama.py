@@ -56,14 +56,16 @@ class Llama(nnx.Module):
         captured = {}
         for index, layer in enumerate(self.layers):
             if index in capture_layers:
-                captured[index] = x
+                captured[index] = layers.summed(x)
+            # pending: on the fused kernels a layer hands its down_proj's partial sums to the next
+            # layer's first kernel to add (`layers.PendingResidual`).
             x, keys[index], values[index] = layer(x, positions, keys[index], values[index], implementation, mask,
-                                                  attend_length, kernels)
+                                                  attend_length, kernels, pending=True)
         if cache is not None:
             cache = cache.replace(keys=tuple(keys), values=tuple(values))
         # In the requested order, repeats allowed (tiny targets give EAGLE-3 defaults like (2, 2, 1)).
         features = jnp.concatenate([captured[i] for i in capture_layers], axis=-1) if capture_layers else None
-        return self.norm(x), cache, features
+        return self.norm(layers.summed(x)), cache, features
 
     def output_embedding(self) -> jax.Array:
         """[V, D]: row t scores token t (the lm_head, or the input embedding when tied)."""

@@ -61,6 +61,33 @@ def test_pallas_matches_xla(shape, rows, dtype, tolerance):
         assert np.abs(actual - expected).max() <= tolerance * np.abs(expected).max()
 
 
+@pytest.mark.parametrize("shape,rows,dtype,tolerance", [
+    (REAL, 1, jnp.float32, 1e-5), (REAL, 8, jnp.bfloat16, 2e-2), (RAGGED, 17, jnp.float32, 1e-5),
+], ids=["real-1", "real-8-bf16", "ragged-17"])
+def test_split_k_parts_are_summed_by_the_next_kernel(shape, rows, dtype, tolerance):
+    """down_proj as partial sums, added to the residual by the next layer's first kernel."""
+    o = operands(shape, rows, dtype)
+    close = lambda actual, expected: np.abs(np.asarray(actual, np.float32) - np.asarray(expected, np.float32)).max() \
+        <= tolerance * np.abs(np.asarray(expected, np.float32)).max()
+    parts = fused_linear.linear_parts(o["hidden"], o["down"], implementation="pallas")
+    assert parts.shape == (-(-shape["intermediate"] // fused_linear.Tiling.block_k), rows, shape["hidden"])
+    assert parts.dtype == jnp.float32 and fused_linear.linear_parts(o["hidden"], o["down"]).shape[0] == 1
+    residual = fused_linear.linear_residual(o["hidden"], o["down"], o["x"])
+    assert close(fused_linear.add_parts(o["x"], parts), residual)
+    for fused, weight in ((fused_linear.norm_linear, o["qkv"]), (fused_linear.norm_gate_up, o["gate_up"])):
+        expected = fused(residual, o["norm"], EPS, weight)
+        out, summed = fused(o["x"], o["norm"], EPS, weight, parts=parts, implementation="pallas")
+        assert summed.shape == o["x"].shape and summed.dtype == dtype and out.dtype == dtype
+        assert close(summed, residual) and close(out, expected)
+        # The same parts give the reference's result: the kernel adds them as `add_parts` does.
+        reference, reference_summed = fused(o["x"], o["norm"], EPS, weight, parts=parts)
+        assert close(out, reference) and close(summed, reference_summed)
+    with pytest.raises(ValueError, match="partial sums"):
+        fused_linear.norm_linear(o["x"], o["norm"], EPS, o["qkv"], parts=parts.astype(jnp.bfloat16))
+    with pytest.raises(ValueError, match="partial sums"):
+        fused_linear.norm_gate_up(o["x"], o["norm"], EPS, o["gate_up"], parts=parts[:, :, :-1])
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_xla_reference_is_what_the_layers_compute(dtype):
     o = operands(RAGGED, 3, dtype)
@@ -70,7 +97,8 @@ def test_xla_reference_is_what_the_layers_compute(dtype):
                                        kernel_init=lambda *_: weight, rngs=nnx.Rngs(0))
     gate, up = jnp.split(linear(o["gate_up"])(norm(o["x"])), 2, axis=-1)
     expected = [linear(o["qkv"])(norm(o["x"])), jax.nn.silu(gate) * up, o["x"] + linear(o["down"])(o["hidden"])]
-    for want, got in zip(expected, all_kernels(o, "xla")):
+    split_k = fused_linear.add_parts(o["x"], fused_linear.linear_parts(o["hidden"], o["down"]))
+    for want, got in zip([*expected, expected[-1]], [*all_kernels(o, "xla"), split_k]):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
@@ -78,9 +106,17 @@ def test_xla_reference_is_what_the_layers_compute(dtype):
 def test_pallas_kernels_lower_for_cuda(dtype, rows):
     """Triton's rules (power-of-two tensors, dot operands >= 16) are checked while lowering."""
     o = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), operands(REAL, rows, dtype))
-    lowered = export.export(jax.jit(lambda o: all_kernels(o, "pallas", interpret=False)), platforms=["cuda"],
+
+    def split_k(o):  # down_proj's parts, summed by the next norm_linear and norm_gate_up
+        kw = dict(implementation="pallas", interpret=False)
+        parts = fused_linear.linear_parts(o["hidden"], o["down"], **kw)
+        return [fused(o["x"], o["norm"], EPS, weight, parts=parts, **kw)
+                for fused, weight in ((fused_linear.norm_linear, o["qkv"]), (fused_linear.norm_gate_up, o["gate_up"]))]
+
+    lowered = export.export(jax.jit(lambda o: (all_kernels(o, "pallas", interpret=False), split_k(o))),
+                            platforms=["cuda"],
                             disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(o)
-    assert lowered.mlir_module().count("__gpu$xla.gpu.triton") == 3
+    assert lowered.mlir_module().count("__gpu$xla.gpu.triton") == 6
 
 
 def test_tiling_needs_powers_of_two_of_at_least_16():
@@ -140,7 +176,8 @@ def test_decode_step_runs_the_kernels(random_target):
         call = lambda: target(tokens, positions, cache, kernels=kernels)
         return lambda: call()[0], jax.make_jaxpr(call)()
 
-    # norm + qkv, attention (up to 8 rows split over the cache: two calls), o_proj, norm + gate_up, down_proj
+    # norm + qkv, attention (up to 8 rows split over the cache: two calls), o_proj's parts, norm + gate_up,
+    # down_proj's parts (summed in XLA after the last layer)
     assert kernel_calls.pallas_calls(forward(fused, 1, 4)[1]) == 6
     assert kernel_calls.pallas_calls(forward(fused, 8, 4)[1]) == 6
     assert kernel_calls.pallas_calls(forward(fused, 9, 1)[1]) == 5
