@@ -98,11 +98,13 @@ hf=${EAGLE_JAX_MODEL_DIR:-$(python3 -c "from eagle_jax.io import default_model; 
 # paths over this tree), on this machine: the engine's batch-1 step of the real model (the
 # server's k and 2048-slot cache), base and this tree alternated; the torch peer. The Pallas
 # kernels are checked against XLA's after the 16-slot servers.
-kbase=""
-if [ -d /root/stage/kernel_base ]; then
-  kbase=/root/stage/kbase && rm -rf $kbase && mkdir -p $kbase && cp -r $W/eagle_jax $kbase/ \
-    && cp -r /root/stage/kernel_base/. $kbase/
-fi
+overlay() {  # overlay NAME: this tree's eagle_jax with /root/stage/NAME's files over it, in /root/stage/NAME.tree
+  local dir=/root/stage/$1.tree
+  rm -rf $dir && mkdir -p $dir && cp -r $W/eagle_jax $dir/ && cp -r /root/stage/$1/. $dir/ && echo $dir
+}
+kbase=""; kvariant=""  # kernel_variant, if carried: a second change to measure beside this tree's
+[ -d /root/stage/kernel_base ] && kbase=$(overlay kernel_base)
+[ -d /root/stage/kernel_variant ] && kvariant=$(overlay kernel_variant)
 step() {  # label code [profile_step flags...]
   local label=$1 code=$2; shift 2
   echo "== step, batch 1, $label: $* ($(date -u +%T))"
@@ -112,6 +114,7 @@ step() {  # label code [profile_step flags...]
 }
 step "this tree" $W --method none
 [ -n "$kbase" ] && step "kernel base" $kbase --method none
+[ -n "$kvariant" ] && step "kernel variant" $kvariant --method none
 step "this tree" $W --method eagle3 --k 4
 echo "== torch peer ($(date -u +%T))"
 timeout 300 python3 /root/stage/torch_step_peer.py --model $hf --batch 1 --k 4 --max-len 2048 --out $R/torch_peer.jsonl \
@@ -132,6 +135,7 @@ off "EOS ignored" 16 --method eagle3,none --num_spec_tokens 4 --ignore_eos
 [ -n "$kbase" ] && step "kernel base" $kbase --method eagle3 --k 4
 step "this tree" $W --method none
 [ -n "$kbase" ] && step "kernel base" $kbase --method none
+[ -n "$kvariant" ] && step "kernel variant" $kvariant --method none
 if [ -d /root/stage/base_overlay ]; then
   rm -rf /root/stage/base && mkdir -p /root/stage/base && cp -r $W/eagle_jax /root/stage/base/ \
     && cp -r /root/stage/base_overlay/. /root/stage/base/ && CODE=/root/stage/base serve eagle3-16-base 16 1,64 32 --method eagle3
