@@ -239,7 +239,7 @@ def _call(kernel, name: str, x: jax.Array, operands: tuple, width: int, interpre
                        summed=parts is not None, params=tuple(sorted(params.items())))
     if parts is None:
         return out.reshape(*x.shape[:-1], width)
-    out, summed = out
+    out, summed, _ = out  # the third: the programs' own copies of their input
     return out.reshape(*x.shape[:-1], width), summed.reshape(x.shape)
 
 
@@ -251,19 +251,23 @@ def _call(kernel, name: str, x: jax.Array, operands: tuple, width: int, interpre
 def _pallas_call(rows: jax.Array, *operands: jax.Array, kernel, name: str, width: int, interpret: bool,
                  tiling: Tiling, summed: bool, params: tuple):
     out_shape = jax.ShapeDtypeStruct((rows.shape[0], width), rows.dtype)
-    if summed:  # operands start with the parts; the input's sum is a second output
-        out_shape = (out_shape, jax.ShapeDtypeStruct(rows.shape, rows.dtype))
+    grid = (pl.cdiv(rows.shape[0], tiling.block_m), pl.cdiv(width, tiling.block_n))
+    if summed:  # operands start with the parts; outputs: the input's sum, and a copy of it a column block
+        out_shape = (out_shape, jax.ShapeDtypeStruct(rows.shape, rows.dtype),
+                     jax.ShapeDtypeStruct((grid[1], *rows.shape), rows.dtype))
 
     def body(x_ref, *refs):
         if not summed:
             return kernel(x_ref, *refs, tiling=tiling, **dict(params))
-        parts_ref, *refs, summed_ref = refs
-        return kernel(x_ref, *refs, tiling=tiling, parts_ref=parts_ref, summed_ref=summed_ref, **dict(params))
+        parts_ref, *refs, summed_ref, copies_ref = refs
+        # (interpret mode runs a program's threads as one: no barrier, which it could not lower)
+        return kernel(x_ref, *refs, tiling=tiling, sums=(parts_ref, summed_ref, copies_ref, not interpret),
+                      **dict(params))
 
     return pl.pallas_call(
         body,
         out_shape=out_shape,
-        grid=(pl.cdiv(rows.shape[0], tiling.block_m), pl.cdiv(width, tiling.block_n)),
+        grid=grid,
         compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
         interpret=interpret,
         name=name,
@@ -331,40 +335,55 @@ def _origin(tiling: Tiling) -> tuple[jax.Array, jax.Array]:
     return pl.program_id(0) * tiling.block_m, pl.program_id(1) * tiling.block_n
 
 
-def _input(x_ref, parts_ref, row: jax.Array, k: jax.Array, tiling: Tiling) -> jax.Array:
-    """[block_m, block_k] of the kernel's input from feature k on, in x's dtype: x, or x plus
-    the rounded sum of its parts (`add_parts`)."""
+def _summed_input(x_ref, parts_ref, row: jax.Array, k: jax.Array, tiling: Tiling) -> jax.Array:
+    """[block_m, block_k] of x plus the rounded sum of its parts (`add_parts`) from feature k on, in x's dtype."""
     x = _tile(x_ref, (row, k), (tiling.block_m, tiling.block_k))
-    if parts_ref is None:
-        return x
     total = sum(_tile(parts_ref, (row, k), (tiling.block_m, tiling.block_k), part=jnp.int32(part))
                 for part in range(parts_ref.shape[0]))
     dtype = x_ref.dtype
     return (x.astype(jnp.float32) + total.astype(dtype).astype(jnp.float32)).astype(dtype)
 
 
-def _inverse_rms(x_ref, parts_ref, summed_ref, row: jax.Array, eps: float, tiling: Tiling) -> jax.Array:
-    """[block_m, 1] float32 1 / rms of the program's rows of the input [M, K]; with parts, the
-    programs of the first column block store the input's sum in summed_ref."""
+def _inverse_rms(x_ref, row: jax.Array, eps: float, tiling: Tiling, sums=None):
+    """[block_m, 1] float32 1 / rms of the program's rows of the input [M, K], and where the
+    weights' loop reads the input from (a function of k: the program's [block_m, block_k] from
+    feature k on): x_ref, or with sums = (parts, summed, copies) refs the
+    program's own copy of x + its parts (barrier: whether the program's threads need one between
+    storing that copy and reading it).
+
+    With parts, the sum is made here, once, and stored twice: by the first column block's
+    programs as the summed output, and by every program into its own copy, which its weights'
+    loop then reads as it would read x. Summing in that loop instead had Triton's software
+    pipelining stage every part's chunk in shared memory (254 KB asked of an H100's 227 KB).
+    """
     size = x_ref.shape[1]
+    parts_ref, summed_ref, copies_ref, barrier = sums or (None, None, None, False)
     # Unrolled (K is static and a few chunks long): the chunks' loads are issued together, one
     # memory round trip before the weights' loop starts instead of one a chunk.
     total = jnp.zeros((tiling.block_m, 1), jnp.float32)
     for chunk in range(pl.cdiv(size, tiling.block_k)):  # a traced start: the last chunk's edge is masked
         k = jnp.int32(chunk * tiling.block_k)
-        x = _input(x_ref, parts_ref, row, k, tiling)
-        if summed_ref is not None:
+        if parts_ref is None:
+            x = _tile(x_ref, (row, k), (tiling.block_m, tiling.block_k))
+        else:
+            x = _summed_input(x_ref, parts_ref, row, k, tiling)
             _store(summed_ref, (row, k), x, when=pl.program_id(1) == 0)
+            _store(copies_ref, (row, k), x, part=pl.program_id(1))
         x = x.astype(jnp.float32)
         total = total + jnp.sum(x * x, axis=1, keepdims=True)
-    return lax.rsqrt(total / size + eps)
+    shape = (tiling.block_m, tiling.block_k)
+    if parts_ref is None:
+        return lax.rsqrt(total / size + eps), lambda k: _tile(x_ref, (row, k), shape)
+    if barrier:  # the program's stores to its copy, by all its threads, before any reads them
+        plgpu.debug_barrier()
+    program = pl.program_id(1)  # read here: the loop's body is its own function
+    return lax.rsqrt(total / size + eps), lambda k: _tile(copies_ref, (row, k), shape, part=program)
 
 
-def _normed(x_ref, parts_ref, norm_ref, row: jax.Array, k: jax.Array, inverse_rms: jax.Array,
-            tiling: Tiling) -> jax.Array:
-    """[block_m, block_k] of rmsnorm(input) in x's dtype, from feature k on, rounded as `rms_norm` rounds."""
-    dtype = x_ref.dtype
-    x = _input(x_ref, parts_ref, row, k, tiling).astype(jnp.float32)
+def _normed(load, dtype, norm_ref, k: jax.Array, inverse_rms: jax.Array, tiling: Tiling) -> jax.Array:
+    """[block_m, block_k] of rmsnorm(x) in dtype, from feature k on (x's from `load(k)`), rounded as
+    `rms_norm` rounds."""
+    x = load(k).astype(jnp.float32)
     scale = _vector(norm_ref, k, tiling.block_k).astype(dtype).astype(jnp.float32)
     # The product of two dtype values is exact in float32, so rounding it once equals a
     # multiplication in dtype (math is done in float32: Triton lacks most bf16 arithmetic).
@@ -392,21 +411,19 @@ def _project(rows_at, w_ref, columns, tiling: Tiling) -> tuple[jax.Array, ...]:
     return lax.fori_loop(0, pl.cdiv(size, block_k), accumulate, (zeros,) * len(columns))
 
 
-def _norm_linear_kernel(x_ref, norm_ref, w_ref, out_ref, *, eps: float, tiling: Tiling, parts_ref=None,
-                        summed_ref=None):
+def _norm_linear_kernel(x_ref, norm_ref, w_ref, out_ref, *, eps: float, tiling: Tiling, sums=None):
     row, column = _origin(tiling)
-    inverse_rms = _inverse_rms(x_ref, parts_ref, summed_ref, row, eps, tiling)
-    normed = lambda k: _normed(x_ref, parts_ref, norm_ref, row, k, inverse_rms, tiling)
+    inverse_rms, load = _inverse_rms(x_ref, row, eps, tiling, sums)
+    normed = lambda k: _normed(load, x_ref.dtype, norm_ref, k, inverse_rms, tiling)
     [out] = _project(normed, w_ref, [(column, w_ref.shape[1])], tiling)
     _store(out_ref, (row, column), out.astype(out_ref.dtype))
 
 
-def _norm_gate_up_kernel(x_ref, norm_ref, w_ref, out_ref, *, eps: float, tiling: Tiling, parts_ref=None,
-                         summed_ref=None):
+def _norm_gate_up_kernel(x_ref, norm_ref, w_ref, out_ref, *, eps: float, tiling: Tiling, sums=None):
     row, column = _origin(tiling)
     width = out_ref.shape[1]  # F: gate is w[:, :F], up is w[:, F:]
-    inverse_rms = _inverse_rms(x_ref, parts_ref, summed_ref, row, eps, tiling)
-    normed = lambda k: _normed(x_ref, parts_ref, norm_ref, row, k, inverse_rms, tiling)
+    inverse_rms, load = _inverse_rms(x_ref, row, eps, tiling, sums)
+    normed = lambda k: _normed(load, x_ref.dtype, norm_ref, k, inverse_rms, tiling)
     gate, up = _project(normed, w_ref, [(column, width), (width + column, 2 * width)], tiling)
     # Rounded to dtype first, as the unfused gate_up_proj output is; the activation in float32.
     gate, up = (part.astype(out_ref.dtype).astype(jnp.float32) for part in (gate, up))
