@@ -26,7 +26,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from eagle_jax.kernels import decode_attention_pallas
-from eagle_jax.kernels import softmax_parts
 from eagle_jax.model import attention_ops
 from eagle_jax.model import rotary
 
@@ -136,7 +135,7 @@ FEW_ROWS = Tiling(block_s=256, num_warps=8, splits=4)  # `Tiling.for_rows` up to
 def attend(qkv: jax.Array, positions: jax.Array, keys: jax.Array, values: jax.Array, *, num_heads: int,
            num_kv_heads: int, head_dim: int, inv_freq: np.ndarray, attend_length: int | None = None,
            implementation: str = "xla", interpret: bool | None = None, tiling: Tiling | None = None,
-           new_visible: jax.Array | None = None, merged: bool = True):
+           new_visible: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Rotary on q and k, the new keys and values written into the cache, then causal (or tree) attention.
 
     Args:
@@ -156,10 +155,8 @@ def attend(qkv: jax.Array, positions: jax.Array, keys: jax.Array, values: jax.Ar
             None: `Tiling.for_rows(B)`.
         new_visible: [B, T, T] bool, which new tokens each one sees (a tree's ancestors, itself
             included), in place of causal order; every older slot stays visible to every token.
-        merged: False leaves a split kernel's partials unmerged, for the next kernel to merge.
     Returns:
-        (attended [B, T, N, H] in qkv's dtype, updated keys, updated values); attended is a
-        `softmax_parts.SoftmaxParts` where merged is False and the Pallas kernel splits the cache.
+        (attended [B, T, N, H] in qkv's dtype, updated keys, updated values).
     """
     batch, length, width = qkv.shape
     cache_length = keys.shape[1]
@@ -187,8 +184,6 @@ def attend(qkv: jax.Array, positions: jax.Array, keys: jax.Array, values: jax.Ar
     if tiling.splits == 1:
         return results
     outputs, keys, values, maxima, sums = results
-    if not merged:
-        return softmax_parts.SoftmaxParts(outputs, maxima, sums, qkv.dtype), keys, values
     attended = decode_attention_pallas.combine_call(outputs, maxima, sums, (batch, length), num_heads, num_kv_heads,
                                                     head_dim, qkv.dtype, interpret, tiling)
     return attended, keys, values

@@ -36,14 +36,12 @@ split kernel's grid is (B, K Q, P): program p folds chunks [p C / P, (p + 1) C /
 C = cdiv(min(start, attend_length), block_s) older chunks (contiguous, chunk-aligned, sized by
 the row's own length at run time), and only p == 0, whose range floor division makes the
 shortest, also does step 3. Each writes its float32 online-softmax state as a partial,
-unnormalised (a range with no chunks leaves the neutral state: max MASK_VALUE, sum 0), at its
-query heads' places in attended's layout (`softmax_parts.SoftmaxParts`):
+unnormalised (a range with no chunks leaves the neutral state: max MASK_VALUE, sum 0):
 
-  outputs [P, B, T, N, H], maxima and sums [P, B, T, N]
+  outputs [B, K Q, P, M', H'], maxima and sums [B, K Q, P, M'] (M', H': M and H padded)
 
-and either a second kernel, grid (B, K Q), merges the P partials of its (row, kv head, token
-block) by log-sum-exp into attended, or the caller's next kernel merges them as it loads them
-(o_proj's, `fused_linear.linear_parts`). The no-overlap rule above holds across parts and token blocks too:
+and a second kernel, grid (B, K Q), merges the P partials of its (row, kv head, token block) by
+log-sum-exp into attended. The no-overlap rule above holds across parts and token blocks too:
 all of them read below start, and only p == 0 of token block 0 writes, at start and past it.
 """
 
@@ -166,8 +164,9 @@ def _attention_call(positions, frequencies, heads, keys, values, *tree, num_head
         out_shape = (jax.ShapeDtypeStruct((batch, length, num_heads, head_dim), heads.dtype), *caches)
     else:
         grid = (batch, num_kv_heads * blocks, tiling.splits)
-        statistics = jax.ShapeDtypeStruct((tiling.splits, batch, length, num_heads), jnp.float32)  # [P, B, T, N]
-        out_shape = (jax.ShapeDtypeStruct((*statistics.shape, head_dim), jnp.float32), *caches, statistics, statistics)
+        statistics = (*grid, _block(per_block * num_heads // num_kv_heads))  # [B, K Q, P, M']
+        out_shape = (jax.ShapeDtypeStruct((*statistics, _block(head_dim)), jnp.float32), *caches,
+                     jax.ShapeDtypeStruct(statistics, jnp.float32), jax.ShapeDtypeStruct(statistics, jnp.float32))
     return pl.pallas_call(
         functools.partial(_kernel, num_heads=num_heads, read=read, tiling=tiling, per_block=per_block,
                           blocks=blocks, tree=bool(tree)),
@@ -191,7 +190,7 @@ def combine_call(outputs, maxima, sums, batch_length: tuple, num_heads: int, num
     return pl.pallas_call(
         functools.partial(_combine_kernel, group=group, per_block=per_block, blocks=blocks),
         out_shape=jax.ShapeDtypeStruct((*batch_length, num_heads, head_dim), dtype),
-        grid=(batch_length[0], num_kv_heads * blocks),
+        grid=outputs.shape[:2],
         compiler_params=plgpu.CompilerParams(),  # Triton's defaults: without them a GPU gets Mosaic GPU
         interpret=interpret,
         name="decode_attention_combine",
@@ -268,29 +267,26 @@ def _kernel(positions_ref, frequencies_ref, heads_ref, keys_ref, values_ref, *re
     state = lax.fori_loop(first, last, chunk, state)
     maximum, total, out = lax.cond(part == 0, new_tokens, lambda state: state, state)
     maxima_ref, sums_ref = statistics_refs
-    place = (part, row, tokens, query_heads)
-    plgpu.store(maxima_ref.at[place], maximum, mask=real)
-    plgpu.store(sums_ref.at[place], total, mask=real)
-    plgpu.store(out_ref.at[part, row, tokens[:, None], query_heads[:, None], columns[None, :]], out,
-                mask=real[:, None] & in_head)
+    program = pl.program_id(1)  # kv head x token blocks
+    plgpu.store(maxima_ref.at[row, program, part, rows], maximum)
+    plgpu.store(sums_ref.at[row, program, part, rows], total)
+    plgpu.store(out_ref.at[row, program, part, rows[:, None], columns[None, :]], out)
 
 
 def _combine_kernel(outputs_ref, maxima_ref, sums_ref, out_ref, *, group: int, per_block: int, blocks: int):
-    """One (row, kv head, token block): its P partials (outputs [P, B, T, N, H], maxima and sums
-    [P, B, T, N]) merged into out_ref [B, T, N, H]."""
+    """One (row, kv head, token block): its P partials (outputs [B, K Q, P, M', H'], maxima and
+    sums [B, K Q, P, M']) merged into out_ref [B, T, N, H]."""
     row, program = pl.program_id(0), pl.program_id(1)
-    splits, head_dim = outputs_ref.shape[0], outputs_ref.shape[-1]
-    _, tokens, query_heads, real = _query_rows(out_ref.shape[1], group, program // blocks, per_block, program % blocks)
-    columns = jnp.arange(_block(head_dim))
-    mask = real[:, None] & (columns < head_dim)[None, :]
+    splits, block_rows, block_columns = outputs_ref.shape[2:]
+    rows, columns = jnp.arange(block_rows), jnp.arange(block_columns)
 
     def partial(part: int) -> tuple:
         part = jnp.int32(part)
-        place = (part, row, tokens, query_heads)
-        return (_load(maxima_ref, place, real), _load(sums_ref, place, real),
-                _load(outputs_ref, (part, row, tokens[:, None], query_heads[:, None], columns[None, :]), mask))
+        return (plgpu.load(maxima_ref.at[row, program, part, rows]), plgpu.load(sums_ref.at[row, program, part, rows]),
+                plgpu.load(outputs_ref.at[row, program, part, rows[:, None], columns[None, :]]))
 
     state = partial(0)
     for part in range(1, splits):  # P is small and static: unrolled
         state = _merge(state, partial(part))
+    _, tokens, query_heads, real = _query_rows(out_ref.shape[1], group, program // blocks, per_block, program % blocks)
     _store_attended(out_ref, row, tokens, query_heads, real, state)

@@ -25,7 +25,6 @@ from eagle_jax.model import config as config_lib
 from eagle_jax.model import rotary
 from eagle_jax.kernels import decode_attention
 from eagle_jax.kernels import fused_linear
-from eagle_jax.kernels import softmax_parts
 
 # Settings of `Kernels.decode_kernels`: XLA alone; every fused Pallas kernel; or the fused linear
 # kernels around XLA's attention (in a whole step the attention kernel cost 24-27 us a layer on a
@@ -259,9 +258,9 @@ class DecoderLayer(nnx.Module):
     def _fused_decode(self, x, positions, keys, values, mask: SlotMask | None, attend_length: int | None,
                       kernels: Kernels):
         """The cached call with the fused linear kernels: norm + qkv_proj (summing the previous
-        layer's pending residual), attention, o_proj's partial sums, norm + gate_up_proj + silu
-        (summing them into the residual stream), down_proj's partial sums, returned pending.
-        Five kernels with the attention kernel."""
+        layer's pending residual), attention, o_proj + residual, norm + gate_up_proj + silu,
+        down_proj's partial sums, returned pending. Five kernels with the attention kernel (and
+        its split's combine)."""
         attention, mlp = self.self_attn, self.mlp
         implementation = fused_kernels(kernels.decode_kernels)
         norm, weight = self.input_layernorm, attention.qkv_proj.kernel[...]
@@ -270,27 +269,24 @@ class DecoderLayer(nnx.Module):
                                               implementation=implementation)
         else:
             qkv = fused_linear.norm_linear(x, norm.weight[...], norm.eps, weight, implementation=implementation)
-        # Left unmerged where the attention kernel splits the cache: o_proj's kernel merges it.
-        attended, keys, values = self._attend(qkv, positions, keys, values, mask, attend_length, kernels, merged=False)
-        if not isinstance(attended, softmax_parts.SoftmaxParts):
-            attended = attended.reshape(*x.shape[:2], -1)
-        o_parts = fused_linear.linear_parts(attended, attention.o_proj.kernel[...], implementation=implementation)
+        attended, keys, values = self._attend(qkv, positions, keys, values, mask, attend_length, kernels)
+        x = fused_linear.linear_residual(attended.reshape(*x.shape[:2], -1), attention.o_proj.kernel[...], x,
+                                         implementation=implementation)
         norm = self.post_attention_layernorm
-        hidden, x = fused_linear.norm_gate_up(x, norm.weight[...], norm.eps, mlp.gate_up_proj.kernel[...],
-                                              parts=o_parts, implementation=implementation)
+        hidden = fused_linear.norm_gate_up(x, norm.weight[...], norm.eps, mlp.gate_up_proj.kernel[...],
+                                           implementation=implementation)
         down_parts = fused_linear.linear_parts(hidden, mlp.down_proj.kernel[...], implementation=implementation)
         return PendingResidual(x, down_parts), keys, values
 
     def _attend(self, qkv, positions, keys, values, mask: SlotMask | None, attend_length: int | None,
-                kernels: Kernels, merged: bool = True):
+                kernels: Kernels):
         """Attention from the fused [q | k | v] projection: the Pallas kernel where
         `uses_attention_kernel` says so (a tree's verify too when its SlotMask carries `among_new`:
         the kernel then reads which new tokens a query sees from it); other masks, and every call
         under "pallas_linear", attend in XLA."""
         attention = self.self_attn
         if uses_attention_kernel(kernels.decode_kernels, qkv, mask, attention):
-            return kernel_attend(attention, qkv, positions, keys, values, mask, attend_length, kernels.attention_tiling,
-                                 merged)
+            return kernel_attend(attention, qkv, positions, keys, values, mask, attend_length, kernels.attention_tiling)
         q, k, v = attention.split_heads(qkv, positions)
         return attention.attend(q, k, v, positions, keys, values, mask, attend_length)
 
@@ -349,14 +345,12 @@ def uses_attention_kernel(decode_kernels: str, x: jax.Array, mask: SlotMask | No
 
 
 def kernel_attend(attention: Attention, qkv: jax.Array, positions: jax.Array, keys: jax.Array, values: jax.Array,
-                  mask: SlotMask | None, attend_length: int | None, tiling: decode_attention.Tiling | None,
-                  merged: bool = True):
+                  mask: SlotMask | None, attend_length: int | None, tiling: decode_attention.Tiling | None):
     """`attention`'s cached attention from qkv_proj's output in the Pallas kernel (where
-    `uses_attention_kernel`): (attended [B, T, N, H], keys, values), before o_proj; with merged
-    False, attended may be split-softmax partials (`decode_attention.attend`)."""
+    `uses_attention_kernel`): (attended [B, T, N, H], keys, values), before o_proj."""
     return decode_attention.attend(
         qkv, positions, keys, values, num_heads=attention.num_heads, num_kv_heads=attention.num_kv_heads,
         head_dim=attention.head_dim, inv_freq=rotary.rope_inverse_frequencies(*attention.rope),
         attend_length=attend_length, implementation="pallas", tiling=tiling,
-        new_visible=None if mask is None else mask.among_new, merged=merged)
+        new_visible=None if mask is None else mask.among_new)
 

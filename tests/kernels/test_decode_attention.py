@@ -2,8 +2,8 @@
 against the XLA reference, and in the model.
 
 On CPU the kernel runs in Pallas interpret mode; lowering it for CUDA checks, without a GPU, that
-the decoder layer's program holds five Triton calls (the cache split over programs or not: o_proj's
-kernel merges the split's parts) and that the attention call updates the caches in place.
+the decoder layer's program holds five Triton calls (six with the cache split over programs) and
+that the attention call updates the caches in place.
 """
 
 import functools
@@ -27,8 +27,6 @@ from eagle_jax.serve import device_calls
 from eagle_jax.decode import tree as tree_lib
 from eagle_jax.kernels import decode_attention
 from eagle_jax.kernels import decode_attention_pallas
-from eagle_jax.kernels import fused_linear
-from eagle_jax.kernels import softmax_parts
 from tests.kernels import kernel_calls
 
 # SmolLM2-135M's attention: 9 query heads, 3 kv heads (groups of 3), head dim 64.
@@ -137,37 +135,9 @@ def test_a_split_wider_than_the_chunks_leaves_neutral_partials():
         chunks = -(-start // tiling.block_s)
         empty = [p for p in range(1, splits) if p * chunks // splits == (p + 1) * chunks // splits]
         assert len(empty) == splits - 1 - chunks  # and part 0's range: fewer chunks than parts leave it none
-        # [P, B, T, N]: every real (token, query head) of the empty parts
-        assert np.all(np.asarray(maxima)[empty, row] == attention_ops.MASK_VALUE)
-        assert not np.any(np.asarray(sums)[empty, row]) and not np.any(np.asarray(outputs)[empty, row])
+        assert np.all(np.asarray(maxima)[row, :, empty] == attention_ops.MASK_VALUE)
+        assert not np.any(np.asarray(sums)[row, :, empty]) and not np.any(np.asarray(outputs)[row, :, empty])
     assert np.isfinite(np.asarray(outputs)).all() and np.isfinite(np.asarray(sums)).all()
-
-
-@pytest.mark.parametrize("heads,batch,length,starts,dtype,tolerance", [
-    (REAL, 1, 5, [300], jnp.float32, 1e-5), (REAL, 2, 7, [37, 2], jnp.bfloat16, 2e-2),
-    (NARROW, 2, 16, [37, 2], jnp.float32, 1e-5)], ids=["real-1", "real-2-bf16", "narrow"])
-def test_o_proj_merges_the_split_attention_it_reads(heads, batch, length, starts, dtype, tolerance):
-    """Left unmerged (`merged=False`), the split kernel's partials are what `SoftmaxParts.merged`
-    and the combine kernel turn into attended, and o_proj's split-K kernel, merging them as it
-    loads them, gives attended @ W (NARROW: 32 features in a 256-wide chunk, the rest padding)."""
-    inputs = operands(heads, batch, length, 128 if heads is NARROW else 512, starts, dtype)
-    tiling = decode_attention.Tiling(block_s=16, splits=3)
-    kw = dict(heads, inv_freq=INV_FREQ[heads["head_dim"]], implementation="pallas", tiling=tiling)
-    parts, keys, values = jax.jit(lambda *i: decode_attention.attend(*i, **kw, merged=False))(*inputs)
-    attended, want_keys, want_values = run("pallas", heads, inputs, tiling=tiling)
-    assert isinstance(parts, softmax_parts.SoftmaxParts) and parts.shape == attended.shape
-    assert parts.outputs.shape[0] == 3 and parts.dtype == dtype
-    np.testing.assert_array_equal(np.asarray(keys, np.float32), np.asarray(want_keys, np.float32))
-    scale = lambda a: float(np.abs(np.asarray(a, np.float32)).max())
-    close = lambda got, want: np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32)).max() \
-        <= tolerance * scale(want)
-    assert close(parts.merged(), attended)
-    width = heads["num_heads"] * heads["head_dim"]
-    weight = jnp.asarray(np.random.default_rng(1).standard_normal((width, 40)) / np.sqrt(width), dtype)
-    want = fused_linear.linear_parts(attended.reshape(batch, length, width), weight).sum(0)
-    for implementation in ("pallas", "xla"):
-        got = fused_linear.linear_parts(parts, weight, implementation=implementation)
-        assert got.shape[1:] == (batch, length, 40) and close(got.sum(0), want)
 
 
 @pytest.mark.parametrize("length,group,query_rows,want", [
@@ -254,15 +224,15 @@ def test_rejects_what_it_does_not_take():
 
 
 @pytest.mark.parametrize("setting,tiling,triton_calls", [
-    ("pallas", decode_attention.Tiling(splits=1), 5), ("pallas", decode_attention.Tiling(splits=4), 5),
-    ("pallas", None, 5), ("pallas_linear", None, 4)], ids=["unsplit", "split", "own-choice", "linear"])
+    ("pallas", decode_attention.Tiling(splits=1), 5), ("pallas", decode_attention.Tiling(splits=4), 6),
+    ("pallas", None, 6), ("pallas_linear", None, 4)], ids=["unsplit", "split", "own-choice", "linear"])
 def test_decoder_layer_lowers_to_five_triton_calls_writing_the_cache_in_place(monkeypatch, setting, tiling,
                                                                               triton_calls):
     """A pallas decode call of one SmolLM2-shaped layer, lowered for CUDA: four fused linears and
     the attention kernel, whose keys and values outputs alias its cache operands, so that XLA
-    need not copy a donated cache; split over the cache (as up to 8 rows without a tiling given,
-    `Tiling.for_rows`), o_proj's kernel merges the attention's partials: no combine kernel.
-    "pallas_linear" lowers the four linears alone (XLA attends between them)."""
+    need not copy a donated cache; split over the cache, the attention adds its combine kernel,
+    as it does up to 8 rows without a tiling given (`Tiling.for_rows`). "pallas_linear" lowers the
+    four linears alone (XLA attends between them)."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the kernels' interpret=None: compile them
     cfg = config_lib.LlamaConfig(vocab_size=8, hidden_size=576, intermediate_size=1536, num_layers=1, num_heads=9,
                                  num_kv_heads=3, head_dim=64, rope_theta=100000.0)
@@ -364,15 +334,14 @@ def test_a_tree_verify_lowers_for_cuda_in_token_blocks(monkeypatch):
 @pytest.mark.parametrize("nodes", [4, 17])
 def test_a_tree_verify_takes_the_attention_kernel_given_its_ancestors(random_target, nodes):
     """A tree's SlotMask with `among_new` runs the attention kernel between the four linears (at
-    one row split over the cache, o_proj's kernel merging its parts), up to a tree of 16 drafted
-    nodes and its root (17 rows: one block of 32); a mask without it (any other layout of slots)
-    keeps XLA's attention."""
+    one row, split over the cache: two calls), up to a tree of 16 drafted nodes and its root (17
+    rows: one block of 32); a mask without it (any other layout of slots) keeps XLA's attention."""
     target = random_target(num_layers=1)
     cache = target.init_cache(1, 32)
     depths, ancestors = (jnp.asarray(a) for a in random_trees(1, nodes, seed=nodes))
     start = jnp.array([4], jnp.int32)
     visible = attention_ops.visible_slots(start, ancestors, 32)
-    for mask, kernels in ((layers.SlotMask(start, visible, among_new=ancestors), 5),
+    for mask, kernels in ((layers.SlotMask(start, visible, among_new=ancestors), 6),
                           (layers.SlotMask(start, visible), 4)):
         jaxpr = jax.make_jaxpr(lambda tokens: target(tokens, start[:, None] + depths, cache, mask=mask,
                                                         kernels=layers.Kernels("pallas")))(
