@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a GPU machine staged by stage_local.sh: a kernel change against the code before it (the
-# engine's batch-1 step), the torch peer and MT-Bench at batch 1; then the server under load (EAGLE-3 against plain, 16
+# engine's batch-1 step) and the torch peer; then the server under load, MT-Bench at batch 1 (EAGLE-3 against plain, 16
 # and 64 slots; EAGLE-3 with --greedy-only), the offline continuous figure with the same slots (EOS
 # ignored, as the server's requests do): the queue behind the GPU table of docs/serving.md. Carried as
 # .stage/queue.sh with the serve extra's wheels (fastapi, starlette, pydantic, pydantic-core,
@@ -119,14 +119,14 @@ step "this tree" $W --method eagle3 --k 4
 echo "== torch peer ($(date -u +%T))"
 timeout 300 python3 /root/stage/torch_step_peer.py --model $hf --batch 1 --k 4 --max-len 2048 --out $R/torch_peer.jsonl \
   2>&1 | grep -v -i warn | tail -6
+# The server's requests ignore EOS (256 tokens each), so the like-for-like offline figure does too.
+# Ordered by what the goals need first: EAGLE-3 at 16 slots (four of its requests traced), MT-Bench
+# at batch 1, plain at 16 slots; the kernel check; the offline figure for the same slots; the kernel A/B's second pass;
+# the base variant (if base_overlay is carried); --greedy-only; then 64 slots.
+serve eagle3-16 16 1,4,16,64 32 --method eagle3 --profile-dir /root/stage/server_trace
 echo "== MT-Bench at batch 1, plain and EAGLE-3 k = 6 ($(date -u +%T))"
 timeout 300 python3 benchmarks/eagle.py --method none,eagle3 --num_spec_tokens 6 --num_prompts 80 --max_new_tokens 256 \
   --out $R/mtbench.json 2>&1 | grep -E "tok/s|tokens/s|Error" | tail -4
-# The server's requests ignore EOS (256 tokens each), so the like-for-like offline figure does too.
-# Ordered by what the goals need first: EAGLE-3 (four of its requests traced) and plain at 16
-# slots; the kernel check; the offline figure for the same slots; the kernel A/B's second pass;
-# the base variant (if base_overlay is carried); --greedy-only; then 64 slots.
-serve eagle3-16 16 1,4,16,64 32 --method eagle3 --profile-dir /root/stage/server_trace
 serve plain-16 16 1,64 32 --num-speculative-tokens 0
 echo "== kernels checked against XLA ($(date -u +%T))"
 timeout 200 python3 benchmarks/kernels_bench.py --check --rows 1,5 --tokens 1,5 --iterations 1 --trace-calls 1 \
