@@ -8,9 +8,13 @@
 #   bash tools/gpu/step_levers.sh repeat   plain, k = 6 and k = 6 written out, twice each, in alternation
 #   bash tools/gpu/step_levers.sh cache    plain and k = 6 on caches of one length (1024; plain at 512 too, as the
 #                                          peer's), Pallas and XLA kernels
+#   bash tools/gpu/step_levers.sh peer     the peer alone (PEER_MAX_LEN: its cache, default 512)
+#   bash tools/gpu/step_levers.sh ab       a kernel change: plain (twice, alternated) and k = 6 steps of this tree
+#                                          and of it with .stage/kernel_base's files over it (an earlier commit's,
+#                                          at their paths), on a 2048-slot cache
 # Rows go to $OUT/profile.json and $OUT/torch_peer.jsonl; the console to $OUT/console_<phase>.txt.
 set -uo pipefail
-phase=${1:?base, pdl, repeat or cache}
+phase=${1:?base, pdl, repeat, cache, peer or ab}
 out=${OUT:?}; export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 EAGLE_JAX_CACHE_DIR=/tmp/eagle_jax_cache
 exec > >(tee -a "$out/console_$phase.txt") 2>&1
 config=.stage/smollm2_config.json
@@ -24,16 +28,9 @@ prof() {  # label, then profile_step flags
   timeout 200 python3 benchmarks/profile_step.py --parts step_trace --decode-kernels pallas --random-target "$config" \
     --trace-steps 64 --out "$out/profile.json" --label "$label" "$@" 2>&1 | grep -E "\] step_trace|Error|error" | tail -3
 }
-case $phase in
-  base)
-    echo "== plain and EAGLE-3 k = 6, default flags (PTX dumped for the plain step)"
-    rm -rf /tmp/dump_default
-    XLA_FLAGS=--xla_dump_to=/tmp/dump_default prof "plain, default flags" --method none
-    echo "ptx files: $(ls /tmp/dump_default/*.ptx 2>/dev/null | wc -l), with griddepcontrol: $(grep -l griddepcontrol /tmp/dump_default/*.ptx 2>/dev/null | wc -l)"
-    prof "eagle3 k=6, default flags" --method eagle3 --k 6
-    prof "eagle3 k=6, draft loop written out" --method eagle3 --k 6 --unroll-draft
-    echo "== torch peer on random weights of the same shapes (torch.compile reduce-overhead + CUDA graphs)"
-    python3 - <<'EOF'
+peer() {  # the torch peer on random weights of the same shapes, on this GPU
+  echo "== torch peer on random weights of the same shapes (torch.compile reduce-overhead + CUDA graphs)"
+  python3 - <<'EOF'
 import json, torch, transformers
 config = transformers.LlamaConfig(**{k: v for k, v in json.load(open(".stage/smollm2_config.json")).items()
                                      if k not in ("architectures", "torch_dtype")})
@@ -42,8 +39,19 @@ model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
 model.save_pretrained("/tmp/peer_model", safe_serialization=True)
 print("random peer model saved")
 EOF
-    timeout 300 python3 .stage/torch_step_peer.py --model /tmp/peer_model --batch 1 --k 6 --max-len 512 \
-      --out "$out/torch_peer.jsonl" 2>&1 | grep -v -i warn | tail -8 ;;
+  timeout 300 python3 .stage/torch_step_peer.py --model /tmp/peer_model --batch 1 --k 6 --max-len ${PEER_MAX_LEN:-512} \
+      --out "$out/torch_peer.jsonl" 2>&1 | grep -v -i warn | tail -8
+}
+case $phase in
+  base)
+    echo "== plain and EAGLE-3 k = 6, default flags (PTX dumped for the plain step)"
+    rm -rf /tmp/dump_default
+    XLA_FLAGS=--xla_dump_to=/tmp/dump_default prof "plain, default flags" --method none
+    echo "ptx files: $(ls /tmp/dump_default/*.ptx 2>/dev/null | wc -l), with griddepcontrol: $(grep -l griddepcontrol /tmp/dump_default/*.ptx 2>/dev/null | wc -l)"
+    prof "eagle3 k=6, default flags" --method eagle3 --k 6
+    prof "eagle3 k=6, draft loop written out" --method eagle3 --k 6 --unroll-draft
+    peer ;;
+  peer) peer ;;
   pdl)
     echo "== XLA's programmatic dependent launch"
     rm -rf /tmp/dump_pdl
@@ -65,5 +73,14 @@ EOF
     prof "eagle3 k=6, cache 1024" --method eagle3 --k 6 --cache-length 1024
     prof "plain, cache 1024, XLA kernels" --method none --cache-length 1024 --decode-kernels xla
     prof "eagle3 k=6, cache 1024, XLA kernels" --method eagle3 --k 6 --cache-length 1024 --decode-kernels xla ;;
+  ab)
+    base=/tmp/kernel_base_tree
+    rm -rf $base && mkdir -p $base && cp -r eagle_jax $base/ && cp -r .stage/kernel_base/. $base/
+    for pass in 1 2; do
+      prof "plain, this tree, pass $pass" --method none --cache-length 2048
+      PYTHONPATH=/tmp/site:$base prof "plain, kernel base, pass $pass" --method none --cache-length 2048
+    done
+    prof "eagle3 k=6, this tree" --method eagle3 --k 6 --cache-length 2048
+    PYTHONPATH=/tmp/site:$base prof "eagle3 k=6, kernel base" --method eagle3 --k 6 --cache-length 2048 ;;
 esac
 echo "$phase DONE"
