@@ -331,9 +331,9 @@ def _summed_input(x_ref, parts_ref, row: jax.Array, k: jax.Array, tiling: Tiling
 def _inverse_rms(x_ref, row: jax.Array, eps: float, tiling: Tiling, sums=None):
     """[block_m, 1] float32 1 / rms of the program's rows of the input [M, K], and where the
     weights' loop reads the input from (a function of k: the program's [block_m, block_k] from
-    feature k on): x_ref, or with sums = (parts, summed, copies) refs the
-    program's own copy of x + its parts (barrier: whether the program's threads need one between
-    storing that copy and reading it).
+    feature k on): x_ref, or with sums = (parts, summed and copies refs, barrier) the program's own
+    copy of x + its parts (barrier: whether the program's threads need one between storing that
+    copy and reading it; interpret mode runs them as one).
 
     With parts, the sum is made here, once, and stored twice: by the first column block's
     programs as the summed output, and by every program into its own copy, which its weights'
