@@ -40,6 +40,13 @@ def operands(shape: dict, rows: int, dtype, seed: int = 0) -> dict:
                 down=normal(intermediate, hidden, scale=intermediate ** -0.5), hidden=normal(rows, intermediate))
 
 
+def within(actual, expected, tolerance: float) -> bool:
+    """|actual - expected| <= tolerance x the largest |expected| (bf16: one rounding step of the
+    largest output, 2^-8 relative, at most)."""
+    actual, expected = np.asarray(actual, np.float32), np.asarray(expected, np.float32)
+    return np.abs(actual - expected).max() <= tolerance * np.abs(expected).max()
+
+
 def all_kernels(o: dict, implementation: str, interpret=None) -> list[jax.Array]:
     kw = dict(implementation=implementation, interpret=interpret)
     return [fused_linear.norm_linear(o["x"], o["norm"], EPS, o["qkv"], **kw),
@@ -56,9 +63,7 @@ def test_pallas_matches_xla(shape, rows, dtype, tolerance):
     o = operands(shape, rows, dtype)
     for expected, actual in zip(all_kernels(o, "xla"), all_kernels(o, "pallas")):
         assert actual.shape == expected.shape and actual.dtype == dtype
-        expected, actual = np.asarray(expected, np.float32), np.asarray(actual, np.float32)
-        # bf16: one rounding step of the largest output (2^-8 relative) at most
-        assert np.abs(actual - expected).max() <= tolerance * np.abs(expected).max()
+        assert within(actual, expected, tolerance)
 
 
 @pytest.mark.parametrize("shape,rows,dtype,tolerance", [
@@ -67,8 +72,7 @@ def test_pallas_matches_xla(shape, rows, dtype, tolerance):
 def test_split_k_parts_are_summed_by_the_next_kernel(shape, rows, dtype, tolerance):
     """down_proj as partial sums, added to the residual by the next layer's first kernel."""
     o = operands(shape, rows, dtype)
-    close = lambda actual, expected: np.abs(np.asarray(actual, np.float32) - np.asarray(expected, np.float32)).max() \
-        <= tolerance * np.abs(np.asarray(expected, np.float32)).max()
+    close = lambda actual, expected: within(actual, expected, tolerance)
     parts = fused_linear.linear_parts(o["hidden"], o["down"], implementation="pallas")
     assert parts.shape == (-(-shape["intermediate"] // fused_linear.Tiling.block_k), rows, shape["hidden"])
     assert parts.dtype == jnp.float32 and fused_linear.linear_parts(o["hidden"], o["down"]).shape[0] == 1

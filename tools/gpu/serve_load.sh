@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # On a GPU machine staged by stage_local.sh: a kernel change against the code before it (the
-# engine's batch-1 step) and the torch peer; then the server under load, MT-Bench at batch 1 (EAGLE-3 against plain, 16
-# and 64 slots; EAGLE-3 with --greedy-only), the offline continuous figure with the same slots (EOS
-# ignored, as the server's requests do): the queue behind the GPU table of docs/serving.md. Carried as
+# engine's batch-1 step) and the torch peer; then the server under load (EAGLE-3 against plain, 16
+# and 64 slots; EAGLE-3 with --greedy-only), MT-Bench at batch 1, the offline continuous figure with
+# the same slots (EOS ignored, as the server's requests do): the queue behind the GPU table of
+# docs/serving.md. Carried as
 # .stage/queue.sh with the serve extra's wheels (fastapi, starlette, pydantic, pydantic-core,
 # annotated-types, typing-inspection, annotated-doc, opentelemetry-api, typing-extensions,
 # uvicorn) installed into /tmp/site; launch.sh runs it.
 # A server variant, set per `serve` call, tells what a change of the host loop is worth:
-#   CODE=DIR    the server's code from DIR (holding eagle_jax/). The queue builds /root/stage/base
+#   CODE=DIR    the server's code from DIR (holding eagle_jax/). The queue builds one (`overlay`)
 #               from this tree with the files of /root/stage/base_overlay over it (carried: an
 #               earlier commit's changed files, `git show COMMIT:PATH`, at their paths)
 set -u
@@ -121,8 +122,8 @@ timeout 300 python3 /root/stage/torch_step_peer.py --model $hf --batch 1 --k 4 -
   2>&1 | grep -v -i warn | tail -6
 # The server's requests ignore EOS (256 tokens each), so the like-for-like offline figure does too.
 # Ordered by what the goals need first: EAGLE-3 at 16 slots (four of its requests traced), MT-Bench
-# at batch 1, plain at 16 slots; the kernel check; the offline figure for the same slots; the kernel A/B's second pass;
-# the base variant (if base_overlay is carried); --greedy-only; then 64 slots.
+# at batch 1, plain at 16 slots; the kernel check; the offline figure for the same slots; the kernel
+# A/B's second pass; the base variant (if base_overlay is carried); --greedy-only; then 64 slots.
 serve eagle3-16 16 1,4,16,64 32 --method eagle3 --profile-dir /root/stage/server_trace
 echo "== MT-Bench at batch 1, plain and EAGLE-3 k = 6 ($(date -u +%T))"
 timeout 300 python3 benchmarks/eagle.py --method none,eagle3 --num_spec_tokens 6 --num_prompts 80 --max_new_tokens 256 \
@@ -137,8 +138,7 @@ step "this tree" $W --method none
 [ -n "$kbase" ] && step "kernel base" $kbase --method none
 [ -n "$kvariant" ] && step "kernel variant" $kvariant --method none
 if [ -d /root/stage/base_overlay ]; then
-  rm -rf /root/stage/base && mkdir -p /root/stage/base && cp -r $W/eagle_jax /root/stage/base/ \
-    && cp -r /root/stage/base_overlay/. /root/stage/base/ && CODE=/root/stage/base serve eagle3-16-base 16 1,64 32 --method eagle3
+  base=$(overlay base_overlay) && CODE=$base serve eagle3-16-base 16 1,64 32 --method eagle3
 fi
 serve eagle3-16-greedy-only 16 1 32 --method eagle3 --greedy-only
 serve eagle3-64 64 1,64 128 --method eagle3
