@@ -2,12 +2,14 @@
 
 JAX's own persistent cache is one flat directory for the whole process. vLLM found it needed a
 separate cache for the draft head; here every module (prefill, decode, speculative step, draft
-head) gets `<root>/<module>-<hash>/`, the hash covering what determines its program besides the
-program text: model configs, static options, argument shapes and dtypes, jax and jaxlib
+head) gets `<root>/<module>-<hash>/`, the hash covering what the caller says determines its
+program (model configs, static options, argument shapes, dtypes and shardings), jax and jaxlib
 versions, the backend, and the device mesh (axes, sizes, device kind and ids; the executable
-is bound to those devices). Inside, each entry is named by the hash of the lowered program, so
-a stale entry can never be loaded for a changed program. Removing one module's directory
-recompiles only that module.
+is bound to those devices). Inside, each entry is named by the hash of the code the program is
+traced from (`program_identity.code_identity`: eagle_jax's source, the model classes, versions
+and jax's settings), so a change to any of it writes a new entry. Looking an entry up needs no
+tracing or lowering: on a warm start a program is loaded without being built at all.
+Removing one module's directory recompiles only that module.
 
 Threat model: loading an entry runs it. `serialize_executable.deserialize_and_load` unpickles
 the entry and the executable inside is machine code, so whoever can write an entry that passes
@@ -37,6 +39,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import pickle
 import secrets
 import stat
 import tempfile
@@ -44,6 +47,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
+from typing import Callable
 
 import jax
 import jaxlib
@@ -52,7 +56,7 @@ from jax.experimental import serialize_executable
 from eagle_jax.io import cache_dirs
 from eagle_jax.io import staging
 
-MAGIC = b"EAGLEJAX-XLA-2\n"
+MAGIC = b"EAGLEJAX-XLA-3\n"
 ENV_VAR = "EAGLE_JAX_CACHE_DIR"
 KEY_NAME = "key"
 KEY_BYTES = 32
@@ -184,11 +188,14 @@ class CompileCache:
             (mode 0700) and checked on the first compilation, which raises CompileCacheError
             if others could write to it or read its key.
         mesh: the `jax.sharding.Mesh` the programs are partitioned over, None for one device.
+        code: `program_identity.code_identity` of the models the programs are traced from (with
+            the key each program is given, it must determine the program); None (code that
+            cannot be identified) disables persistence as root=None does.
     """
 
-    def __init__(self, root: str | Path | None, mesh: jax.sharding.Mesh | None = None):
-        self.root = Path(root).expanduser() if root is not None else None
-        self.mesh = mesh
+    def __init__(self, root: str | Path | None, mesh: jax.sharding.Mesh | None = None, *, code: str | None):
+        self.root = Path(root).expanduser() if root is not None and code is not None else None
+        self.mesh, self.code = mesh, code
         self.hits = 0
         self.misses = 0
         self._key: bytes | None = None
@@ -204,9 +211,9 @@ class CompileCache:
         identity = "|".join(parts)
         return self.root / f"{module}-{_digest(identity)[:16]}"
 
-    def entry_path(self, module: str, key: str, lowered) -> Path:
-        """Where the executable of `lowered` is stored (arguments as `compile`)."""
-        return self.module_dir(module, key) / f"{_digest(lowered.as_text())[:32]}.xla"
+    def entry_path(self, module: str, key: str) -> Path:
+        """Where the executable of the program `key` describes is stored (arguments as `load`)."""
+        return self.module_dir(module, key) / f"{_digest(self.code)[:32]}.xla"
 
     def secret_key(self) -> bytes:
         """The root's HMAC key, creating the root and the key on first use."""
@@ -217,37 +224,52 @@ class CompileCache:
                 remove_stale_temporaries(self.root)
             return self._key
 
-    def compile(self, module: str, key: str, lowered) -> tuple[object, float]:
-        """Returns (compiled executable, seconds spent compiling or loading).
+    def stored(self, module: str, key: str) -> bool:
+        """Whether an entry for this program exists (it may still fail to load)."""
+        return self.root is not None and self.entry_path(module, key).is_file()
+
+    def load(self, module: str, key: str):
+        """The saved executable of this program, None if there is none or it is unreadable
+        (then it is removed, with a warning).
 
         Args:
             module: short module name, the directory prefix (e.g. "speculative-eagle3-k5").
-            key: text describing the settings the program depends on.
-            lowered: the `jax.stages.Lowered` program.
+            key: text describing everything besides the code that the program depends on.
 
         Raises:
             CompileCacheError: the root or the module's directory is writable by others or
                 owned by another user, or the key file is not private to this user.
         """
-        began = time.perf_counter()
-        if self.root is None:
-            self._count(hit=False)
-            return lowered.compile(), time.perf_counter() - began
-        secret = self.secret_key()
-        entry = self.entry_path(module, key, lowered)
-        compiled = self._load(entry, lowered, secret, self.devices())
+        if not self.stored(module, key):
+            return None
+        compiled = self._load(self.entry_path(module, key), self.secret_key(), self.devices())
         if compiled is not None:
             self._count(hit=True)
-            return compiled, time.perf_counter() - began
+        return compiled
+
+    def compile(self, module: str, key: str, lowered):
+        """Compiles the `jax.stages.Lowered` program `key` describes and saves it (arguments as `load`)."""
         self._count(hit=False)
         compiled = lowered.compile()
+        if self.root is None:
+            return compiled
+        secret, entry = self.secret_key(), self.entry_path(module, key)
         try:
-            payload = serialize_executable.serialize(compiled)[0]
+            payload = pickle.dumps(serialize_executable.serialize(compiled))  # the executable and its pytrees
             self._write(entry, payload, secret)
         except CompileCacheError:
             raise
         except Exception as error:  # a backend that cannot serialise still runs, uncached
             warnings.warn(f"compilation cache: could not save {entry}: {error}")
+        return compiled
+
+    def load_or_compile(self, module: str, key: str, lower: Callable[[], object]) -> tuple[object, float]:
+        """Returns (executable, seconds spent loading or lowering and compiling); `lower` builds
+        the `jax.stages.Lowered` program, called only when nothing loads."""
+        began = time.perf_counter()
+        compiled = self.load(module, key)
+        if compiled is None:
+            compiled = self.compile(module, key, lower())
         return compiled, time.perf_counter() - began
 
     def _count(self, hit: bool) -> None:
@@ -266,9 +288,7 @@ class CompileCache:
         return list(self.mesh.devices.flat) if self.mesh is not None else [jax.local_devices()[0]]
 
     @staticmethod
-    def _load(entry: Path, lowered, secret: bytes, devices: list):
-        if not entry.parent.is_dir():
-            return None
+    def _load(entry: Path, secret: bytes, devices: list):
         _check_directory(entry.parent)
         try:
             blob = entry.read_bytes()
@@ -281,8 +301,8 @@ class CompileCache:
             # Authenticate before unpickling: unpickling an entry from anyone else runs their code.
             if not hmac.compare_digest(mac, _mac(secret, _entry_name(entry), payload)):
                 raise ValueError("MAC mismatch (truncated, corrupt, or not written with this cache's key)")
-            return serialize_executable.deserialize_and_load(payload, lowered.in_tree, lowered.out_tree,
-                                                             execution_devices=devices)
+            executable, in_tree, out_tree = pickle.loads(payload)
+            return serialize_executable.deserialize_and_load(executable, in_tree, out_tree, execution_devices=devices)
         except Exception as error:
             warnings.warn(f"compilation cache: discarding unreadable entry {entry}: {error}; recompiling")
             entry.unlink(missing_ok=True)

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import os
 import time
+import warnings
 from typing import Callable, Sequence
 
 import jax
@@ -27,6 +28,7 @@ from eagle_jax.model import llama
 from eagle_jax.serve import compile_cache as compile_cache_lib
 from eagle_jax.serve import config as config_lib
 from eagle_jax.serve import inputs
+from eagle_jax.serve import program_identity
 from eagle_jax.serve import programs as programs_lib
 from eagle_jax.serve import sharding as sharding_lib
 from eagle_jax.decode import state as state_lib
@@ -38,17 +40,41 @@ COMPILE_THREADS = min(8, os.cpu_count() or 1)
 
 
 class Pending:
-    """A program whose compilation runs on a worker thread (`Compiler.compiling`): called, it waits for it."""
+    """A program loading or compiling on a worker thread (`Compiler.compiling`): called, it waits for it.
 
-    def __init__(self, lowered, future: concurrent.futures.Future):
-        self.lowered, self.future = lowered, future
+    Args:
+        future: the executable, or None where a stored entry failed to load.
+        lowered: the lowered program being compiled; None while loading.
+        rebuild: lowers and compiles on the calling thread, for an entry that failed to load.
+    """
+
+    def __init__(self, future: concurrent.futures.Future, lowered=None, rebuild: Callable | None = None):
+        self.future, self.lowered, self.rebuild = future, lowered, rebuild
+        self._compiled = None
+
+    def result(self):
+        if self._compiled is None:
+            self._compiled = self.future.result() or self.rebuild()
+        return self._compiled
 
     @property
     def out_info(self):
-        return self.lowered.out_info
+        return self.lowered.out_info if self.lowered is not None else self.result().out_info
 
     def __call__(self, *args):
-        return self.future.result()(*args)
+        return self.result()(*args)
+
+
+def _spec(tree):
+    """The tree with each array as its shape, dtype and sharding: what a program is traced for."""
+    return jax.tree.map(lambda x: (x.shape, x.dtype, getattr(x, "sharding", None)) if hasattr(x, "shape") else x, tree)
+
+
+def _bare(shape):
+    """Shapes and dtypes alone. A program's output shapes carry shardings and layouts once it is
+    compiled or loaded, not while it is only lowered; without them, the programs built on them
+    (and their cache keys) are the same on a cold start and a warm one."""
+    return jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype), shape)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -107,7 +133,11 @@ class Compiler:
         self._target_def, target_params = nnx.split(target)
         self._head_def, head_params = nnx.split(head) if head is not None else (None, None)
         self.target_params, self.head_params = Packed.of(target_params), Packed.of(head_params)
-        self.compile_cache = compile_cache_lib.CompileCache(config.cache_dir, self.mesh)
+        code = program_identity.code_identity(target, head) if config.cache_dir is not None else None
+        if config.cache_dir is not None and code is None:
+            warnings.warn("compilation cache: a model class's source file cannot be read, so saved programs "
+                          "could not be told apart from its changed versions; compiling in memory only")
+        self.compile_cache = compile_cache_lib.CompileCache(config.cache_dir, self.mesh, code=code)
         self.compiled: dict = {}
         self.compile_seconds = 0.0
         self.lowering_seconds = 0.0  # of compile_seconds: tracing and lowering, one program after another
@@ -145,7 +175,7 @@ class Compiler:
                 finally:
                     self._pool = None  # leaving the pool's block waits for every compilation
             for key in pending():
-                self.compiled[key] = self.compiled[key].future.result()  # raises a compilation's error
+                self.compiled[key] = self.compiled[key].result()  # raises a compilation's error
         except BaseException:
             for key in pending():  # asked for again, each compiles anew
                 del self.compiled[key]
@@ -174,7 +204,7 @@ class Compiler:
         def row_shape(rows, w):  # the compiled prefill knows its output shapes: no second trace of the model
             if self.config.eager:
                 return jax.eval_shape(functools.partial(self._start_rows, opts=row_opts[w]), *row_args(rows, w))
-            return prefills[rows, w].out_info
+            return _bare(prefills[rows, w].out_info)
 
         key = jax.random.key(0)
         make_empty = functools.partial(self._empty, shape=programs_lib.slot_shape(row_shape(slots, width),
@@ -296,21 +326,46 @@ class Compiler:
             return op_by_op
         key = (name, bucket, tuple(sorted(static.items())), mode)
         if key not in self.compiled:
-            shapes = jax.tree.map(lambda x: (x.shape, x.dtype) if hasattr(x, "shape") else x, args)
-            description = repr((name, shapes, sorted(static.items()), self.model_config, self.head_config,
-                                self.max_length, self.config.steps_per_check, mode))
-            jitted = jax.jit(function, static_argnames=tuple(static), donate_argnames=donate)
+            # With the code (`program_identity`), this text determines the program: its entry
+            # in the persistent cache is found without tracing it.
+            description = repr((name, self._function_text(function), donate, _spec(args), sorted(static.items()),
+                                self.model_config, self.head_config, self.max_length, self.config.steps_per_check,
+                                mode))
             module = programs_lib.module_name(name, static.get("opts"), self.head_config)
-            began = time.perf_counter()
-            lowered = jitted.lower(*args, **static)
-            self.lowering_seconds += time.perf_counter() - began
-            if self._pool is not None:  # `compiling` counts the time
-                future = self._pool.submit(lambda: self.compile_cache.compile(module, description, lowered)[0])
-                self.compiled[key] = Pending(lowered, future)
-            else:
-                self.compiled[key] = self.compile_cache.compile(module, description, lowered)[0]
-                self.compile_seconds += time.perf_counter() - began
+            jitted = jax.jit(function, static_argnames=tuple(static), donate_argnames=donate)
+            self.compiled[key] = self._build(module, description, functools.partial(self._lower, jitted, args, static))
         return self.compiled[key]
+
+    def _function_text(self, function) -> str:
+        """A program's function as description text: one of this compiler's methods, or a
+        functools.partial of one with its bound arguments' shapes. Anything else could close over
+        values the description would miss, so it is refused."""
+        bound = function.func if isinstance(function, functools.partial) else function
+        if getattr(bound, "__self__", None) is not self:
+            raise TypeError(f"a compiled program's function must be a method of its Compiler, got {function!r}")
+        if isinstance(function, functools.partial):
+            return repr((bound.__name__, _spec(function.args), _spec(function.keywords)))
+        return bound.__name__
+
+    def _lower(self, jitted, args, static):
+        began = time.perf_counter()
+        lowered = jitted.lower(*args, **static)
+        self.lowering_seconds += time.perf_counter() - began
+        return lowered
+
+    def _build(self, module: str, description: str, lower: Callable):
+        """Loads the program from the persistent cache or lowers and compiles it: on the pool's
+        threads inside `compiling` (lowering stays on this thread), here otherwise."""
+        cache = self.compile_cache
+        if self._pool is None:
+            compiled, seconds = cache.load_or_compile(module, description, lower)
+            self.compile_seconds += seconds
+            return compiled
+        if cache.stored(module, description):
+            return Pending(self._pool.submit(cache.load, module, description),
+                           rebuild=lambda: cache.compile(module, description, lower()))
+        lowered = lower()
+        return Pending(self._pool.submit(cache.compile, module, description, lowered), lowered=lowered)
 
     # Pure functions of (params, inputs): the jit boundary merges modules inside.
     def _modules(self, target_params: Packed, head_params: Packed):
@@ -321,7 +376,7 @@ class Compiler:
         return sharding_lib.pin_state(state, self.model_config, self.mesh)
 
     def _state_shape(self, shape):
-        return sharding_lib.abstract_state(shape, self.model_config, self.mesh)
+        return sharding_lib.abstract_state(_bare(shape), self.model_config, self.mesh)
 
     def _start(self, target_params, head_params, tokens, lengths, rng, params, opts):
         target, head = self._modules(target_params, head_params)

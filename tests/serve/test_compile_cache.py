@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import pytest
 
 from eagle_jax.serve import compile_cache
+from eagle_jax.serve import compiler as compiler_lib
 from eagle_jax.serve import config as config_lib
 from eagle_jax.serve import engine as engine_lib
 
@@ -66,10 +67,40 @@ def test_first_engine_compiles_and_saves_one_entry_per_module(filled):
     assert all(path.stat().st_mode & 0o777 == 0o700 for path in [cache_dir, *cache_dir.iterdir()] if path.is_dir())
 
 
-def test_second_engine_loads_everything(target, filled, cache_copy):
+def test_second_engine_loads_everything_without_tracing(target, filled, cache_copy, monkeypatch):
+    traced = []
+    real_lower = compiler_lib.Compiler._lower
+    monkeypatch.setattr(compiler_lib.Compiler, "_lower", lambda self, *args: traced.append(args) or real_lower(self, *args))
     engine, tokens = generate(target, cache_copy)
     assert engine.compile_cache.misses == 0 and engine.compile_cache.hits == 2
+    assert traced == [] and engine.compiler.lowering_seconds == 0
     assert tokens == filled[2]
+
+
+def test_slot_programs_of_other_settings_are_never_loaded(target, random_head, tmp_path):
+    """Engines that differ in slots and drafts share one cache: each gets the tokens it gets alone
+    (the empty state's shape is bound into its function, not passed: the key must still see it),
+    and a second engine of each setting loads every program the first compiled."""
+    head = random_head(target.config, "eagle", seed=4)
+    settings = [dict(batch_size=2, num_speculative_tokens=2), dict(batch_size=3, num_speculative_tokens=2),
+                dict(batch_size=3, num_speculative_tokens=3)]
+    prompts = [[5, 6, 7, 8, 9], [10, 20, 30], [7, 7], [3, 1, 4, 1, 5]]
+    for setting in settings:
+        config = lambda cache_dir: config_lib.EngineConfig(max_length=64, scheduler="continuous", cache_dir=cache_dir,
+                                                           **setting)
+        alone = engine_lib.Engine(target, head, config(None)).generate(prompts, max_new_tokens=MAX_NEW, ignore_eos=True)
+        for warm in (False, True):
+            shared = engine_lib.Engine(target, head, config(str(tmp_path / "xla")))
+            results = shared.generate(prompts, max_new_tokens=MAX_NEW, ignore_eos=True)
+            assert [r.token_ids for r in results] == [r.token_ids for r in alone], setting
+            if warm:
+                assert shared.compile_cache.misses == 0 and shared.compile_cache.hits > 0, setting
+
+
+def test_a_program_function_must_be_the_compilers_own(target):
+    engine = engine_lib.Engine(target, config=config_lib.EngineConfig(max_length=64))
+    with pytest.raises(TypeError, match="method of its Compiler"):
+        engine.compiler._program("closure", lambda x: x + 1, (jnp.zeros(3),), {}, 0)
 
 
 def test_mesh_is_part_of_the_key_and_split_programs_reload(random_target, filled, tmp_path):
@@ -77,7 +108,7 @@ def test_mesh_is_part_of_the_key_and_split_programs_reload(random_target, filled
     from eagle_jax.serve import sharding
 
     root = tmp_path / "xla"
-    key = lambda mesh: compile_cache.CompileCache(root, mesh).module_dir(MODULE, KEY)
+    key = lambda mesh: compile_cache.CompileCache(root, mesh, code=CODE).module_dir(MODULE, KEY)
     assert len({key(None), key(sharding.make_mesh(2)), key(sharding.make_mesh(4))}) == 3
     target = random_target(seed=3, vocab_size=128)  # the vocabulary must divide the mesh
     runs = []
@@ -181,7 +212,7 @@ def test_fresh_processes_share_the_cache_even_when_filling_it_concurrently(tmp_p
 
 
 # Entries and directories others could have written. These use one tiny program, not an engine.
-MODULE, KEY = "tiny", "tiny program"
+MODULE, KEY, CODE = "tiny", "tiny program", "2 * x + 1"
 
 
 def lowered_program():
@@ -209,7 +240,7 @@ def test_crafted_entry_is_never_unpickled(tmp_path, signature):
     assert marker.exists()
     marker.unlink()
     lowered = lowered_program()
-    compile_cache.CompileCache(tmp_path / "xla").compile(MODULE, KEY, lowered)
+    compile_cache.CompileCache(tmp_path / "xla", code=CODE).load_or_compile(MODULE, KEY, lambda: lowered)
     [entry] = entries(tmp_path / "xla")
     # ... and replaces a valid entry, with a check that is right as far as an attacker can make
     # it: sha256 (all the first format checked), or a MAC under a key other than the cache's.
@@ -219,9 +250,9 @@ def test_crafted_entry_is_never_unpickled(tmp_path, signature):
         check = compile_cache._mac(b"k" * compile_cache.KEY_BYTES, compile_cache._entry_name(entry), payload)
     crafted = compile_cache.MAGIC + check + payload
     entry.write_bytes(crafted)
-    cache = compile_cache.CompileCache(tmp_path / "xla")
+    cache = compile_cache.CompileCache(tmp_path / "xla", code=CODE)
     with pytest.warns(UserWarning, match="discarding unreadable entry"):
-        compiled, _ = cache.compile(MODULE, KEY, lowered)
+        compiled, _ = cache.load_or_compile(MODULE, KEY, lambda: lowered)
     assert not marker.exists()  # ... but is never unpickled
     assert cache.misses == 1 and cache.hits == 0
     assert compiled(jnp.ones(3)).tolist() == [3.0, 3.0, 3.0]
@@ -229,39 +260,39 @@ def test_crafted_entry_is_never_unpickled(tmp_path, signature):
 
 
 def test_valid_entries_hit_across_instances(tmp_path):
-    first = compile_cache.CompileCache(tmp_path / "xla")
-    first.compile(MODULE, KEY, lowered_program())
-    second = compile_cache.CompileCache(tmp_path / "xla")
-    compiled, _ = second.compile(MODULE, KEY, lowered_program())
+    first = compile_cache.CompileCache(tmp_path / "xla", code=CODE)
+    first.load_or_compile(MODULE, KEY, lowered_program)
+    second = compile_cache.CompileCache(tmp_path / "xla", code=CODE)
+    compiled, _ = second.load_or_compile(MODULE, KEY, lowered_program)
     assert (first.misses, first.hits, second.misses, second.hits) == (1, 0, 0, 1)
     assert first.secret_key() == second.secret_key()
     assert compiled(jnp.ones(3)).tolist() == [3.0, 3.0, 3.0]
 
 
 def test_entry_moved_to_another_name_fails_its_mac(tmp_path):
-    cache = compile_cache.CompileCache(tmp_path / "xla")
+    cache = compile_cache.CompileCache(tmp_path / "xla", code=CODE)
     lowered = lowered_program()
-    cache.compile(MODULE, KEY, lowered)
-    entry = cache.entry_path(MODULE, KEY, lowered)
-    moved = cache.entry_path(MODULE, "other settings", lowered)
+    cache.load_or_compile(MODULE, KEY, lambda: lowered)
+    entry = cache.entry_path(MODULE, KEY)
+    moved = cache.entry_path(MODULE, "other settings")
     moved.parent.mkdir(mode=0o700)
     shutil.copy(entry, moved)
     with pytest.warns(UserWarning, match="MAC mismatch"):
-        cache.compile(MODULE, "other settings", lowered)
+        cache.load_or_compile(MODULE, "other settings", lambda: lowered)
     assert cache.misses == 2
 
 
 @pytest.mark.parametrize("where", ["root", "module"])
 @pytest.mark.parametrize("mode", [0o777, 0o770])
 def test_directory_others_can_write_is_refused(tmp_path, where, mode):
-    cache = compile_cache.CompileCache(tmp_path / "xla")
+    cache = compile_cache.CompileCache(tmp_path / "xla", code=CODE)
     lowered = lowered_program()
-    cache.compile(MODULE, KEY, lowered)
-    directory = cache.root if where == "root" else cache.entry_path(MODULE, KEY, lowered).parent
+    cache.load_or_compile(MODULE, KEY, lambda: lowered)
+    directory = cache.root if where == "root" else cache.entry_path(MODULE, KEY).parent
     directory.chmod(mode)
-    fresh = compile_cache.CompileCache(tmp_path / "xla")
+    fresh = compile_cache.CompileCache(tmp_path / "xla", code=CODE)
     with pytest.raises(compile_cache.CompileCacheError, match="writable by other users"):
-        fresh.compile(MODULE, KEY, lowered)
+        fresh.load_or_compile(MODULE, KEY, lambda: lowered)
     assert fresh.hits == 0
     assert issubclass(compile_cache.CompileCacheError, ValueError)  # the CLI reports ValueErrors as `error: ...`
 
@@ -270,25 +301,25 @@ def test_sticky_directory_of_ours_is_accepted(tmp_path):
     root = tmp_path / "xla"
     root.mkdir()
     root.chmod(0o1777)  # as /tmp: others may add files but not replace ours
-    cache = compile_cache.CompileCache(root)
-    cache.compile(MODULE, KEY, lowered_program())
+    cache = compile_cache.CompileCache(root, code=CODE)
+    cache.load_or_compile(MODULE, KEY, lowered_program)
     assert cache.misses == 1
 
 
 def test_directory_of_another_user_is_refused(tmp_path, monkeypatch):
-    cache = compile_cache.CompileCache(tmp_path / "xla")
+    cache = compile_cache.CompileCache(tmp_path / "xla", code=CODE)
     monkeypatch.setattr(compile_cache.os, "getuid", lambda: os.stat(tmp_path).st_uid + 1)
     with pytest.raises(compile_cache.CompileCacheError, match="owned by uid"):
-        cache.compile(MODULE, KEY, lowered_program())
+        cache.load_or_compile(MODULE, KEY, lowered_program)
 
 
 @pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o660])
 def test_key_file_others_can_access_is_refused(tmp_path, mode):
-    cache = compile_cache.CompileCache(tmp_path / "xla")
-    cache.compile(MODULE, KEY, lowered_program())
+    cache = compile_cache.CompileCache(tmp_path / "xla", code=CODE)
+    cache.load_or_compile(MODULE, KEY, lowered_program)
     (cache.root / compile_cache.KEY_NAME).chmod(mode)
     with pytest.raises(compile_cache.CompileCacheError, match="accessible to other users"):
-        compile_cache.CompileCache(cache.root).compile(MODULE, KEY, lowered_program())
+        compile_cache.CompileCache(cache.root, code=CODE).load_or_compile(MODULE, KEY, lowered_program)
 
 
 @pytest.mark.parametrize("damage", ["short", "symlink"])
@@ -304,7 +335,7 @@ def test_damaged_key_file_is_refused(tmp_path, damage):
         (tmp_path / "elsewhere").chmod(0o600)
         key.symlink_to(tmp_path / "elsewhere")
     with pytest.raises(compile_cache.CompileCacheError, match="key file"):
-        compile_cache.CompileCache(root).compile(MODULE, KEY, lowered_program())
+        compile_cache.CompileCache(root, code=CODE).load_or_compile(MODULE, KEY, lowered_program)
 
 
 def test_a_key_linked_first_by_another_process_is_used(tmp_path, monkeypatch):
@@ -321,7 +352,7 @@ def test_a_key_linked_first_by_another_process_is_used(tmp_path, monkeypatch):
         real_link(source, target)  # now fails with FileExistsError, as it would in the race
 
     monkeypatch.setattr(compile_cache.os, "link", link_after_another_process)
-    assert compile_cache.CompileCache(root).secret_key() == winner
+    assert compile_cache.CompileCache(root, code=CODE).secret_key() == winner
     assert sorted(path.name for path in root.iterdir()) == [compile_cache.KEY_NAME]  # no temporary left
 
 
@@ -335,10 +366,10 @@ def backdate(path, seconds=3600):
 def test_stale_temporaries_are_removed_and_live_ones_kept(tmp_path):
     from eagle_jax.io import staging
 
-    cache = compile_cache.CompileCache(tmp_path / "xla")
+    cache = compile_cache.CompileCache(tmp_path / "xla", code=CODE)
     lowered = lowered_program()
-    cache.compile(MODULE, KEY, lowered)
-    module_dir = cache.entry_path(MODULE, KEY, lowered).parent
+    cache.load_or_compile(MODULE, KEY, lambda: lowered)
+    module_dir = cache.entry_path(MODULE, KEY).parent
     stale, live, fresh, key_left = (module_dir / ".tmp-stale", module_dir / ".tmp-live", module_dir / ".tmp-fresh",
                                     cache.root / ".tmp-key-stale")
     for path in (stale, live, fresh, key_left):
@@ -347,8 +378,8 @@ def test_stale_temporaries_are_removed_and_live_ones_kept(tmp_path):
         backdate(path)
     handle = staging.lock(live)  # a writer still working on it
     try:
-        again = compile_cache.CompileCache(tmp_path / "xla")
-        compiled, _ = again.compile(MODULE, KEY, lowered)
+        again = compile_cache.CompileCache(tmp_path / "xla", code=CODE)
+        compiled, _ = again.load_or_compile(MODULE, KEY, lambda: lowered)
         assert again.hits == 1 and compiled(jnp.ones(3)).tolist() == [3.0, 3.0, 3.0]  # the entry is intact
         assert sorted(path.name for path in module_dir.iterdir()) == [".tmp-fresh", ".tmp-live", entries(tmp_path / "xla")[0].name]
         assert not key_left.exists()
@@ -359,28 +390,28 @@ def test_stale_temporaries_are_removed_and_live_ones_kept(tmp_path):
 def test_a_cache_root_that_is_a_file_is_a_clear_error(tmp_path):
     (tmp_path / "xla").write_text("not a directory")
     with pytest.raises(compile_cache.CompileCacheError, match="exists and is not a directory"):
-        compile_cache.CompileCache(tmp_path / "xla").compile(MODULE, KEY, lowered_program())
+        compile_cache.CompileCache(tmp_path / "xla", code=CODE).load_or_compile(MODULE, KEY, lowered_program)
 
 
 def test_a_read_only_cache_still_serves_its_entries_and_names_the_problem_otherwise(tmp_path, monkeypatch):
     import errno
 
     lowered = lowered_program()
-    compile_cache.CompileCache(tmp_path / "filled").compile(MODULE, KEY, lowered)
+    compile_cache.CompileCache(tmp_path / "filled", code=CODE).load_or_compile(MODULE, KEY, lambda: lowered)
 
     def read_only(*args, **kwargs):
         raise OSError(errno.EROFS, os.strerror(errno.EROFS))
 
     # (Running as root, a chmod would not stop writes: the filesystem's refusal is simulated.)
     monkeypatch.setattr(compile_cache.tempfile, "mkstemp", read_only)
-    filled = compile_cache.CompileCache(tmp_path / "filled")
-    assert filled.compile(MODULE, KEY, lowered)[0] is not None and filled.hits == 1
+    filled = compile_cache.CompileCache(tmp_path / "filled", code=CODE)
+    assert filled.load_or_compile(MODULE, KEY, lambda: lowered)[0] is not None and filled.hits == 1
     (tmp_path / "empty").mkdir(mode=0o700)
     with pytest.raises(compile_cache.CompileCacheError, match=r"cannot create the key file in .*empty \(Read-only "
                                                                r"file system\).*--no-compile-cache"):
-        compile_cache.CompileCache(tmp_path / "empty").compile(MODULE, KEY, lowered)
+        compile_cache.CompileCache(tmp_path / "empty", code=CODE).load_or_compile(MODULE, KEY, lambda: lowered)
     with pytest.warns(UserWarning, match="could not save"):  # a new program compiles, unsaved
-        compiled, _ = filled.compile(MODULE, "another key", lowered)
+        compiled, _ = filled.load_or_compile(MODULE, "another key", lambda: lowered)
     assert compiled(jnp.ones(3)).tolist() == [3.0, 3.0, 3.0]
 
 
@@ -390,11 +421,11 @@ def test_every_part_of_the_cache_root_passes_the_same_check(tmp_path, monkeypatc
     from eagle_jax.io import default_model
 
     monkeypatch.setenv("EAGLE_JAX_CACHE_DIR", str(tmp_path / "cache"))
-    compile_cache.CompileCache(compile_cache.default_root()).compile(MODULE, KEY, lowered_program())
+    compile_cache.CompileCache(compile_cache.default_root(), code=CODE).load_or_compile(MODULE, KEY, lowered_program)
     default_model.models_dir()
     for part in ("xla", "models"):
         (tmp_path / "cache" / part).chmod(0o770)
     with pytest.raises(cache_dirs.CacheDirectoryError, match="compilation cache: .*xla is writable by other users"):
-        compile_cache.CompileCache(compile_cache.default_root()).compile(MODULE, KEY, lowered_program())
+        compile_cache.CompileCache(compile_cache.default_root(), code=CODE).load_or_compile(MODULE, KEY, lowered_program)
     with pytest.raises(cache_dirs.CacheDirectoryError, match="model cache: .*models is writable by other users"):
         default_model.models_dir()
