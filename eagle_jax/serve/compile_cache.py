@@ -7,9 +7,10 @@ program (model configs, static options, argument shapes, dtypes and shardings), 
 versions, the backend, and the device mesh (axes, sizes, device kind and ids; the executable
 is bound to those devices). Inside, each entry is named by the hash of the code the program is
 traced from (`program_identity.code_identity`: eagle_jax's source, the model classes, versions
-and jax's settings), so a change to any of it writes a new entry. Looking an entry up needs no
-tracing or lowering: on a warm start a program is loaded without being built at all.
-Removing one module's directory recompiles only that module.
+and jax's settings), so a change to any of it writes a new entry; a directory keeps the four
+entries last written or loaded. Looking an entry up needs no tracing or lowering: on a warm
+start a program is loaded without being built at all. Removing one module's directory
+recompiles only that module.
 
 Threat model: loading an entry runs it. `serialize_executable.deserialize_and_load` unpickles
 the entry and the executable inside is machine code, so whoever can write an entry that passes
@@ -36,6 +37,7 @@ the others read the first one's key.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import os
@@ -61,6 +63,7 @@ ENV_VAR = "EAGLE_JAX_CACHE_DIR"
 KEY_NAME = "key"
 KEY_BYTES = 32
 MAC_LENGTH = 64  # hex digits of HMAC-SHA256
+KEEP_ENTRIES = 4  # per module directory: versions of the code whose executables stay (`_prune`)
 
 
 LABEL = "compilation cache"
@@ -173,6 +176,20 @@ def _load_or_create_key(root: Path) -> bytes:
     return key
 
 
+def _prune(module_dir: Path) -> None:
+    """Keeps a module directory's `KEEP_ENTRIES` most recently written or loaded entries.
+
+    Each version of the code writes its own entry (`entry_path`), so without this every edit of
+    the package would leave a full set of executables behind. A process that loses an entry to
+    another's pruning compiles the program again."""
+    entries = []
+    for path in module_dir.glob("*.xla"):
+        with contextlib.suppress(FileNotFoundError):
+            entries.append((path.stat().st_mtime, path))
+    for _, path in sorted(entries, reverse=True)[KEEP_ENTRIES:]:
+        path.unlink(missing_ok=True)
+
+
 def mesh_identity(mesh: jax.sharding.Mesh) -> str:
     """The mesh as key text: axis names and sizes, device kind and ids."""
     devices = list(mesh.devices.flat)
@@ -242,9 +259,12 @@ class CompileCache:
         """
         if not self.stored(module, key):
             return None
-        compiled = self._load(self.entry_path(module, key), self.secret_key(), self.devices())
+        entry = self.entry_path(module, key)
+        compiled = self._load(entry, self.secret_key(), self.devices())
         if compiled is not None:
             self._count(hit=True)
+            with contextlib.suppress(OSError):  # a read-only cache still loads
+                os.utime(entry)  # in use: the newest entries are the ones `_prune` keeps
         return compiled
 
     def compile(self, module: str, key: str, lowered):
@@ -257,6 +277,7 @@ class CompileCache:
         try:
             payload = pickle.dumps(serialize_executable.serialize(compiled))  # the executable and its pytrees
             self._write(entry, payload, secret)
+            _prune(entry.parent)
         except CompileCacheError:
             raise
         except Exception as error:  # a backend that cannot serialise still runs, uncached

@@ -429,3 +429,22 @@ def test_every_part_of_the_cache_root_passes_the_same_check(tmp_path, monkeypatc
         compile_cache.CompileCache(compile_cache.default_root(), code=CODE).load_or_compile(MODULE, KEY, lowered_program)
     with pytest.raises(cache_dirs.CacheDirectoryError, match="model cache: .*models is writable by other users"):
         default_model.models_dir()
+
+
+def test_a_module_keeps_the_entries_of_its_latest_code_versions(tmp_path):
+    """Each code version writes its own entry; a directory keeps the newest KEEP_ENTRIES written or loaded."""
+    root = tmp_path / "xla"
+    cache = lambda version: compile_cache.CompileCache(root, code=f"version {version}")
+    began = time.time() - 3600
+    for version in range(6):
+        cache(version).load_or_compile(MODULE, KEY, lowered_program)
+        entry = cache(version).entry_path(MODULE, KEY)
+        os.utime(entry, (began + version, began + version))  # written in this order, a second apart
+    kept = lambda: sorted(path.name for path in entries(root))
+    names = {version: cache(version).entry_path(MODULE, KEY).name for version in range(7)}
+    assert kept() == sorted(names[v] for v in (2, 3, 4, 5))
+    reader = cache(2)
+    compiled, _ = reader.load_or_compile(MODULE, KEY, lowered_program)  # loading version 2 refreshes it
+    assert reader.hits == 1 and compiled(jnp.ones(3)).tolist() == [3.0, 3.0, 3.0]
+    cache(6).load_or_compile(MODULE, KEY, lowered_program)
+    assert kept() == sorted(names[v] for v in (2, 4, 5, 6))
