@@ -125,6 +125,7 @@ timeout 300 python3 /root/stage/torch_step_peer.py --model $hf --batch 1 --k 4 -
 # at batch 1, plain at 16 slots; the kernel check; the offline figure for the same slots; the kernel
 # A/B's second pass; the base variant (if base_overlay is carried); --greedy-only; then 64 slots.
 serve eagle3-16 16 1,4,16,64 32 --method eagle3 --profile-dir /root/stage/server_trace
+serve eagle3-16-warm-start 16 "" "" --method eagle3  # the same programs again: loaded, not traced (its ready line)
 echo "== MT-Bench at batch 1, plain and EAGLE-3 k = 6 ($(date -u +%T))"
 timeout 300 python3 benchmarks/eagle.py --method none,eagle3 --num_spec_tokens 6 --num_prompts 80 --max_new_tokens 256 \
   --out $R/mtbench.json 2>&1 | grep -E "tok/s|tokens/s|Error" | tail -4
