@@ -9,7 +9,7 @@
 #   bash tools/gpu/step_levers.sh cache    plain and k = 6 on caches of one length (1024; plain at 512 too, as the
 #                                          peer's), Pallas and XLA kernels
 #   bash tools/gpu/step_levers.sh peer     the peer alone (PEER_MAX_LEN: its cache, default 512)
-#   bash tools/gpu/step_levers.sh ab       a kernel change: plain (twice, alternated) and k = 6 steps of this tree
+#   bash tools/gpu/step_levers.sh ab       a kernel change: plain (AB_PASSES times, default 2, alternated) and k = 6 steps of this tree
 #                                          and of it with .stage/kernel_base's files over it (an earlier commit's,
 #                                          at their paths), on a 2048-slot cache
 # Rows go to $OUT/profile.json and $OUT/torch_peer.jsonl; the console to $OUT/console_<phase>.txt.
@@ -76,7 +76,7 @@ case $phase in
   ab)
     base=/tmp/kernel_base_tree
     rm -rf $base && mkdir -p $base && cp -r eagle_jax $base/ && cp -r .stage/kernel_base/. $base/
-    for pass in 1 2; do
+    for pass in $(seq 1 ${AB_PASSES:-2}); do
       prof "plain, this tree, pass $pass" --method none --cache-length 2048
       PYTHONPATH=/tmp/site:$base prof "plain, kernel base, pass $pass" --method none --cache-length 2048
     done
