@@ -235,7 +235,7 @@ class DecoderLayer(nnx.Module):
         base = x.base if isinstance(x, PendingResidual) else x
         if keys is not None and uses_decode_kernels(kernels.decode_kernels, base, *linears):
             out, keys, values = self._fused_decode(x, positions, keys, values, mask, attend_length, kernels)
-            return (out if pending else out.value()), keys, values
+            return (out if pending else summed(out)), keys, values
         x = summed(x)
         if keys is not None and uses_attention_kernel(kernels.decode_kernels, x, mask, attention):
             return self._kernel_decode(x, positions, keys, values, mask, attend_length, kernels)
@@ -259,8 +259,8 @@ class DecoderLayer(nnx.Module):
                       kernels: Kernels):
         """The cached call with the fused linear kernels: norm + qkv_proj (summing the previous
         layer's pending residual), attention, o_proj + residual, norm + gate_up_proj + silu,
-        down_proj's partial sums, returned pending. Five kernels with the attention kernel (and
-        its split's combine)."""
+        down_proj: at one row its partial sums, returned pending; past `SPLIT_K_MAX_ROWS` rows
+        down_proj + residual. Five kernels with the attention kernel (and its split's combine)."""
         attention, mlp = self.self_attn, self.mlp
         implementation = fused_kernels(kernels.decode_kernels)
         norm, weight = self.input_layernorm, attention.qkv_proj.kernel[...]
@@ -275,6 +275,9 @@ class DecoderLayer(nnx.Module):
         norm = self.post_attention_layernorm
         hidden = fused_linear.norm_gate_up(x, norm.weight[...], norm.eps, mlp.gate_up_proj.kernel[...],
                                            implementation=implementation)
+        if x.shape[0] * x.shape[1] > SPLIT_K_MAX_ROWS:
+            return fused_linear.linear_residual(hidden, mlp.down_proj.kernel[...], x,
+                                                implementation=implementation), keys, values
         down_parts = fused_linear.linear_parts(hidden, mlp.down_proj.kernel[...], implementation=implementation)
         return PendingResidual(x, down_parts), keys, values
 
@@ -289,6 +292,13 @@ class DecoderLayer(nnx.Module):
             return kernel_attend(attention, qkv, positions, keys, values, mask, attend_length, kernels.attention_tiling)
         q, k, v = attention.split_heads(qkv, positions)
         return attention.attend(q, k, v, positions, keys, values, mask, attend_length)
+
+
+# down_proj runs split-K (`fused_linear.linear_parts`) in calls of at most this many token rows.
+# H100, 2026-12-06 (`tools/gpu/step_levers.sh ab`, docs/benchmarks.md): a plain step ran 745-753 us
+# split against 775-800 whole, while an EAGLE-3 k = 6 step, whose 7-row verify then split too,
+# kept 20 us more busy time (996 against 975-976).
+SPLIT_K_MAX_ROWS = 1
 
 
 class PendingResidual(NamedTuple):

@@ -17,6 +17,7 @@ from jax import export
 
 from eagle_jax.serve import config as config_lib
 from eagle_jax.serve import engine as engine_lib
+from eagle_jax.model import config as model_config
 from eagle_jax.model import layers
 from eagle_jax.decode import tree as tree_lib
 from eagle_jax.kernels import decode_attention
@@ -346,3 +347,24 @@ def test_kernel_bench_sweeps_query_rows(tmp_path, tiny_hf_config):
     assert bench.parse_args(["--ops", "decode_attention", "--rows", "16,64"]).rows == [16, 64]
     with pytest.raises(SystemExit):
         bench.parse_args(["--ops", "decode_attention,norm_linear", "--rows", "64"])
+
+
+@pytest.mark.parametrize("tokens", [1, 7], ids=["decode", "verify"])
+def test_down_proj_splits_in_one_row_calls_only(tokens):
+    """A one-row call hands down_proj's partial sums on (`layers.PendingResidual`); a k = 6 verify's
+    7 rows take whole columns (`layers.SPLIT_K_MAX_ROWS`). Either way the layer computes what the
+    unfused layer does."""
+    cfg = model_config.LlamaConfig(vocab_size=8, hidden_size=64, intermediate_size=320, num_layers=1, num_heads=4,
+                                 num_kv_heads=2, head_dim=16)
+    layer = layers.DecoderLayer(cfg, rngs=nnx.Rngs(3))
+    x = jax.random.normal(jax.random.key(0), (1, tokens, cfg.hidden_size))
+    cache = jax.random.normal(jax.random.key(1), (1, 32, cfg.num_kv_heads, cfg.head_dim))
+    positions = 20 + jnp.arange(tokens)[None]
+    run = lambda kernels, pending: layer(x, positions, cache, cache, kernels=layers.Kernels(kernels), pending=pending)
+    fused, _, _ = run("pallas_linear", True)
+    assert isinstance(fused, layers.PendingResidual) == (tokens <= layers.SPLIT_K_MAX_ROWS)
+    expected, keys, values = run("xla", False)
+    assert within(layers.summed(fused), expected, 1e-5)
+    unpended, fused_keys, fused_values = run("pallas_linear", False)
+    assert not isinstance(unpended, layers.PendingResidual) and within(unpended, expected, 1e-5)
+    assert within(fused_keys, keys, 1e-5) and within(fused_values, values, 1e-5)
