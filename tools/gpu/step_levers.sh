@@ -9,12 +9,17 @@
 #   bash tools/gpu/step_levers.sh cache    plain and k = 6 on caches of one length (1024; plain at 512 too, as the
 #                                          peer's), Pallas and XLA kernels
 #   bash tools/gpu/step_levers.sh peer     the peer alone (PEER_MAX_LEN: its cache, default 512)
+#   bash tools/gpu/step_levers.sh serve    the 16-slot EAGLE-3 server (k = 4) on a model of these shapes with random
+#                                          weights (benchmarks/random_model.py) and the shipped head: its run ms a
+#                                          step at 1 request/s, four requests traced, a warm restart's ready line;
+#                                          then the engine's own k = 4 step on the same cache (needs
+#                                          .stage/mtbench_question.jsonl)
 #   bash tools/gpu/step_levers.sh ab       a kernel change: plain (AB_PASSES times, default 2, alternated) and k = 6 steps of this tree
 #                                          and of it with .stage/kernel_base's files over it (an earlier commit's,
 #                                          at their paths), on a 2048-slot cache
 # Rows go to $OUT/profile.json and $OUT/torch_peer.jsonl; the console to $OUT/console_<phase>.txt.
 set -uo pipefail
-phase=${1:?base, pdl, repeat, cache, peer or ab}
+phase=${1:?base, pdl, repeat, cache, peer, serve or ab}
 out=${OUT:?}; export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 EAGLE_JAX_CACHE_DIR=/tmp/eagle_jax_cache
 exec > >(tee -a "$out/console_$phase.txt") 2>&1
 config=.stage/smollm2_config.json
@@ -42,7 +47,50 @@ EOF
   timeout 300 python3 .stage/torch_step_peer.py --model /tmp/peer_model --batch 1 --k 6 --max-len ${PEER_MAX_LEN:-512} \
       --out "$out/torch_peer.jsonl" 2>&1 | grep -v -i warn | tail -8
 }
+serve_once() {  # label [serve flags...]: starts the server, waits for /health, prints its ready line; leaves it running
+  local label=$1; shift
+  python3 -m eagle_jax.serve --model /tmp/random_model/model --draft eagle_jax/heads/smollm2-135m-instruct-eagle3 \
+    --dtype bfloat16 --max-num-seqs 16 --max-length 2048 --port 8200 "$@" > "$out/server_$label.log" 2>&1 &
+  server=$!
+  python3 - <<'PY' || { echo "server not ready"; tail -5 "$out/server_$label.log"; }
+import sys, time, httpx
+deadline = time.time() + 400
+while time.time() < deadline:
+    try:
+        if httpx.get("http://127.0.0.1:8200/health", timeout=5).status_code == 200: sys.exit(0)
+    except httpx.HTTPError: pass
+    time.sleep(0.5)
+sys.exit(1)
+PY
+  grep -m1 "ready after" "$out/server_$label.log"
+}
 case $phase in
+  serve)
+    export EAGLE_JAX_MTBENCH=.stage/mtbench_question.jsonl
+    [ -d /tmp/random_model/model ] || python3 benchmarks/random_model.py --config "$config" --out /tmp/random_model
+    serve_once cold --profile-dir /tmp/server_trace
+    timeout 200 python3 benchmarks/serve_bench.py --url http://127.0.0.1:8200 --request-rate 1 --num-prompts 16 \
+      --label "eagle3 k=4, 16 slots, random weights" --out "$out/serve.json" 2>&1 | grep -v -i warn | tail -1
+    python3 -c "import httpx; httpx.post('http://127.0.0.1:8200/start_profile', timeout=300).raise_for_status()"
+    timeout 100 python3 benchmarks/serve_bench.py --url http://127.0.0.1:8200 --request-rate 1 --num-prompts 4 \
+      --label "eagle3 k=4, 16 slots, random weights, traced" --out "$out/serve.json" 2>&1 | grep -v -i warn | tail -1
+    python3 -c "import httpx; httpx.post('http://127.0.0.1:8200/stop_profile', timeout=300).raise_for_status()"
+    python3 - "$out" <<'PY'  # the traced requests' kernels a step against the server's run ms a step
+import json, sys
+sys.path.insert(0, "benchmarks")
+import step_trace
+row = json.load(open(f"{sys.argv[1]}/serve.json"))[-1]
+steps = row["device_loop"]["steps"]
+summary = dict(step_trace.summarize(step_trace.load_trace(step_trace.find_trace_file("/tmp/server_trace")), steps),
+               label=row["label"], steps=steps, run_ms_per_step=row["device_loop"]["run_ms_per_step"])
+open(f"{sys.argv[1]}/server_trace_summary.jsonl", "a").write(json.dumps(summary) + "\n")
+print(f"traced: {steps} steps, {summary['kernels_per_step']} kernels a step, busy {summary['busy_us_per_step']} us, "
+      f"span {summary['span_us_per_step']} us, run {summary['run_ms_per_step']:.2f} ms a step")
+PY
+    kill -TERM $server; wait $server
+    serve_once warm
+    kill -TERM $server; wait $server
+    prof "eagle3 k=4, the engine's step, random weights" --method eagle3 --k 4 --cache-length 2048 ;;
   base)
     echo "== plain and EAGLE-3 k = 6, default flags (PTX dumped for the plain step)"
     rm -rf /tmp/dump_default
