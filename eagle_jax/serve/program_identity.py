@@ -80,36 +80,35 @@ def _static_text(value) -> str | None:
     return None if " at 0x" in text or len(text) > 10_000 else text
 
 
-def module_text(*models) -> str:
-    """Each module of these models' graphs, in graph order: its path, class and static attributes."""
+def _modules(models) -> list[tuple[str, nnx.Module]]:
+    """Every module of these models' graphs, in graph order, with its path (model index first)."""
+    return [(f"{index}/{'/'.join(map(str, path))}", node) for index, model in enumerate(models) if model is not None
+            for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Module)]
+
+
+def module_text(modules: list[tuple[str, nnx.Module]]) -> str:
+    """Each module's path, class and static attributes, a line each."""
     lines = []
-    for index, model in enumerate(models):
-        if model is None:
-            continue
-        for path, node in nnx.iter_graph(model):
-            if not isinstance(node, nnx.Module):
-                continue
-            attributes = []
-            for name, value in sorted(vars(node).items()):
-                text = None if name.startswith("_") else _static_text(value)
-                if text is not None:
-                    attributes.append(f"{name}={text}")
-            lines.append(f"{index}/{'/'.join(map(str, path))} {type(node).__module__}.{type(node).__qualname__} "
-                         + " ".join(attributes))
+    for path, node in modules:
+        attributes = []
+        for name, value in sorted(vars(node).items()):
+            text = None if name.startswith("_") else _static_text(value)
+            if text is not None:
+                attributes.append(f"{name}={text}")
+        lines.append(f"{path} {type(node).__module__}.{type(node).__qualname__} " + " ".join(attributes))
     return "\n".join(lines)
 
 
 def code_identity(*models) -> str | None:
     """The text that, with a program's settings, determines it (module docstring); None when a
     model class's source cannot be read."""
-    classes = {type(node) for model in models if model is not None for _, node in nnx.iter_graph(model)
-               if isinstance(node, nnx.Module)}
-    outside = _outside_files(classes)
+    modules = _modules(models)
+    outside = _outside_files({type(node) for _, node in modules})
     if outside is None:
         return None
     versions = f"jax {jax.__version__} jaxlib {jaxlib.__version__} flax {flax.__version__} numpy {np.__version__} " \
                f"python {sys.version_info[:3]}"
     config = repr(sorted((name, repr(value)) for name, value in jax.config.values.items()))
     parts = [versions, package_digest(), *(f"{path}\0{_digest(path.read_bytes())}" for path in outside), config,
-             module_text(*models)]
+             module_text(modules)]
     return _digest("\n".join(parts).encode())
