@@ -37,16 +37,7 @@ serve() {  # name slots rates concurrency [server flags...]: one server, Poisson
   setsid env -C "$code" PYTHONPATH=/tmp/site:$code python3 -m eagle_jax.serve --dtype bfloat16 --max-num-seqs $slots --port $port "$@" \
     > $R/server_$name.log 2>&1 < /dev/null &
   local pid=$! began=$SECONDS
-  python3 - $port <<'PY' || { echo "server $name not ready"; tail -5 $R/server_$name.log; kill -- -$pid 2>/dev/null; return 1; }
-import sys, time, httpx
-port = sys.argv[1]; deadline = time.time() + 400
-while time.time() < deadline:
-    try:
-        if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200: sys.exit(0)
-    except httpx.HTTPError: pass
-    time.sleep(1)
-sys.exit(1)
-PY
+  python3 tools/gpu/wait_ready.py $port || { echo "server $name not ready"; tail -5 $R/server_$name.log; kill -- -$pid 2>/dev/null; return 1; }
   echo "ready after $((SECONDS - began)) s; $(grep -m1 "programs" $R/server_$name.log)"
   # The GPU's SM clock, power and load every 100 ms while the server is measured: at a low request
   # rate the GPU idles between requests, and a clock that drops there would slow every step.
@@ -66,20 +57,7 @@ PY
     timeout 120 python3 benchmarks/serve_bench.py --url http://127.0.0.1:$port --request-rate 1 --num-prompts 4 \
       --label "$name, traced" --out $R/serve.json 2>&1 | grep -v -i warn | tail -1
     post http://127.0.0.1:$port/stop_profile
-    python3 - $R $trace_dir <<'PY'  # the traced setting's kernels a step (its steps from /metrics) against its run ms a step
-import json, sys
-sys.path.insert(0, "benchmarks")
-import step_trace
-rows = json.load(open(f"{sys.argv[1]}/serve.json"))
-row = rows[-1]
-steps = row["device_loop"]["steps"]
-trace = step_trace.load_trace(step_trace.find_trace_file(sys.argv[2]))
-summary = dict(step_trace.summarize(trace, steps), label=row["label"], steps=steps,
-               run_ms_per_step=row["device_loop"]["run_ms_per_step"])
-open(f"{sys.argv[1]}/server_trace_summary.jsonl", "a").write(json.dumps(summary) + "\n")
-print(f"traced: {steps} steps, {summary['kernels_per_step']} kernels a step, busy {summary['busy_us_per_step']} us, "
-      f"span {summary['span_us_per_step']} us, run {summary['run_ms_per_step']:.2f} ms a step")
-PY
+    python3 tools/gpu/server_trace_summary.py $R $trace_dir  # its kernels a step against its run ms a step
   fi
   [ -n "$conc" ] && echo "before the closed loop: $(listen_drops)" && timeout 300 python3 benchmarks/serve_bench.py --url http://127.0.0.1:$port --concurrency $conc \
       --num-prompts $([ -n "$Q" ] && echo 4 || echo $((conc * 8))) --label "$name" --out $R/serve.json 2>&1 | grep -v -i warn | tail -1

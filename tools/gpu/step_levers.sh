@@ -52,16 +52,7 @@ serve_once() {  # label [serve flags...]: starts the server, waits for /health, 
   python3 -m eagle_jax.serve --model /tmp/random_model/model --draft eagle_jax/heads/smollm2-135m-instruct-eagle3 \
     --dtype bfloat16 --max-num-seqs 16 --max-length 2048 --port 8200 "$@" > "$out/server_$label.log" 2>&1 &
   server=$!
-  python3 - <<'PY' || { echo "server not ready"; tail -5 "$out/server_$label.log"; }
-import sys, time, httpx
-deadline = time.time() + 400
-while time.time() < deadline:
-    try:
-        if httpx.get("http://127.0.0.1:8200/health", timeout=5).status_code == 200: sys.exit(0)
-    except httpx.HTTPError: pass
-    time.sleep(0.5)
-sys.exit(1)
-PY
+  python3 tools/gpu/wait_ready.py 8200 || { echo "server not ready"; tail -5 "$out/server_$label.log"; }
   grep -m1 "ready after" "$out/server_$label.log"
 }
 case $phase in
@@ -75,18 +66,7 @@ case $phase in
     timeout 100 python3 benchmarks/serve_bench.py --url http://127.0.0.1:8200 --request-rate 1 --num-prompts 4 \
       --label "eagle3 k=4, 16 slots, random weights, traced" --out "$out/serve.json" 2>&1 | grep -v -i warn | tail -1
     python3 -c "import httpx; httpx.post('http://127.0.0.1:8200/stop_profile', timeout=300).raise_for_status()"
-    python3 - "$out" <<'PY'  # the traced requests' kernels a step against the server's run ms a step
-import json, sys
-sys.path.insert(0, "benchmarks")
-import step_trace
-row = json.load(open(f"{sys.argv[1]}/serve.json"))[-1]
-steps = row["device_loop"]["steps"]
-summary = dict(step_trace.summarize(step_trace.load_trace(step_trace.find_trace_file("/tmp/server_trace")), steps),
-               label=row["label"], steps=steps, run_ms_per_step=row["device_loop"]["run_ms_per_step"])
-open(f"{sys.argv[1]}/server_trace_summary.jsonl", "a").write(json.dumps(summary) + "\n")
-print(f"traced: {steps} steps, {summary['kernels_per_step']} kernels a step, busy {summary['busy_us_per_step']} us, "
-      f"span {summary['span_us_per_step']} us, run {summary['run_ms_per_step']:.2f} ms a step")
-PY
+    python3 tools/gpu/server_trace_summary.py "$out" /tmp/server_trace  # its kernels a step against its run ms a step
     kill -TERM $server; wait $server
     serve_once warm
     kill -TERM $server; wait $server
