@@ -3,9 +3,10 @@
     python -m eagle_jax.serve --max-num-seqs 16 --host 127.0.0.1 --port 8000
     python -m eagle_jax.serve --model path/to/hf-llama --draft path/to/eagle3-head --num-speculative-tokens 4
 
-Flags share their names with `python -m eagle_jax.generate`. The server compiles every program it
-will run before `/health` answers 200; SIGTERM (or Ctrl-C) stops taking requests, finishes those
-in flight, then exits.
+Flags share their names with `python -m eagle_jax.generate`. The engine runs in a process of its
+own beside the HTTP process (`serve/engine_process.py`), which listens once the model is loaded;
+the server compiles every program it will run before `/health` answers 200; SIGTERM (or Ctrl-C)
+stops taking requests, finishes those in flight, then exits.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import sys
 
 from eagle_jax.cli import errors as script_errors
+from eagle_jax.serve.launch import build, served_name
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -45,9 +47,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--decode-kernels", choices=("auto", "xla", "pallas", "pallas_linear"), default="auto")
     parser.add_argument("--cache-dir", help="compilation cache root (default: $EAGLE_JAX_CACHE_DIR/xla)")
     parser.add_argument("--gil-switch-interval", type=_positive_seconds, default=0.0005, metavar="SECONDS",
-                        help="Python's thread switch interval in the server (sys.setswitchinterval; Python's "
-                             "default is 0.005): how long the device loop may wait for the interpreter after a "
-                             "device call while the HTTP handlers run")
+                        help="Python's thread switch interval in the server's processes (sys.setswitchinterval; "
+                             "Python's default is 0.005): how long the device loop may wait for the interpreter "
+                             "after a device call while another thread runs")
+    parser.add_argument("--engine-in-process", action="store_true",
+                        help="run the engine in the HTTP process, as one process (by default it runs in a process "
+                             "of its own, so that the device loop never waits for the interpreter behind the HTTP "
+                             "handlers)")
     parser.add_argument("--profile-dir", metavar="DIR",
                         help="adds POST /start_profile and /stop_profile, which write a jax.profiler trace "
                              "(TensorBoard, Perfetto) of the device loop between them into DIR")
@@ -66,47 +72,6 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
-def build(args):
-    """(OnlineEngine, model name), with everything loaded but nothing compiled yet."""
-    import jax
-
-    from eagle_jax import heads
-    from eagle_jax.decode import sampling as sampling_lib
-    from eagle_jax.io import models, tokenization
-    from eagle_jax.serve import compile_cache, online
-    from eagle_jax.serve import config as config_lib
-    from eagle_jax.serve import engine as engine_lib
-
-    defaults = sampling_lib.Sampling(temperature=args.temperature, top_p=args.top_p)
-    if not 0 <= args.max_logprobs <= sampling_lib.MAX_LOGPROBS:
-        raise ValueError(f"--max-logprobs must be in 0..{sampling_lib.MAX_LOGPROBS}, got {args.max_logprobs}")
-    if args.greedy_only and not defaults.greedy:
-        raise ValueError("--greedy-only serves temperature 0 only: leave --temperature out")
-    target, tokenizer_dir = models.load_target(args.model, args.dtype)
-    # One fixed mode, compiled before /health says ready: every processor (top-k up to the whole
-    # vocabulary, since top-p sorts it anyway), or none.
-    mode = sampling_lib.SamplingMode() if args.greedy_only else sampling_lib.SamplingMode(
-        sample=True, penalties=True, min_p=True, top_k=target.config.vocab_size, top_p=True,
-        logprobs=args.max_logprobs, min_tokens=True)
-    platform = "gpu" if jax.default_backend() == "gpu" else "cpu"
-    draft, _, k, note = heads.draft_plan(args.model, args.draft, args.method, args.num_speculative_tokens, platform,
-                                         args.batch_size)
-    if note:
-        print(f"eagle_jax: {note}", file=sys.stderr)
-    head = models.load_head(draft, target, args.dtype) if draft else None
-    config = config_lib.EngineConfig(
-        num_speculative_tokens=k, max_length=args.max_length, batch_size=args.batch_size, scheduler="continuous",
-        speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
-        decode_kernels=args.decode_kernels, steps_per_call=args.steps_per_call, sampling_mode=mode,
-        cache_dir=str(args.cache_dir or compile_cache.default_root()))
-    engine = engine_lib.Engine(target, head, config)
-    name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model
-                                      else "SmolLM2-135M-Instruct")
-    backend = online.OnlineEngine(engine, tokenization.load(tokenizer_dir), name, defaults, args.max_queue,
-                                  args.seed)
-    return backend, name
-
-
 def main(argv=None) -> int:
     """Runs the server until SIGTERM; bad flags or files print `error: ...` and return 2."""
     return script_errors.run(lambda: serve(argv))
@@ -118,17 +83,24 @@ def serve(argv=None) -> int:
         import uvicorn
     except ModuleNotFoundError as error:
         script_errors.fail(f"the server needs {error.name}; install it with: pip install -e \".[serve]\"")
-    from eagle_jax.serve import server
+    from eagle_jax.serve import engine_process, launch, server
 
     args = parse_args(argv)
-    backend, name = build(args)
-    app = server.create_app(backend, name, args.profile_dir)
     # The device thread releases the interpreter while a device call runs and needs it back the
-    # moment the call returns; with Python's 5 ms interval it can wait that long behind the HTTP
-    # handlers and the output thread at every call (on an H100 at 16 slots, 0.5 ms served 8% more
-    # tokens/s in a closed loop: docs/serving.md).
+    # moment the call returns; with Python's 5 ms interval it can wait that long behind the other
+    # threads at every call (on an H100 at 16 slots, 0.5 ms served 8% more tokens/s in a closed
+    # loop with the engine in the HTTP process: docs/serving.md). The engine process sets it too.
     sys.setswitchinterval(args.gil_switch_interval)
-    print(f"eagle_jax: serving {name} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    if args.engine_in_process:
+        backend = build(args)[0]
+    else:
+        backend = engine_process.EngineProcess(launch.build, args)
+        print(f"eagle_jax: the engine runs in process {backend.process.pid}", file=sys.stderr, flush=True)
+        import jax  # this process never runs a program: keep it off the accelerator the engine holds
+
+        jax.config.update("jax_platforms", "cpu")
+    app = server.create_app(backend, served_name(args), args.profile_dir)
+    print(f"eagle_jax: serving {served_name(args)} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=600)
     return 0
 

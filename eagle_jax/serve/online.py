@@ -7,8 +7,9 @@ thread, because a device call blocks. They meet in two places:
   into the slot loop (`scheduler.SlotLoop`) at each device-call boundary, where free slots are
   prefilled, so a request waits at most one device call for its prefill.
 * Each round's new token ids go to an output thread, which records their metrics and hands them
-  to their requests' asyncio queues through one `call_soon_threadsafe` per event loop and round
-  (`deliver`); `Handle.events()` reads them. The device thread goes straight on to its next
+  to their requests' sinks, one hand-over per sink and round (`deliver`): an `AsyncioSink` puts
+  them into each request's asyncio queue through one `call_soon_threadsafe` (`Handle.events()`
+  reads them); the server's engine process sends them down its pipe (`engine_process`). The device thread goes straight on to its next
   round: on a GPU a run call holds its thread until its loop ends, with the GIL released, so a
   round's outputs are handed over while the next round runs rather than between rounds, where
   the device would wait for them (JetStream's detokenizing thread beside its generate thread).
@@ -41,11 +42,10 @@ import jax
 import numpy as np
 
 from eagle_jax.decode import sampling as sampling_lib
-from eagle_jax.io import tokenization
 from eagle_jax.serve import config as config_lib
 from eagle_jax.serve import metrics as metrics_lib
+from eagle_jax.serve import request_rules as rules_lib
 from eagle_jax.serve import scheduler as scheduler_lib
-from eagle_jax.serve import text as text_lib
 
 # The steps a run call may take while every slot is held and requests wait (`SlotLoop(full_steps)`):
 # offline continuous batching's call length (`EngineConfig.steps_per_call`'s default), the figure
@@ -70,32 +70,30 @@ class Chunk:
     logprobs: list = dataclasses.field(default_factory=list)
 
 
-def refusal(mode: sampling_lib.SamplingMode, sampling: sampling_lib.Sampling) -> str:
-    """Why a server's programs (`mode`: all processors, or --greedy-only's none) cannot serve these
-    settings, naming the field and the server flag that decides it."""
-    if sampling.logprobs is not None and mode.logprobs is not None and sampling.logprobs > mode.logprobs:
-        return f"logprobs (top_logprobs) must be at most {mode.logprobs} here (--max-logprobs)"
-    asked = ((not sampling.greedy, "temperature > 0"), (sampling.penalised, "repetition, presence and frequency penalties"),
-             (sampling.min_tokens > 0, "min_tokens"), (sampling.logprobs is not None, "logprobs"))
-    what = next((name for used, name in asked if used), "these settings")
-    return f"{what}: not served by this server, which runs with --greedy-only"
+@dataclasses.dataclass(frozen=True)
+class AsyncioSink:
+    """Hands a round's items to their requests' asyncio queues on one event loop, with one wake-up
+    (sinks of one loop are equal, so `deliver` groups them)."""
+
+    loop: asyncio.AbstractEventLoop
+
+    def put_all(self, items: list[tuple["Handle", Chunk | None]]) -> None:
+        self.loop.call_soon_threadsafe(_put_all, [(handle.queue, item) for handle, item in items])
 
 
-class Handle:
-    """One request in flight: its events for the HTTP handler, and its cancellation."""
+def _put_all(pairs: list[tuple[asyncio.Queue, Chunk | None]]) -> None:
+    for queue, item in pairs:
+        queue.put_nowait(item)
 
-    def __init__(self, owner: "OnlineEngine", prompt_ids: np.ndarray, budget: int, loop: asyncio.AbstractEventLoop,
-                 sampling: sampling_lib.Sampling = sampling_lib.Sampling(), sample: int = 0):
-        self.owner, self.prompt_ids, self.budget, self.loop = owner, prompt_ids, budget, loop
-        self.sampling, self.sample = sampling, sample  # its settings; which of its request's n samples it is
-        self.prompt_tokens = len(prompt_ids)
+
+class Stream:
+    """What an HTTP handler reads of one request: its chunks (`events`), its finish reason, its cancel."""
+
+    def __init__(self, prompt_tokens: int):
+        self.prompt_tokens = prompt_tokens
         self.queue: asyncio.Queue = asyncio.Queue()
         self.finish_reason = "length"
         self.cancelled = False
-        self.arrived = time.perf_counter()
-        self.last_token: float | None = None
-        self.request_id: int | None = None  # the slot loop's, once the device thread has taken it
-        self.ended = False  # its end handed over (output thread)
 
     async def events(self):
         """Chunks until the request ends (its budget, or `cancel`)."""
@@ -110,23 +108,44 @@ class Handle:
         its slot is freed at the next device-call boundary. Idempotent."""
         if not self.cancelled:
             self.cancelled, self.finish_reason = True, reason
-            self.owner.cancel(self)
+            self._cancel(reason)
+
+    def _cancel(self, reason: str) -> None:
+        raise NotImplementedError
+
+
+class Handle(Stream):
+    """One request in flight in this process's engine: a `Stream`, and what the device thread needs.
+
+    `sink` receives its chunks and its end (`deliver`); `tag` is what the sink knows it by. Times
+    are `time.monotonic()`, one clock for every process on the machine: `arrived` may come from
+    the HTTP process when the engine runs in a process of its own.
+    """
+
+    def __init__(self, owner: "OnlineEngine", prompt_ids: np.ndarray, budget: int, sink,
+                 sampling: sampling_lib.Sampling = sampling_lib.Sampling(), sample: int = 0, tag=None,
+                 arrived: float | None = None):
+        super().__init__(len(prompt_ids))
+        self.owner, self.prompt_ids, self.budget, self.sink, self.tag = owner, prompt_ids, budget, sink, tag
+        self.sampling, self.sample = sampling, sample  # its settings; which of its request's n samples it is
+        self.arrived = time.monotonic() if arrived is None else arrived
+        self.last_token: float | None = None
+        self.request_id: int | None = None  # the slot loop's, once the device thread has taken it
+        self.ended = False  # its end handed over (output thread)
+
+    def _cancel(self, reason: str) -> None:
+        self.owner.cancel(self)
 
 
 def deliver(items: list[tuple[Handle, Chunk | None]]) -> None:
-    """Hands each (handle, chunk, or None for its end) to its handler's event loop, in order: one
-    wake-up of each loop for them all (from the device thread, once a round), not one a chunk,
-    which with 64 streams a round would be 64 thread-safe calls competing with the handlers."""
-    by_loop: dict[asyncio.AbstractEventLoop, list] = collections.defaultdict(list)
+    """Hands each (handle, chunk, or None for its end) to its handle's sink, in order: one hand-over
+    to each sink for them all (from the output thread, once a round), not one a chunk, which with
+    64 streams a round would be 64 thread-safe calls competing with the handlers."""
+    by_sink: dict = collections.defaultdict(list)
     for handle, item in items:
-        by_loop[handle.loop].append((handle.queue, item))
-    for loop, pairs in by_loop.items():
-        loop.call_soon_threadsafe(_put_all, pairs)
-
-
-def _put_all(pairs: list[tuple[asyncio.Queue, Chunk | None]]) -> None:
-    for queue, item in pairs:
-        queue.put_nowait(item)
+        by_sink[handle.sink].append((handle, item))
+    for sink, pairs in by_sink.items():
+        sink.put_all(pairs)
 
 
 class OnlineEngine:
@@ -143,12 +162,14 @@ class OnlineEngine:
 
     def __init__(self, engine, tokenizer, model_name: str, defaults: sampling_lib.Sampling = sampling_lib.Sampling(),
                  max_queue: int = 1024, seed: int = 0):
-        self.engine, self.tokenizer, self.defaults = engine, tokenizer, defaults
+        self.engine, self.tokenizer = engine, tokenizer
         self.mode = engine.config.mode_for([defaults])
         self.max_queue, self.seed = max_queue, seed
         self.eos_ids = tuple(engine.model_config.eos_token_ids)
         self.metrics = metrics_lib.Metrics(model_name, engine.config.k)
         self.max_model_len = engine.max_length
+        self.rules = rules_lib.RequestRules(tokenizer, rules_lib.Limits(
+            defaults, self.mode, engine.model_config.vocab_size, self.eos_ids, self.max_model_len))
         self.ready = False
         self._inbox: collections.deque[Handle] = collections.deque()
         self._cancelled: collections.deque[Handle] = collections.deque()
@@ -162,24 +183,30 @@ class OnlineEngine:
         self._programs = None
         self.error: BaseException | None = None  # why compiling at start failed
         self.warm_up_seconds = 0.0  # the start-up's running of each program once, after compiling
+        self.start_seconds = 0.0  # `start`'s whole time: compiling (or loading) and warming up
         self.last_device_error: Exception | None = None
 
     # -- called from the event loop -------------------------------------------------------------
     def submit(self, prompt_ids: Sequence[int], max_tokens: int | None, sampling: sampling_lib.Sampling,
-               sample: int = 0) -> Handle:
-        """Queues one request (sample `sample` of its n); `max_tokens` None takes what the context leaves."""
+               sample: int = 0, sink=None, tag=None, arrived: float | None = None) -> Handle:
+        """Queues one request (sample `sample` of its n); `max_tokens` None takes what the context leaves.
+
+        Its chunks go to `sink` (default: the calling event loop's `AsyncioSink`), which knows it by
+        `tag`; `arrived` (`time.monotonic()`, default now) is where its latencies count from.
+        """
         if self._draining:
             raise Unavailable("the server is shutting down")
         if self._programs is None:
             raise Unavailable("the server is still compiling; GET /health says when it is ready")
-        self.check_sampling(sampling)
+        self.rules.check_sampling(sampling)
         prompt = self.engine.check_prompts([prompt_ids], [1])[0]  # token ids in the vocabulary, shape
         room = self._programs.widths[-1] if self._programs else self.max_model_len // 2
         if len(prompt) > room:
             raise config_lib.InputError(f"the prompt has {len(prompt)} tokens; this server takes up to {room}")
         budget = max_tokens or self.max_model_len - len(prompt) - self.engine.headroom
         self.engine.check_prompts([prompt], [budget])
-        handle = Handle(self, prompt, budget, asyncio.get_running_loop(), sampling, sample)
+        sink = sink or AsyncioSink(asyncio.get_running_loop())
+        handle = Handle(self, prompt, budget, sink, sampling, sample, tag, arrived)
         with self._wake:
             if len(self._inbox) + self._waiting >= self.max_queue:
                 raise QueueFull(f"{self.max_queue} requests are already waiting; retry later")
@@ -192,33 +219,26 @@ class OnlineEngine:
             self._cancelled.append(handle)
             self._wake.notify()
 
-    def sampling(self, temperature: float | None = None, top_p: float | None = None, **fields) -> sampling_lib.Sampling:
-        """A request's `Sampling`: the server's defaults where it sends no temperature or top_p.
+    # What the HTTP handlers await: `engine_process.EngineProcess` answers the same, from its process.
+    async def enqueue(self, prompt_ids: Sequence[int], max_tokens: int | None, sampling: sampling_lib.Sampling,
+                      sample: int = 0) -> Handle:
+        """`submit`, from the calling event loop."""
+        return self.submit(prompt_ids, max_tokens, sampling, sample)
+
+    async def metrics_text(self) -> tuple[bytes, str]:
+        """The Prometheus exposition and its content type."""
+        return self.metrics.exposition()
+
+    async def profile(self, action: str, directory: str) -> None:
+        """Starts ("start") or stops and writes ("stop") a `jax.profiler` trace of this process.
 
         Raises:
-            ValueError: a value out of range, naming the field.
+            RuntimeError: a trace already running, or none to stop.
         """
-        return sampling_lib.Sampling(temperature=self.defaults.temperature if temperature is None else temperature,
-                                     top_p=self.defaults.top_p if top_p is None else top_p, **fields)
-
-    def check_sampling(self, sampling: sampling_lib.Sampling) -> None:
-        """Refuses settings the compiled programs cannot serve, or stop ids outside the vocabulary."""
-        if not self.mode.covers(sampling):
-            raise config_lib.InputError(refusal(self.mode, sampling))
-        vocab = self.engine.model_config.vocab_size
-        if any(i >= vocab for i in sampling.stop_token_ids):
-            raise config_lib.InputError(f"stop_token_ids must be below the vocabulary size {vocab}")
-
-    def text_stream(self, stop: Sequence[str], stop_token_ids: Sequence[int], ignore_eos: bool = False):
-        """The detokenizer and stop matcher of one request (EOS is a stop token unless ignored)."""
-        ids = tuple(stop_token_ids) + (() if ignore_eos else self.eos_ids)
-        return text_lib.TextStream(self.tokenizer, stop=stop, stop_token_ids=ids)
-
-    def encode_text(self, text: str) -> list[int]:
-        return tokenization.encode(self.tokenizer, text, chat=False)
-
-    def encode_messages(self, messages: list[dict]) -> list[int]:
-        return tokenization.encode_messages(self.tokenizer, messages)
+        if action == "start":
+            await asyncio.to_thread(jax.profiler.start_trace, directory)
+        else:  # writing a trace takes seconds: off the event loop
+            await asyncio.to_thread(jax.profiler.stop_trace)
 
     # -- lifecycle ------------------------------------------------------------------------------
     def compile(self) -> None:
@@ -246,13 +266,24 @@ class OnlineEngine:
 
     def start(self) -> None:
         """Compiles, then starts the device thread: from then on `ready`."""
+        began = time.perf_counter()
         if self._programs is None:
             self.compile()
+        self.start_seconds = time.perf_counter() - began
         self._output_thread = threading.Thread(target=self._emit, name="eagle_jax-outputs", daemon=True)
         self._output_thread.start()
         self._thread = threading.Thread(target=self._run, name="eagle_jax-device-loop", daemon=True)
         self._thread.start()
         self.ready = True
+
+    @property
+    def ready_line(self) -> str:
+        """The start-up's account, once `start` has returned: its compiling, cache and warm-up."""
+        cache = self.engine.compile_cache
+        return (f"eagle_jax: ready after {self.start_seconds:.1f} s: {cache.misses} programs compiled, "
+                f"{cache.hits} loaded from the compilation cache in {self.compile_seconds:.1f} s "
+                f"({self.engine.compiler.lowering_seconds:.1f} s of it lowering them on one thread), each run "
+                f"once in {self.warm_up_seconds:.1f} s")
 
     def drain(self, timeout: float | None = None) -> None:
         """Stops taking requests, finishes those in flight, then stops the device thread."""
@@ -348,7 +379,7 @@ class OnlineEngine:
 
     def _record(self, pairs: list[tuple[Handle | None, scheduler_lib.Event]]) -> None:
         """A round's metrics, and its chunks and ends handed to their handlers (output thread)."""
-        now = time.perf_counter()
+        now = time.monotonic()
         outbox = []
         for handle, event in pairs:
             if event.result is not None:  # cancelled ones too: their drafts were verified
@@ -390,6 +421,6 @@ class OnlineEngine:
         handle.ended = True
         if not handle.cancelled:
             handle.finish_reason = reason
-        self.metrics.e2e_latency.observe(time.perf_counter() - handle.arrived)
+        self.metrics.e2e_latency.observe(time.monotonic() - handle.arrived)
         self.metrics.finished(reason)
         outbox.append((handle, None))

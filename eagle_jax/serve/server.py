@@ -18,7 +18,6 @@ import threading
 import time
 
 import fastapi
-import jax
 from fastapi import responses
 
 from eagle_jax.serve import online as online_lib
@@ -39,13 +38,8 @@ def create_app(backend: online_lib.OnlineEngine, model_name: str, profile_dir: s
     calls and kernels; TensorBoard's profile plugin or Perfetto reads it) into that directory.
     """
     def start():
-        began = time.perf_counter()
         backend.start()
-        cache = backend.engine.compile_cache
-        print(f"eagle_jax: ready after {time.perf_counter() - began:.1f} s: {cache.misses} programs compiled, "
-              f"{cache.hits} loaded from the compilation cache in {backend.compile_seconds:.1f} s "
-              f"({backend.engine.compiler.lowering_seconds:.1f} s of it lowering them on one thread), each run "
-              f"once in {backend.warm_up_seconds:.1f} s", file=sys.stderr, flush=True)
+        print(backend.ready_line, file=sys.stderr, flush=True)
 
     @contextlib.asynccontextmanager
     async def lifespan(_):
@@ -78,22 +72,22 @@ def create_app(backend: online_lib.OnlineEngine, model_name: str, profile_dir: s
 
     @app.get("/metrics")
     async def metrics():
-        body, content_type = backend.metrics.exposition()
+        body, content_type = await backend.metrics_text()
         return responses.Response(body, media_type=content_type)
 
     if profile_dir is not None:
         @app.post("/start_profile")
-        def start_profile():  # a plain def: FastAPI runs it on a worker thread, off the event loop
+        async def start_profile():
             try:
-                jax.profiler.start_trace(profile_dir)
+                await backend.profile("start", profile_dir)
             except RuntimeError as error:  # one trace at a time
                 raise RequestError(400, f"could not start a profile: {error}") from None
             return {"status": "profiling", "dir": profile_dir}
 
         @app.post("/stop_profile")
-        def stop_profile():  # writes the trace: seconds for a long one
+        async def stop_profile():  # writes the trace: seconds for a long one
             try:
-                jax.profiler.stop_trace()
+                await backend.profile("stop", profile_dir)
             except RuntimeError as error:
                 raise RequestError(400, f"could not stop a profile: {error}") from None
             return {"status": "written", "dir": profile_dir}
@@ -101,19 +95,19 @@ def create_app(backend: online_lib.OnlineEngine, model_name: str, profile_dir: s
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "eagle_jax", "max_model_len": backend.max_model_len}]}
+                                            "owned_by": "eagle_jax", "max_model_len": backend.rules.limits.max_model_len}]}
 
     @app.post("/v1/completions")
     async def completions(body: openai_api.CompletionRequest, request: fastapi.Request):
         check_request(body, model_name, backend)
-        prompts = [backend.encode_text(p) if isinstance(p, str) else p for p in body.prompts()]
+        prompts = [backend.rules.encode_text(p) if isinstance(p, str) else p for p in body.prompts()]
         return await respond(request, body, prompts, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: openai_api.ChatCompletionRequest, request: fastapi.Request):
         check_request(body, model_name, backend)
         try:
-            prompt = backend.encode_messages([{"role": m.role, "content": m.text()} for m in body.messages])
+            prompt = backend.rules.encode_messages([{"role": m.role, "content": m.text()} for m in body.messages])
         except ValueError as error:
             raise RequestError(400, str(error), param="messages") from None
         return await respond(request, body, [prompt], chat=True)
@@ -126,7 +120,7 @@ def create_app(backend: online_lib.OnlineEngine, model_name: str, profile_dir: s
         try:
             for prompt in prompts:
                 for sample in range(body.n):  # n rows, each with its own key (seeded: Sampling.sample_seed)
-                    handles.append(backend.submit(prompt, max_tokens, sampling, sample=sample))
+                    handles.append(await backend.enqueue(prompt, max_tokens, sampling, sample=sample))
         except online_lib.QueueFull as error:
             for handle in handles:
                 handle.cancel()
@@ -151,7 +145,7 @@ def create_app(backend: online_lib.OnlineEngine, model_name: str, profile_dir: s
         return build(request_id, model_name, choices, usage)
 
     async def collect(handle, body):
-        stream_ = backend.text_stream(body.stop, body.stop_token_ids, body.ignore_eos)
+        stream_ = backend.rules.text_stream(body.stop, body.stop_token_ids, body.ignore_eos)
         pieces, logprobs, offset = [], [], 0
         async for event in handle.events():
             pieces.append(stream_.push(event.token_ids))
@@ -167,7 +161,7 @@ def create_app(backend: online_lib.OnlineEngine, model_name: str, profile_dir: s
 
     async def stream(request, request_id, body, handles, chat):
         queue: asyncio.Queue = asyncio.Queue()
-        streams = [backend.text_stream(body.stop, body.stop_token_ids, body.ignore_eos) for _ in handles]
+        streams = [backend.rules.text_stream(body.stop, body.stop_token_ids, body.ignore_eos) for _ in handles]
         offsets = [0] * len(handles)
 
         async def pump(index, handle):
@@ -255,14 +249,14 @@ def request_sampling(body, chat: bool, backend: online_lib.OnlineEngine):
         RequestError: 400 for a value out of range, or settings the server's programs do not serve.
     """
     logprobs = (body.top_logprobs or 0) if chat and body.logprobs else (None if chat else body.logprobs)
-    vocab = backend.engine.model_config.vocab_size
+    vocab = backend.rules.limits.vocab_size
     try:
-        sampling = backend.sampling(
+        sampling = backend.rules.sampling(
             temperature=body.temperature, top_p=body.top_p, top_k=min(body.top_k, vocab),  # above V: every token
             min_p=body.min_p, repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, seed=body.seed, logprobs=logprobs,
             stop_token_ids=tuple(body.stop_token_ids), ignore_eos=body.ignore_eos, min_tokens=body.min_tokens)
-        backend.check_sampling(sampling)
+        backend.rules.check_sampling(sampling)
     except ValueError as error:
         raise RequestError(400, str(error)) from None
     return sampling

@@ -1,5 +1,5 @@
 """`online.deliver`: a round's chunks reach their handlers' queues in order, with one wake-up of
-each event loop for the whole round."""
+each event loop (one hand-over to each sink) for the whole round."""
 
 import asyncio
 import threading
@@ -32,7 +32,8 @@ def drain(loop, queue):
 def test_one_wakeup_per_loop_and_round_in_order():
     loops = [CountingLoop(), CountingLoop()]
     try:
-        handles = [types.SimpleNamespace(loop=loops[i % 2], queue=asyncio.Queue()) for i in range(5)]
+        handles = [types.SimpleNamespace(sink=online.AsyncioSink(loops[i % 2]), queue=asyncio.Queue())
+                   for i in range(5)]
         first = [(handle, online.Chunk([i, i + 1])) for i, handle in enumerate(handles)]
         second = [(handle, online.Chunk([10 + i])) for i, handle in enumerate(handles)] + [(handles[3], None)]
         for items in (first, second):  # from another thread, as the device loop calls it
@@ -44,7 +45,7 @@ def test_one_wakeup_per_loop_and_round_in_order():
             loop.run_until_complete(asyncio.sleep(0))  # runs what the wake-ups scheduled
         for i, handle in enumerate(handles):
             expected = [online.Chunk([i, i + 1]), online.Chunk([10 + i])] + ([None] if i == 3 else [])
-            assert drain(handle.loop, handle.queue) == expected
+            assert drain(handle.sink.loop, handle.queue) == expected
         online.deliver([])
         assert [loop.wakeups for loop in loops] == [2, 2]  # nothing to hand over: no wake-up
     finally:

@@ -33,7 +33,8 @@ def test_the_server_sets_the_switch_interval_before_it_serves(monkeypatch, tmp_p
     monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: seen.setdefault("interval", sys.getswitchinterval()))
     before = sys.getswitchinterval()
     try:
-        assert serve_cli.serve(["--gil-switch-interval", "0.00125", "--profile-dir", str(tmp_path)]) == 0
+        assert serve_cli.serve(["--gil-switch-interval", "0.00125", "--profile-dir", str(tmp_path),
+                                "--engine-in-process"]) == 0
     finally:
         sys.setswitchinterval(before)
     assert seen["interval"] == pytest.approx(0.00125)

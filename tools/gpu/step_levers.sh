@@ -11,7 +11,8 @@
 #   bash tools/gpu/step_levers.sh peer     the peer alone (PEER_MAX_LEN: its cache, default 512)
 #   bash tools/gpu/step_levers.sh serve    the 16-slot EAGLE-3 server (k = 4) on a model of these shapes with random
 #                                          weights (benchmarks/random_model.py) and the shipped head: its run ms a
-#                                          step at 1 request/s, four requests traced, a warm restart's ready line;
+#                                          step at 1 request/s and a closed loop of 32 clients, four requests
+#                                          traced; restarted warm with --engine-in-process, the same two loads;
 #                                          then the engine's own k = 4 step on the same cache (needs
 #                                          .stage/mtbench_question.jsonl)
 #   bash tools/gpu/step_levers.sh ab       a kernel change: plain (AB_PASSES times, default 2, alternated) and k = 6 steps of this tree
@@ -59,16 +60,23 @@ case $phase in
   serve)
     export EAGLE_JAX_MTBENCH=.stage/mtbench_question.jsonl
     [ -d /tmp/random_model/model ] || python3 benchmarks/random_model.py --config "$config" --out /tmp/random_model
+    bench() {  # label, then serve_bench flags
+      local label=$1; shift
+      timeout 200 python3 benchmarks/serve_bench.py --url http://127.0.0.1:8200 --label "$label" --out "$out/serve.json" \
+        "$@" 2>&1 | grep -v -i warn | tail -1
+    }
     serve_once cold --profile-dir /tmp/server_trace
-    timeout 200 python3 benchmarks/serve_bench.py --url http://127.0.0.1:8200 --request-rate 1 --num-prompts 16 \
-      --label "eagle3 k=4, 16 slots, random weights" --out "$out/serve.json" 2>&1 | grep -v -i warn | tail -1
+    bench "eagle3 k=4, 16 slots, random weights, engine process" --request-rate 1 --num-prompts 16
+    bench "eagle3 k=4, 16 slots, random weights, engine process" --concurrency 32 --num-prompts 128
     python3 -c "import httpx; httpx.post('http://127.0.0.1:8200/start_profile', timeout=300).raise_for_status()"
-    timeout 100 python3 benchmarks/serve_bench.py --url http://127.0.0.1:8200 --request-rate 1 --num-prompts 4 \
-      --label "eagle3 k=4, 16 slots, random weights, traced" --out "$out/serve.json" 2>&1 | grep -v -i warn | tail -1
+    bench "eagle3 k=4, 16 slots, random weights, engine process, traced" --request-rate 1 --num-prompts 4
     python3 -c "import httpx; httpx.post('http://127.0.0.1:8200/stop_profile', timeout=300).raise_for_status()"
     python3 tools/gpu/server_trace_summary.py "$out" /tmp/server_trace  # its kernels a step against its run ms a step
+    cp "$(find /tmp/server_trace -name '*.trace.json.gz' | head -1)" "$out/server_trace.json.gz"
     kill -TERM $server; wait $server
-    serve_once warm
+    serve_once warm-in-process --engine-in-process
+    bench "eagle3 k=4, 16 slots, random weights, engine in the HTTP process" --request-rate 1 --num-prompts 16
+    bench "eagle3 k=4, 16 slots, random weights, engine in the HTTP process" --concurrency 32 --num-prompts 128
     kill -TERM $server; wait $server
     prof "eagle3 k=4, the engine's step, random weights" --method eagle3 --k 4 --cache-length 2048 ;;
   base)
