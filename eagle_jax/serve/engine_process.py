@@ -79,7 +79,10 @@ def serve_engine(build, args, conn) -> None:
 
     def send(message) -> None:
         with lock:
-            conn.send(message)
+            try:
+                conn.send(message)
+            except OSError:  # the HTTP process is gone: the next read drains this one
+                pass
 
     try:
         backend, tokenizer_dir = build(args)
@@ -111,7 +114,9 @@ def serve_engine(build, args, conn) -> None:
         if kind == "submit":
             _, call, request, prompt, max_tokens, sampling, sample, arrived = message
             try:
-                handles[request] = backend.submit(prompt, max_tokens, sampling, sample, sink, request, arrived)
+                handle = handles[request] = backend.submit(prompt, max_tokens, sampling, sample, sink, request, arrived)
+                if handle.ended:  # ended (and handed over) before it was listed: the sink found nothing to drop
+                    handles.pop(request, None)
                 send(("reply", call, None, None))
             except Exception as error:
                 send(("reply", call, _error_kind(error), str(error)))
