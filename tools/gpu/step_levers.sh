@@ -15,12 +15,15 @@
 #                                          traced; restarted warm with --engine-in-process, the same two loads;
 #                                          then the engine's own k = 4 step on the same cache (needs
 #                                          .stage/mtbench_question.jsonl)
+#   bash tools/gpu/step_levers.sh saturation  the same server's closed loop (32 clients) against the offline continuous
+#                                          figure on the same model and slots, the engine in its own process and in
+#                                          the HTTP process, alternated; the SM clock while it takes 1 request/s
 #   bash tools/gpu/step_levers.sh ab       a kernel change: plain (AB_PASSES times, default 2, alternated) and k = 6 steps of this tree
 #                                          and of it with .stage/kernel_base's files over it (an earlier commit's,
 #                                          at their paths), on a 2048-slot cache
 # Rows go to $OUT/profile.json and $OUT/torch_peer.jsonl; the console to $OUT/console_<phase>.txt.
 set -uo pipefail
-phase=${1:?base, pdl, repeat, cache, peer, serve or ab}
+phase=${1:?base, pdl, repeat, cache, peer, serve, saturation or ab}
 out=${OUT:?}; export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 EAGLE_JAX_CACHE_DIR=/tmp/eagle_jax_cache
 exec > >(tee -a "$out/console_$phase.txt") 2>&1
 config=.stage/smollm2_config.json
@@ -29,10 +32,13 @@ config=.stage/smollm2_config.json
   python3 -c "import jax, jaxlib, flax, torch; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'flax', flax.__version__, 'torch', torch.__version__)"
 } > /tmp/device.txt 2>&1
 cp /tmp/device.txt "$out/device.txt"; cat /tmp/device.txt
-prof() {  # label, then profile_step flags
+prof() {  # label, then profile_step flags; EAGLE-3 steps run the shipped head (a random target alone would
+  # otherwise get a random head of profile_step's own shape: 8,192 draft tokens, the target's MLP width)
   local label=$1; shift
+  local draft=(); [[ " $* " == *" eagle3 "* ]] && draft=(--draft eagle_jax/heads/smollm2-135m-instruct-eagle3)
   timeout 200 python3 benchmarks/profile_step.py --parts step_trace --decode-kernels pallas --random-target "$config" \
-    --trace-steps 64 --out "$out/profile.json" --label "$label" "$@" 2>&1 | grep -E "\] step_trace|Error|error" | tail -3
+    --trace-steps 64 --out "$out/profile.json" --label "$label" "$@" "${draft[@]}" 2>&1 \
+    | grep -E "\] step_trace|Error|error" | tail -3
 }
 peer() {  # the torch peer on random weights of the same shapes, on this GPU
   echo "== torch peer on random weights of the same shapes (torch.compile reduce-overhead + CUDA graphs)"
@@ -56,15 +62,15 @@ serve_once() {  # label [serve flags...]: starts the server, waits for /health, 
   python3 tools/gpu/wait_ready.py 8200 || { echo "server not ready"; tail -5 "$out/server_$label.log"; }
   grep -m1 "ready after" "$out/server_$label.log"
 }
+bench() {  # label, then serve_bench flags: load on the server serve_once started
+  local label=$1; shift
+  timeout 200 python3 benchmarks/serve_bench.py --url http://127.0.0.1:8200 --label "$label" --out "$out/serve.json" \
+    "$@" 2>&1 | grep -v -i warn | tail -1
+}
 case $phase in
   serve)
     export EAGLE_JAX_MTBENCH=.stage/mtbench_question.jsonl
     [ -d /tmp/random_model/model ] || python3 benchmarks/random_model.py --config "$config" --out /tmp/random_model
-    bench() {  # label, then serve_bench flags
-      local label=$1; shift
-      timeout 200 python3 benchmarks/serve_bench.py --url http://127.0.0.1:8200 --label "$label" --out "$out/serve.json" \
-        "$@" 2>&1 | grep -v -i warn | tail -1
-    }
     serve_once cold --profile-dir /tmp/server_trace
     bench "eagle3 k=4, 16 slots, random weights, engine process" --request-rate 1 --num-prompts 16
     bench "eagle3 k=4, 16 slots, random weights, engine process" --concurrency 32 --num-prompts 128
@@ -79,6 +85,36 @@ case $phase in
     bench "eagle3 k=4, 16 slots, random weights, engine in the HTTP process" --concurrency 32 --num-prompts 128
     kill -TERM $server; wait $server
     prof "eagle3 k=4, the engine's step, random weights" --method eagle3 --k 4 --cache-length 2048 ;;
+  saturation)
+    # The server's closed loop against the offline continuous figure on the same model, slots and
+    # machine, with the engine in its own process and in the HTTP process (alternated); the GPU's
+    # SM clock every 100 ms while the server takes 1 request/s.
+    export EAGLE_JAX_MTBENCH=.stage/mtbench_question.jsonl
+    [ -d /tmp/random_model/model ] || python3 benchmarks/random_model.py --config "$config" --out /tmp/random_model
+    head=eagle_jax/heads/smollm2-135m-instruct-eagle3
+    echo "== offline continuous, 16 slots, EAGLE-3 k = 4, 320 prompts of 256 tokens, EOS ignored"
+    timeout 300 python3 benchmarks/eagle.py --model /tmp/random_model/model --draft $head --method eagle3 \
+      --num_spec_tokens 4 --max_num_seqs 16 --scheduler continuous --num_prompts 320 --max_new_tokens 256 \
+      --ignore_eos --dtype bfloat16 --dataset "$EAGLE_JAX_MTBENCH" --out "$out/offline.json" 2>&1 \
+      | grep -E "tok/s|tokens/s|Error" | tail -3
+    for pass in 1 2; do
+      serve_once "process-$pass"
+      if [ $pass = 1 ]; then
+        nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,utilization.gpu --format=csv -lms 100 \
+          > "$out/gpu_clocks.csv" 2>/dev/null &
+        clocks=$!
+        bench "eagle3 k=4, 16 slots, random weights, engine process" --request-rate 1 --num-prompts 16
+        kill $clocks
+      fi
+      bench "eagle3 k=4, 16 slots, random weights, engine process" --concurrency 32 --num-prompts 256
+      kill -TERM $server; wait $server
+      serve_once "in-process-$pass" --engine-in-process
+      bench "eagle3 k=4, 16 slots, random weights, engine in the HTTP process" --concurrency 32 --num-prompts 256
+      kill -TERM $server; wait $server
+    done
+    prof "plain" --method none --cache-length 2048
+    prof "eagle3 k=6, the shipped head" --method eagle3 --k 6 --cache-length 2048
+    prof "eagle3 k=4, the shipped head" --method eagle3 --k 4 --cache-length 2048 ;;
   base)
     echo "== plain and EAGLE-3 k = 6, default flags (PTX dumped for the plain step)"
     rm -rf /tmp/dump_default
