@@ -57,10 +57,10 @@ EOF
 serve_once() {  # label [serve flags...]: starts the server, waits for /health, prints its ready line; leaves it running
   local label=$1; shift
   python3 -m eagle_jax.serve --model /tmp/random_model/model --draft eagle_jax/heads/smollm2-135m-instruct-eagle3 \
-    --dtype bfloat16 --max-num-seqs 16 --max-length 2048 --port 8200 "$@" > "$out/server_$label.log" 2>&1 &
-  server=$!
-  python3 tools/gpu/wait_ready.py 8200 || { echo "server not ready"; tail -5 "$out/server_$label.log"; }
-  grep -m1 "ready after" "$out/server_$label.log"
+    --dtype bfloat16 --max-num-seqs 16 --max-length 2048 --port 8200 "$@" > "/tmp/server_$label.log" 2>&1 &
+  server=$!  # its log stays on the machine ($OUT takes 8 files); its ready line goes to the console
+  python3 tools/gpu/wait_ready.py 8200 || { echo "server not ready"; tail -5 "/tmp/server_$label.log"; }
+  echo "$label: $(grep -m1 "ready after" "/tmp/server_$label.log")"
 }
 bench() {  # label, then serve_bench flags: load on the server serve_once started
   local label=$1; shift
@@ -97,23 +97,26 @@ case $phase in
       --num_spec_tokens 4 --max_num_seqs 16 --scheduler continuous --num_prompts 320 --max_new_tokens 256 \
       --ignore_eos --dtype bfloat16 --dataset "$EAGLE_JAX_MTBENCH" --out "$out/offline.json" 2>&1 \
       | grep -E "tok/s|tokens/s|Error" | tail -3
-    for pass in 1 2; do
-      serve_once "process-$pass"
-      if [ $pass = 1 ]; then
+    closed_loops() {  # pass: the closed loop on each server kind (the first pass also 1 request/s, clocked)
+      serve_once "process-$1"
+      if [ $1 = 1 ]; then
         nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,utilization.gpu --format=csv -lms 100 \
           > "$out/gpu_clocks.csv" 2>/dev/null &
-        clocks=$!
+        local clocks=$!
         bench "eagle3 k=4, 16 slots, random weights, engine process" --request-rate 1 --num-prompts 16
         kill $clocks
       fi
       bench "eagle3 k=4, 16 slots, random weights, engine process" --concurrency 32 --num-prompts 256
       kill -TERM $server; wait $server
-      serve_once "in-process-$pass" --engine-in-process
+      serve_once "in-process-$1" --engine-in-process
       bench "eagle3 k=4, 16 slots, random weights, engine in the HTTP process" --concurrency 32 --num-prompts 256
       kill -TERM $server; wait $server
-    done
+    }
+    # What the goals need first, should the machine's time run out: one pass, then the steps, then the second pass.
+    closed_loops 1
     prof "plain" --method none --cache-length 2048
     prof "eagle3 k=6, the shipped head" --method eagle3 --k 6 --cache-length 2048
+    closed_loops 2
     prof "eagle3 k=4, the shipped head" --method eagle3 --k 4 --cache-length 2048 ;;
   base)
     echo "== plain and EAGLE-3 k = 6, default flags (PTX dumped for the plain step)"
