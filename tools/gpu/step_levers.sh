@@ -18,12 +18,13 @@
 #   bash tools/gpu/step_levers.sh saturation  the same server's closed loop (32 clients) against the offline continuous
 #                                          figure on the same model and slots, the engine in its own process and in
 #                                          the HTTP process, alternated; the SM clock while it takes 1 request/s
+#   bash tools/gpu/step_levers.sh shipped  plain, then EAGLE-3 k = 6 and k = 4 with the shipped head, on a 2048-slot cache
 #   bash tools/gpu/step_levers.sh ab       a kernel change: plain (AB_PASSES times, default 2, alternated) and k = 6 steps of this tree
 #                                          and of it with .stage/kernel_base's files over it (an earlier commit's,
 #                                          at their paths), on a 2048-slot cache
 # Rows go to $OUT/profile.json and $OUT/torch_peer.jsonl; the console to $OUT/console_<phase>.txt.
 set -uo pipefail
-phase=${1:?base, pdl, repeat, cache, peer, serve, saturation or ab}
+phase=${1:?base, pdl, repeat, cache, peer, serve, saturation, shipped or ab}
 out=${OUT:?}; export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 EAGLE_JAX_CACHE_DIR=/tmp/eagle_jax_cache
 exec > >(tee -a "$out/console_$phase.txt") 2>&1
 config=.stage/smollm2_config.json
@@ -117,6 +118,10 @@ case $phase in
     prof "plain" --method none --cache-length 2048
     prof "eagle3 k=6, the shipped head" --method eagle3 --k 6 --cache-length 2048
     closed_loops 2
+    prof "eagle3 k=4, the shipped head" --method eagle3 --k 4 --cache-length 2048 ;;
+  shipped)
+    prof "plain" --method none --cache-length 2048
+    prof "eagle3 k=6, the shipped head" --method eagle3 --k 6 --cache-length 2048
     prof "eagle3 k=4, the shipped head" --method eagle3 --k 4 --cache-length 2048 ;;
   base)
     echo "== plain and EAGLE-3 k = 6, default flags (PTX dumped for the plain step)"
