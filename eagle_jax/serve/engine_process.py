@@ -294,9 +294,9 @@ class EngineProcess:
                 if not handle.cancelled:
                     handle.finish_reason = item[1]
                 item = None
-            by_loop.setdefault(loop, []).append((handle.queue, item))
+            by_loop.setdefault(loop, []).append((handle, item))
         for loop, pairs in by_loop.items():
-            loop.call_soon_threadsafe(online_lib._put_all, pairs)
+            online_lib.AsyncioSink(loop).put_all(pairs)
 
     def _end_all(self) -> None:
         """The engine process is gone: whatever waits on it ends ("error" for requests in flight)."""

@@ -9,10 +9,11 @@ thread, because a device call blocks. They meet in two places:
 * Each round's new token ids go to an output thread, which records their metrics and hands them
   to their requests' sinks, one hand-over per sink and round (`deliver`): an `AsyncioSink` puts
   them into each request's asyncio queue through one `call_soon_threadsafe` (`Handle.events()`
-  reads them); the server's engine process sends them down its pipe (`engine_process`). The device thread goes straight on to its next
-  round: on a GPU a run call holds its thread until its loop ends, with the GIL released, so a
-  round's outputs are handed over while the next round runs rather than between rounds, where
-  the device would wait for them (JetStream's detokenizing thread beside its generate thread).
+  reads them); the server's engine process sends them down its pipe (`engine_process`). The
+  device thread goes straight on to its next round: on a GPU a run call holds its thread until
+  its loop ends, with the GIL released, so a round's outputs are handed over while the next
+  round runs rather than between rounds, where the device would wait for them (JetStream's
+  detokenizing thread beside its generate thread).
 
 Everything the server will run is compiled in `start`, before `/health` says ready: the slot
 programs (every prefill width, the insert, the run loops) for the engine's fixed sampling mode,

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP server: FastAPI routes over one `online.OnlineEngine`.
+"""The OpenAI-compatible HTTP server: FastAPI routes over one engine, an `online.OnlineEngine` in
+this process or an `engine_process.EngineProcess` beside it (what `python -m eagle_jax.serve` runs).
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (both streamed as server-sent events
 ending `data: [DONE]` when asked), `GET /v1/models`, `GET /health` (503 until the engine has
@@ -30,12 +31,14 @@ class RequestError(Exception):
         self.status, self.message, self.kind, self.param = status, message, kind, param
 
 
-def create_app(backend: online_lib.OnlineEngine, model_name: str, profile_dir: str | None = None) -> fastapi.FastAPI:
-    """The app serving `backend` under the model id `model_name`.
+def create_app(backend, model_name: str, profile_dir: str | None = None) -> fastapi.FastAPI:
+    """The app serving `backend` (an `OnlineEngine` or an `EngineProcess`: what the routes use of
+    either is `rules`, `ready`, `error`, `ready_line`, `start`, `drain`, `enqueue`, `metrics_text`
+    and `profile`) under the model id `model_name`.
 
     `profile_dir`: adds POST /start_profile and /stop_profile (as vLLM and SGLang name them), which
-    record a `jax.profiler` trace of everything the process runs in between (the device loop's
-    calls and kernels; TensorBoard's profile plugin or Perfetto reads it) into that directory.
+    record a `jax.profiler` trace of everything the engine's process runs in between (the device
+    loop's calls and kernels; TensorBoard's profile plugin or Perfetto reads it) into that directory.
     """
     def start():
         backend.start()
@@ -94,8 +97,9 @@ def create_app(backend: online_lib.OnlineEngine, model_name: str, profile_dir: s
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "eagle_jax", "max_model_len": backend.rules.limits.max_model_len}]}
+        card = {"id": model_name, "object": "model", "created": created, "owned_by": "eagle_jax",
+                "max_model_len": backend.rules.limits.max_model_len}
+        return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions")
     async def completions(body: openai_api.CompletionRequest, request: fastapi.Request):
@@ -107,7 +111,8 @@ def create_app(backend: online_lib.OnlineEngine, model_name: str, profile_dir: s
     async def chat_completions(body: openai_api.ChatCompletionRequest, request: fastapi.Request):
         check_request(body, model_name, backend)
         try:
-            prompt = backend.rules.encode_messages([{"role": m.role, "content": m.text()} for m in body.messages])
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            prompt = backend.rules.encode_messages(messages)
         except ValueError as error:
             raise RequestError(400, str(error), param="messages") from None
         return await respond(request, body, [prompt], chat=True)
@@ -242,7 +247,7 @@ def check_request(body: openai_api.SamplingFields, model_name: str, backend) -> 
                            "invalid_request_error", "model")
 
 
-def request_sampling(body, chat: bool, backend: online_lib.OnlineEngine):
+def request_sampling(body, chat: bool, backend):
     """One request's `Sampling` (its stop strings stay with the host's text stream; n with `respond`).
 
     Raises:
