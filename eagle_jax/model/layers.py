@@ -323,13 +323,18 @@ def summed(x) -> jax.Array:
 
 
 def residual_mlp(x: jax.Array, norm: RMSNorm, mlp: MLP, decode_kernels: str = "xla") -> jax.Array:
-    """x + mlp(norm(x)), in two fused kernels when `uses_decode_kernels` says so."""
+    """x + mlp(norm(x)), in two fused kernels when `uses_decode_kernels` says so (a draft head's
+    MLP). In a one-row call down_proj runs split-K, its parts added in XLA: a whole-column kernel
+    runs few programs over the head's long K (3,072 in the shipped EAGLE-3 head's MLP)."""
     if not uses_decode_kernels(decode_kernels, x, mlp.gate_up_proj, mlp.down_proj):
         return x + mlp(norm(x))
     implementation = fused_kernels(decode_kernels)
     hidden = fused_linear.norm_gate_up(x, norm.weight[...], norm.eps, mlp.gate_up_proj.kernel[...],
                                        implementation=implementation)
-    return fused_linear.linear_residual(hidden, mlp.down_proj.kernel[...], x, implementation=implementation)
+    if math.prod(x.shape[:-1]) > SPLIT_K_MAX_ROWS:
+        return fused_linear.linear_residual(hidden, mlp.down_proj.kernel[...], x, implementation=implementation)
+    parts = fused_linear.linear_parts(hidden, mlp.down_proj.kernel[...], implementation=implementation)
+    return fused_linear.add_parts(x, parts)
 
 
 def uses_decode_kernels(decode_kernels: str, x: jax.Array, *linears: nnx.Linear) -> bool:
