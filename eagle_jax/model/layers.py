@@ -275,7 +275,7 @@ class DecoderLayer(nnx.Module):
         norm = self.post_attention_layernorm
         hidden = fused_linear.norm_gate_up(x, norm.weight[...], norm.eps, mlp.gate_up_proj.kernel[...],
                                            implementation=implementation)
-        if x.shape[0] * x.shape[1] > SPLIT_K_MAX_ROWS:
+        if not splits_down_proj(x):
             return fused_linear.linear_residual(hidden, mlp.down_proj.kernel[...], x,
                                                 implementation=implementation), keys, values
         down_parts = fused_linear.linear_parts(hidden, mlp.down_proj.kernel[...], implementation=implementation)
@@ -299,6 +299,11 @@ class DecoderLayer(nnx.Module):
 # split against 775-800 whole, while an EAGLE-3 k = 6 step, whose 7-row verify then split too,
 # kept 20 us more busy time (996 against 975-976).
 SPLIT_K_MAX_ROWS = 1
+
+
+def splits_down_proj(x: jax.Array) -> bool:
+    """Whether a fused call on x [..., D] runs down_proj split-K: at most `SPLIT_K_MAX_ROWS` token rows."""
+    return math.prod(x.shape[:-1]) <= SPLIT_K_MAX_ROWS
 
 
 class PendingResidual(NamedTuple):
@@ -331,7 +336,7 @@ def residual_mlp(x: jax.Array, norm: RMSNorm, mlp: MLP, decode_kernels: str = "x
     implementation = fused_kernels(decode_kernels)
     hidden = fused_linear.norm_gate_up(x, norm.weight[...], norm.eps, mlp.gate_up_proj.kernel[...],
                                        implementation=implementation)
-    if math.prod(x.shape[:-1]) > SPLIT_K_MAX_ROWS:
+    if not splits_down_proj(x):
         return fused_linear.linear_residual(hidden, mlp.down_proj.kernel[...], x, implementation=implementation)
     parts = fused_linear.linear_parts(hidden, mlp.down_proj.kernel[...], implementation=implementation)
     return fused_linear.add_parts(x, parts)

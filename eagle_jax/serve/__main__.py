@@ -83,7 +83,7 @@ def serve(argv=None) -> int:
         import uvicorn
     except ModuleNotFoundError as error:
         script_errors.fail(f"the server needs {error.name}; install it with: pip install -e \".[serve]\"")
-    from eagle_jax.serve import engine_process, launch, server
+    from eagle_jax.serve import engine_process, server
 
     args = parse_args(argv)
     # The device thread releases the interpreter while a device call runs and needs it back the
@@ -93,14 +93,15 @@ def serve(argv=None) -> int:
     sys.setswitchinterval(args.gil_switch_interval)
     if args.engine_in_process:
         backend = build(args)[0]
-    else:
-        backend = engine_process.EngineProcess(launch.build, args)
+    else:  # the spawned process imports `build` by name (`launch.build`)
+        backend = engine_process.EngineProcess(build, args)
         print(f"eagle_jax: the engine runs in process {backend.process.pid}", file=sys.stderr, flush=True)
         import jax  # this process never runs a program: keep it off the accelerator the engine holds
 
         jax.config.update("jax_platforms", "cpu")
-    app = server.create_app(backend, served_name(args), args.profile_dir)
-    print(f"eagle_jax: serving {served_name(args)} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    name = served_name(args)
+    app = server.create_app(backend, name, args.profile_dir)
+    print(f"eagle_jax: serving {name} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=600)
     return 0
 

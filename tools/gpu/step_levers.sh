@@ -68,6 +68,11 @@ bench() {  # label, then serve_bench flags: load on the server serve_once starte
   timeout 200 python3 benchmarks/serve_bench.py --url http://127.0.0.1:8200 --label "$label" --out "$out/serve.json" \
     "$@" 2>&1 | grep -v -i warn | tail -1
 }
+shipped_steps() {  # plain, then the shipped EAGLE-3 head's k = 6 and k = 4, on a 2048-slot cache
+  prof "plain" --method none --cache-length 2048
+  prof "eagle3 k=6, the shipped head" --method eagle3 --k 6 --cache-length 2048
+  prof "eagle3 k=4, the shipped head" --method eagle3 --k 4 --cache-length 2048
+}
 case $phase in
   serve)
     export EAGLE_JAX_MTBENCH=.stage/mtbench_question.jsonl
@@ -115,14 +120,9 @@ case $phase in
     }
     # What the goals need first, should the machine's time run out: one pass, then the steps, then the second pass.
     closed_loops 1
-    prof "plain" --method none --cache-length 2048
-    prof "eagle3 k=6, the shipped head" --method eagle3 --k 6 --cache-length 2048
-    closed_loops 2
-    prof "eagle3 k=4, the shipped head" --method eagle3 --k 4 --cache-length 2048 ;;
-  shipped)
-    prof "plain" --method none --cache-length 2048
-    prof "eagle3 k=6, the shipped head" --method eagle3 --k 6 --cache-length 2048
-    prof "eagle3 k=4, the shipped head" --method eagle3 --k 4 --cache-length 2048 ;;
+    shipped_steps
+    closed_loops 2 ;;
+  shipped) shipped_steps ;;
   base)
     echo "== plain and EAGLE-3 k = 6, default flags (PTX dumped for the plain step)"
     rm -rf /tmp/dump_default
