@@ -6,7 +6,8 @@
 # docs/serving.md. Carried as
 # .stage/queue.sh with the serve extra's wheels (fastapi, starlette, pydantic, pydantic-core,
 # annotated-types, typing-inspection, annotated-doc, opentelemetry-api, typing-extensions,
-# uvicorn) installed into /tmp/site; launch.sh runs it.
+# uvicorn) installed into /tmp/site; launch.sh runs it. QUEUE=goals (in the queue's environment:
+# the carried queue can set it) runs only what the serving and decode-step goals need.
 # A server variant, set per `serve` call, tells what a change of the host loop is worth:
 #   CODE=DIR    the server's code from DIR (holding eagle_jax/). The queue builds one (`overlay`)
 #               from this tree with the files of /root/stage/base_overlay over it (carried: an
@@ -91,6 +92,33 @@ step() {  # label code [profile_step flags...]
     --trace-steps 64 --cache-length 2048 --dtype bfloat16 --label "$label" --out $R/profile.json "$@" 2>&1 \
     | grep -E "step_trace|Error" | tail -2
 }
+if [ "${QUEUE:-full}" = goals ]; then
+  # The goals' figures and nothing else: the batch-1 steps (plain, the shipped head's k = 6 and k = 4,
+  # each beside kernel_base's), the peer, the 16-slot servers at 1 request/s and in a closed loop,
+  # the offline figure with the same slots, MT-Bench at batch 1; then the steps' second pass.
+  steps() {
+    step "this tree" $W --method none
+    [ -n "$kbase" ] && step "kernel base" $kbase --method none
+    for k in 6 4; do
+      step "this tree" $W --method eagle3 --k $k
+      [ -n "$kbase" ] && step "kernel base" $kbase --method eagle3 --k $k
+    done
+  }
+  steps
+  echo "== torch peer ($(date -u +%T))"
+  timeout 300 python3 /root/stage/torch_step_peer.py --model $hf --batch 1 --k 6 --max-len 2048 --out $R/torch_peer.jsonl \
+    2>&1 | grep -v -i warn | tail -6
+  serve eagle3-16 16 1 32 --method eagle3
+  serve plain-16 16 1 32 --num-speculative-tokens 0
+  off "EOS ignored" 16 --method eagle3,none --num_spec_tokens 4 --ignore_eos
+  echo "== MT-Bench at batch 1, plain and EAGLE-3 k = 6 ($(date -u +%T))"
+  timeout 300 python3 benchmarks/eagle.py --method none,eagle3 --num_spec_tokens 6 --num_prompts 80 --max_new_tokens 256 \
+    --out $R/mtbench.json 2>&1 | grep -E "tok/s|tokens/s|Error" | tail -4
+  steps
+  echo "queue end $(date -u +%T)"
+  echo BENCH DONE
+  exit 0
+fi
 step "this tree" $W --method none
 [ -n "$kbase" ] && step "kernel base" $kbase --method none
 [ -n "$kvariant" ] && step "kernel variant" $kvariant --method none
