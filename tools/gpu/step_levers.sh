@@ -21,7 +21,8 @@
 #   bash tools/gpu/step_levers.sh shipped  plain, then EAGLE-3 k = 6 and k = 4 with the shipped head, on a 2048-slot cache
 #   bash tools/gpu/step_levers.sh ab       a kernel change: plain (AB_PASSES times, default 2, alternated) and k = 6 steps of this tree
 #                                          and of it with .stage/kernel_base's files over it (an earlier commit's,
-#                                          at their paths), on a 2048-slot cache
+#                                          at their paths), on a 2048-slot cache; k = 6 with .stage/kernel_variant's
+#                                          files over this tree too, if carried
 # Rows go to $OUT/profile.json and $OUT/torch_peer.jsonl; the console to $OUT/console_<phase>.txt.
 set -uo pipefail
 phase=${1:?base, pdl, repeat, cache, peer, serve, saturation, shipped or ab}
@@ -161,6 +162,11 @@ case $phase in
       PYTHONPATH=/tmp/site:$base prof "plain, kernel base, pass $pass" --method none --cache-length 2048
     done
     prof "eagle3 k=6, this tree" --method eagle3 --k 6 --cache-length 2048
-    PYTHONPATH=/tmp/site:$base prof "eagle3 k=6, kernel base" --method eagle3 --k 6 --cache-length 2048 ;;
+    PYTHONPATH=/tmp/site:$base prof "eagle3 k=6, kernel base" --method eagle3 --k 6 --cache-length 2048
+    if [ -d .stage/kernel_variant ]; then  # a second change's files over this tree, beside the first
+      variant=/tmp/kernel_variant_tree
+      rm -rf $variant && mkdir -p $variant && cp -r eagle_jax $variant/ && cp -r .stage/kernel_variant/. $variant/
+      PYTHONPATH=/tmp/site:$variant prof "eagle3 k=6, kernel variant" --method eagle3 --k 6 --cache-length 2048
+    fi ;;
 esac
 echo "$phase DONE"
