@@ -20,8 +20,6 @@ the kernels' `Tiling`.
 from __future__ import annotations
 
 import dataclasses
-import typing
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -134,46 +132,10 @@ class Tiling:
 FEW_ROWS = Tiling(block_s=256, num_warps=8, splits=4)  # `Tiling.for_rows` up to 8 rows
 
 
-class AttentionParts(NamedTuple):
-    """The split kernel's float32 partials, not merged yet: `attend(..., combine=False)` with the
-    cache split. o_proj's kernel merges them as it loads its input
-    (`fused_linear.merged_linear_residual`), so the combine kernel's launch is saved; `merged`
-    runs that kernel for any other reader.
-
-    Attributes:
-        outputs, maxima, sums: [B, K Q, P, M', H'] and [B, K Q, P, M'] (`decode_attention_pallas`).
-        shape: attended's (B, T, N, H).
-        num_kv_heads, dtype, tiling, interpret: the call's (dtype: qkv's).
-    """
-
-    outputs: jax.Array
-    maxima: jax.Array
-    sums: jax.Array
-    shape: tuple[int, int, int, int]
-    num_kv_heads: int
-    dtype: typing.Any
-    tiling: Tiling
-    interpret: bool
-
-    def merged(self) -> jax.Array:
-        """attended [B, T, N, H] in the call's dtype: the combine kernel."""
-        batch, length, num_heads, head_dim = self.shape
-        return decode_attention_pallas.combine_call(self.outputs, self.maxima, self.sums, (batch, length), num_heads,
-                                                    self.num_kv_heads, head_dim, self.dtype, self.interpret,
-                                                    self.tiling)
-
-    def layout(self) -> dict:
-        """Where attended's elements lie in the partials: `decode_attention_pallas.merged_tile`'s settings."""
-        _, length, num_heads, head_dim = self.shape
-        group = num_heads // self.num_kv_heads
-        per_block, blocks = self.tiling.token_blocks(length, group)
-        return dict(length=length, group=group, per_block=per_block, blocks=blocks, head_dim=head_dim)
-
-
 def attend(qkv: jax.Array, positions: jax.Array, keys: jax.Array, values: jax.Array, *, num_heads: int,
            num_kv_heads: int, head_dim: int, inv_freq: np.ndarray, attend_length: int | None = None,
            implementation: str = "xla", interpret: bool | None = None, tiling: Tiling | None = None,
-           new_visible: jax.Array | None = None, combine: bool = True) -> tuple:
+           new_visible: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Rotary on q and k, the new keys and values written into the cache, then causal (or tree) attention.
 
     Args:
@@ -193,10 +155,8 @@ def attend(qkv: jax.Array, positions: jax.Array, keys: jax.Array, values: jax.Ar
             None: `Tiling.for_rows(B)`.
         new_visible: [B, T, T] bool, which new tokens each one sees (a tree's ancestors, itself
             included), in place of causal order; every older slot stays visible to every token.
-        combine: False: with the cache split (Pallas), return the partials unmerged, as
-            `AttentionParts` in attended's place, for o_proj's kernel to merge.
     Returns:
-        (attended [B, T, N, H] in qkv's dtype, or its `AttentionParts`; updated keys, updated values).
+        (attended [B, T, N, H] in qkv's dtype, updated keys, updated values).
     """
     batch, length, width = qkv.shape
     cache_length = keys.shape[1]
@@ -224,9 +184,9 @@ def attend(qkv: jax.Array, positions: jax.Array, keys: jax.Array, values: jax.Ar
     if tiling.splits == 1:
         return results
     outputs, keys, values, maxima, sums = results
-    parts = AttentionParts(outputs, maxima, sums, (batch, length, num_heads, head_dim), num_kv_heads, qkv.dtype, tiling,
-                           interpret)
-    return (parts.merged() if combine else parts), keys, values
+    attended = decode_attention_pallas.combine_call(outputs, maxima, sums, (batch, length), num_heads, num_kv_heads,
+                                                    head_dim, qkv.dtype, interpret, tiling)
+    return attended, keys, values
 
 
 def _reference(heads, positions, keys, values, num_heads: int, inv_freq: np.ndarray, read: int, new_visible=None):

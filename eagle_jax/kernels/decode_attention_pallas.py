@@ -135,41 +135,8 @@ def _merge(state: tuple, partial: tuple) -> tuple:
     (maximum, total, out), (other_maximum, other_total, other_out) = state, partial
     new_maximum = jnp.maximum(maximum, other_maximum)
     correction, other_correction = jnp.exp(maximum - new_maximum), jnp.exp(other_maximum - new_maximum)
-    # Per query row [M] against outputs [M, H'], or element by element (`merged_tile`'s [R, F]).
-    spread = (lambda c: c) if correction.ndim == out.ndim else (lambda c: c[:, None])
     return (new_maximum, total * correction + other_total * other_correction,
-            out * spread(correction) + other_out * spread(other_correction))
-
-
-def merged_tile(outputs_ref, maxima_ref, sums_ref, tokens, features, *, length: int, group: int, per_block: int,
-                blocks: int, head_dim: int, limits: tuple[int, int]) -> jax.Array:
-    """[R, F] float32 of attended, the split kernel's partials merged as `combine_call` merges them,
-    read straight from the partials (outputs [B, K Q, P, M', H'], maxima and sums [B, K Q, P, M'])
-    at token rows `tokens` [R] (row b t = b T + t) and input features `features` [F] of o_proj
-    (feature n H + d: query head n, dim d); zeros outside `limits` (B T rows, N H features).
-
-    Feature n H + d of token t lies in program (n // G) Q + t // T' (its kv head and token block),
-    block row (t % T') G + n % G (`_query_rows`), column d. The merge runs element by element, each
-    element's maxima and sums loaded beside it: more loads than the combine kernel's, all of a few
-    KB that o_proj's programs share in L2, where the combine kernel costs a launch a layer.
-    """
-    tokens, features = tokens[:, None], features[None, :]
-    row, token = tokens // length, tokens % length
-    head, column = features // head_dim, features % head_dim
-    program = (head // group) * blocks + token // per_block
-    block_row = (token % per_block) * group + head % group
-    real = (tokens < limits[0]) & (features < limits[1])
-
-    def partial(part: int) -> tuple:
-        index = (row, program, jnp.int32(part), block_row)
-        return (_load(maxima_ref, index, real), _load(sums_ref, index, real),
-                _load(outputs_ref, (*index, column), real))
-
-    state = partial(0)
-    for part in range(1, outputs_ref.shape[2]):  # P is small and static: unrolled, in combine_call's order
-        state = _merge(state, partial(part))
-    _, total, out = state
-    return jnp.where(real, out / jnp.where(real, total, 1.0), 0.0)  # padding: no 0 / 0 to reach the dot
+            out * correction[:, None] + other_out * other_correction[:, None])
 
 
 def attention_call(heads, positions, keys, values, num_heads: int, inv_freq: np.ndarray, read: int,

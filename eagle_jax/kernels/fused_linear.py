@@ -44,9 +44,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from eagle_jax.kernels import decode_attention
-from eagle_jax.kernels import decode_attention_pallas
-
 IMPLEMENTATIONS = ("xla", "pallas")
 # The most rows the model sends to these kernels, in one block of rows: a decode step of up to 32
 # rows, a chain's verify, an EAGLE-2 tree's verify of up to 31 drafted nodes and its root.
@@ -152,32 +149,6 @@ def linear_residual(x: jax.Array, weight: jax.Array, residual: jax.Array, *, imp
         return residual + _linear(x, weight)
     rows = residual.reshape(-1, weight.shape[1])  # [M, N]
     return _call(_linear_residual_kernel, "linear_residual", x, (weight, rows), weight.shape[1], interpret, tiling)
-
-
-def merged_linear_residual(parts: decode_attention.AttentionParts, weight: jax.Array, residual: jax.Array, *,
-                           tiling: Tiling = Tiling()) -> jax.Array:
-    """residual + attended @ weight, attended being the split attention kernel's partials merged: o_proj
-    (Pallas only) in one kernel with the attention's combine, which every program does for the
-    rows and features it loads (`decode_attention_pallas.merged_tile`).
-
-    Args:
-        parts: `decode_attention.attend(..., combine=False)`'s partials of attended [B, T, N, H].
-        weight: [N H, D].
-        residual: [B, T, D] in the attention's dtype.
-        tiling: as `norm_linear`'s.
-    Returns:
-        [B, T, D]: `linear_residual(parts.merged().reshape(B, T, N H), weight, residual)`.
-    """
-    batch, length, num_heads, head_dim = parts.shape
-    if weight.ndim != 2 or weight.shape[0] != num_heads * head_dim:
-        raise ValueError(f"weight shape {weight.shape} does not take attended of shape {parts.shape}")
-    if residual.shape != (batch, length, weight.shape[1]) or residual.dtype != parts.dtype:
-        raise ValueError(f"residual {residual.shape} {residual.dtype} does not fit attended {parts.shape} "
-                         f"{parts.dtype} @ weight {weight.shape}")
-    rows = residual.reshape(-1, weight.shape[1])  # [M, D]: sets the rows and dtype of the call
-    return _call(_merged_linear_residual_kernel, "merged_linear_residual", residual,
-                 (parts.outputs, parts.maxima, parts.sums, weight, rows), weight.shape[1], parts.interpret, tiling,
-                 layout=tuple(sorted(parts.layout().items())))
 
 
 def linear_parts(x: jax.Array, weight: jax.Array, *, implementation: str = "xla", interpret: bool | None = None,
@@ -444,33 +415,11 @@ def _norm_gate_up_kernel(x_ref, norm_ref, w_ref, out_ref, *, eps: float, tiling:
 
 
 def _linear_residual_kernel(x_ref, w_ref, residual_ref, out_ref, *, tiling: Tiling):
-    row, _ = _origin(tiling)
-    _plus_residual(lambda k: _tile(x_ref, (row, k), (tiling.block_m, tiling.block_k)), w_ref, residual_ref, out_ref,
-                   tiling)
-
-
-def _merged_linear_residual_kernel(_, outputs_ref, maxima_ref, sums_ref, w_ref, residual_ref, out_ref, *,
-                                   tiling: Tiling, layout: tuple):
-    """`_linear_residual_kernel` whose input rows are merged from the attention's partials as they
-    load; the first ref (the residual again, which `_call` takes for the call's rows) is unused."""
-    row, _ = _origin(tiling)
-    tokens, limits = row + jnp.arange(tiling.block_m), (residual_ref.shape[0], w_ref.shape[0])
-
-    def rows(k):
-        features = k + jnp.arange(tiling.block_k)
-        attended = decode_attention_pallas.merged_tile(outputs_ref, maxima_ref, sums_ref, tokens, features,
-                                                       limits=limits, **dict(layout))
-        return attended.astype(out_ref.dtype)  # rounded as the combine kernel stores attended
-
-    _plus_residual(rows, w_ref, residual_ref, out_ref, tiling)
-
-
-def _plus_residual(rows_at, w_ref, residual_ref, out_ref, tiling: Tiling) -> None:
-    """Stores residual + rows @ w for the program's block (rows from `rows_at(k)`, as `_project`)."""
     row, column = _origin(tiling)
+    rows = lambda k: _tile(x_ref, (row, k), (tiling.block_m, tiling.block_k))
     # Loaded before the weights' loop, so its round trip overlaps the loop instead of following it.
     residual = _tile(residual_ref, (row, column), (tiling.block_m, tiling.block_n)).astype(jnp.float32)
-    [out] = _project(rows_at, w_ref, [(column, w_ref.shape[1])], tiling)
+    [out] = _project(rows, w_ref, [(column, w_ref.shape[1])], tiling)
     # Rounded to dtype before the add, as the unfused linear layer's output is.
     _store(out_ref, (row, column), (out.astype(out_ref.dtype).astype(jnp.float32) + residual).astype(out_ref.dtype))
 

@@ -260,8 +260,7 @@ class DecoderLayer(nnx.Module):
         """The cached call with the fused linear kernels: norm + qkv_proj (summing the previous
         layer's pending residual), attention, o_proj + residual, norm + gate_up_proj + silu,
         down_proj: at one row its partial sums, returned pending; past `SPLIT_K_MAX_ROWS` rows
-        down_proj + residual. Five kernels with the attention kernel, whose split's partials o_proj's
-        kernel merges as it loads them (no combine kernel)."""
+        down_proj + residual. Five kernels with the attention kernel (and its split's combine)."""
         attention, mlp = self.self_attn, self.mlp
         implementation = fused_kernels(kernels.decode_kernels)
         norm, weight = self.input_layernorm, attention.qkv_proj.kernel[...]
@@ -270,12 +269,9 @@ class DecoderLayer(nnx.Module):
                                               implementation=implementation)
         else:
             qkv = fused_linear.norm_linear(x, norm.weight[...], norm.eps, weight, implementation=implementation)
-        attended, keys, values = self._attend(qkv, positions, keys, values, mask, attend_length, kernels, combine=False)
-        if isinstance(attended, decode_attention.AttentionParts):  # the split's combine done as o_proj loads
-            x = fused_linear.merged_linear_residual(attended, attention.o_proj.kernel[...], x)
-        else:
-            x = fused_linear.linear_residual(attended.reshape(*x.shape[:2], -1), attention.o_proj.kernel[...], x,
-                                             implementation=implementation)
+        attended, keys, values = self._attend(qkv, positions, keys, values, mask, attend_length, kernels)
+        x = fused_linear.linear_residual(attended.reshape(*x.shape[:2], -1), attention.o_proj.kernel[...], x,
+                                         implementation=implementation)
         norm = self.post_attention_layernorm
         hidden = fused_linear.norm_gate_up(x, norm.weight[...], norm.eps, mlp.gate_up_proj.kernel[...],
                                            implementation=implementation)
@@ -286,16 +282,14 @@ class DecoderLayer(nnx.Module):
         return PendingResidual(x, down_parts), keys, values
 
     def _attend(self, qkv, positions, keys, values, mask: SlotMask | None, attend_length: int | None,
-                kernels: Kernels, combine: bool = True):
+                kernels: Kernels):
         """Attention from the fused [q | k | v] projection: the Pallas kernel where
         `uses_attention_kernel` says so (a tree's verify too when its SlotMask carries `among_new`:
         the kernel then reads which new tokens a query sees from it); other masks, and every call
-        under "pallas_linear", attend in XLA. combine=False: a split kernel's partials come back
-        unmerged (`decode_attention.AttentionParts`)."""
+        under "pallas_linear", attend in XLA."""
         attention = self.self_attn
         if uses_attention_kernel(kernels.decode_kernels, qkv, mask, attention):
-            return kernel_attend(attention, qkv, positions, keys, values, mask, attend_length, kernels.attention_tiling,
-                                 combine)
+            return kernel_attend(attention, qkv, positions, keys, values, mask, attend_length, kernels.attention_tiling)
         q, k, v = attention.split_heads(qkv, positions)
         return attention.attend(q, k, v, positions, keys, values, mask, attend_length)
 
@@ -371,14 +365,12 @@ def uses_attention_kernel(decode_kernels: str, x: jax.Array, mask: SlotMask | No
 
 
 def kernel_attend(attention: Attention, qkv: jax.Array, positions: jax.Array, keys: jax.Array, values: jax.Array,
-                  mask: SlotMask | None, attend_length: int | None, tiling: decode_attention.Tiling | None,
-                  combine: bool = True):
+                  mask: SlotMask | None, attend_length: int | None, tiling: decode_attention.Tiling | None):
     """`attention`'s cached attention from qkv_proj's output in the Pallas kernel (where
-    `uses_attention_kernel`): (attended [B, T, N, H], keys, values), before o_proj; combine=False:
-    a split kernel's partials in attended's place (`decode_attention.attend`)."""
+    `uses_attention_kernel`): (attended [B, T, N, H], keys, values), before o_proj."""
     return decode_attention.attend(
         qkv, positions, keys, values, num_heads=attention.num_heads, num_kv_heads=attention.num_kv_heads,
         head_dim=attention.head_dim, inv_freq=rotary.rope_inverse_frequencies(*attention.rope),
         attend_length=attend_length, implementation="pallas", tiling=tiling,
-        new_visible=None if mask is None else mask.among_new, combine=combine)
+        new_visible=None if mask is None else mask.among_new)
 

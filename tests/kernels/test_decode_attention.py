@@ -2,8 +2,8 @@
 against the XLA reference, and in the model.
 
 On CPU the kernel runs in Pallas interpret mode; lowering it for CUDA checks, without a GPU, that
-the decoder layer's program holds five Triton calls (with the cache split over programs too: o_proj's
-kernel merges the parts) and that the attention call updates the caches in place.
+the decoder layer's program holds five Triton calls (six with the cache split over programs) and
+that the attention call updates the caches in place.
 """
 
 import functools
@@ -27,7 +27,6 @@ from eagle_jax.serve import device_calls
 from eagle_jax.decode import tree as tree_lib
 from eagle_jax.kernels import decode_attention
 from eagle_jax.kernels import decode_attention_pallas
-from eagle_jax.kernels import fused_linear
 from tests.kernels import kernel_calls
 
 # SmolLM2-135M's attention: 9 query heads, 3 kv heads (groups of 3), head dim 64.
@@ -141,55 +140,6 @@ def test_a_split_wider_than_the_chunks_leaves_neutral_partials():
     assert np.isfinite(np.asarray(outputs)).all() and np.isfinite(np.asarray(sums)).all()
 
 
-# o_proj's kernel merging the split's parts as it loads them: a decode step, a k = 6 verify in two
-# token blocks of two rows, and 6 parts of head dim 8 of which some hold no chunk (neutral).
-@pytest.mark.parametrize("heads,length,starts,dtype,tiling", [
-    (REAL, 1, [200], jnp.bfloat16, decode_attention.Tiling(block_s=16, splits=4)),
-    (REAL, 7, [100, 37], jnp.bfloat16, decode_attention.Tiling(block_s=16, splits=4)),
-    (NARROW, 16, [37, 2], jnp.float32, decode_attention.Tiling(block_s=16, splits=6)),
-], ids=["decode", "verify-2-rows", "narrow-neutral-parts"])
-def test_o_proj_merges_the_split_parts_as_the_combine_kernel_does(heads, length, starts, dtype, tiling):
-    rng = np.random.default_rng(3)
-    inputs = operands(heads, len(starts), length, 256, starts, dtype)
-    width = heads["num_heads"] * heads["head_dim"]
-    weight = jnp.asarray(rng.standard_normal((width, 40)) / np.sqrt(width), dtype)  # 40: a ragged column block
-    residual = jnp.asarray(rng.standard_normal((len(starts), length, 40)), dtype)
-    kw = dict(heads, inv_freq=INV_FREQ[heads["head_dim"]], tiling=tiling)
-
-    @jax.jit
-    def fused(*inputs):
-        parts, keys, values = decode_attention.attend(*inputs, **kw, implementation="pallas", combine=False)
-        assert isinstance(parts, decode_attention.AttentionParts)
-        attended = parts.merged().reshape(*residual.shape[:2], width)
-        unfused = fused_linear.linear_residual(attended, weight, residual, implementation="pallas")
-        return fused_linear.merged_linear_residual(parts, weight, residual), unfused, keys, values
-
-    got, unfused, keys, values = fused(*inputs)
-    attended, want_keys, want_values = decode_attention.attend(*inputs, **kw, implementation="xla")
-    want = fused_linear.linear_residual(attended.reshape(*residual.shape[:2], width), weight, residual)
-    got, unfused, want = (np.asarray(a, np.float32) for a in (got, unfused, want))
-    # The same float32 steps as the combine kernel and linear_residual; float32 inputs may differ
-    # by a rounding where a compiler contracts a multiply-add in one program and not the other.
-    np.testing.assert_allclose(got, unfused, rtol=0, atol=0 if dtype == jnp.bfloat16 else 1e-6)
-    assert np.abs(got - want).max() <= (1e-5 if dtype == jnp.float32 else 3e-2) * np.abs(want).max()
-    np.testing.assert_array_equal(np.asarray(values, np.float32), np.asarray(want_values, np.float32))
-
-
-def test_unsplit_attention_has_no_parts_and_o_proj_checks_its_operands():
-    """combine=False changes nothing for the unsplit kernel; a weight or residual that does not fit
-    the parts is refused before any kernel runs."""
-    inputs = operands(REAL, 1, 1, 128, [9], jnp.bfloat16)
-    kw = dict(REAL, inv_freq=INV_FREQ[64], implementation="pallas", combine=False)
-    attended, _, _ = decode_attention.attend(*inputs, **kw, tiling=decode_attention.Tiling(splits=1))
-    assert isinstance(attended, jax.Array) and attended.shape == (1, 1, 9, 64)
-    parts, _, _ = decode_attention.attend(*inputs, **kw, tiling=decode_attention.Tiling(block_s=16, splits=2))
-    weight, residual = jnp.zeros((576, 32), jnp.bfloat16), jnp.zeros((1, 1, 32), jnp.bfloat16)
-    with pytest.raises(ValueError, match="weight shape"):
-        fused_linear.merged_linear_residual(parts, weight[:64], residual)
-    with pytest.raises(ValueError, match="residual"):
-        fused_linear.merged_linear_residual(parts, weight, residual.astype(jnp.float32))
-
-
 @pytest.mark.parametrize("length,group,query_rows,want", [
     (1, 3, 16, (1, 1)), (5, 3, 16, (5, 1)), (6, 3, 16, (3, 2)), (7, 3, 16, (4, 2)), (16, 3, 16, (4, 4)),
     (11, 3, 16, (4, 3)), (16, 4, 4, (1, 16)), (3, 32, 16, (1, 3)), (16, 3, None, (16, 1)),
@@ -274,15 +224,15 @@ def test_rejects_what_it_does_not_take():
 
 
 @pytest.mark.parametrize("setting,tiling,triton_calls", [
-    ("pallas", decode_attention.Tiling(splits=1), 5), ("pallas", decode_attention.Tiling(splits=4), 5),
-    ("pallas", None, 5), ("pallas_linear", None, 4)], ids=["unsplit", "split", "own-choice", "linear"])
+    ("pallas", decode_attention.Tiling(splits=1), 5), ("pallas", decode_attention.Tiling(splits=4), 6),
+    ("pallas", None, 6), ("pallas_linear", None, 4)], ids=["unsplit", "split", "own-choice", "linear"])
 def test_decoder_layer_lowers_to_five_triton_calls_writing_the_cache_in_place(monkeypatch, setting, tiling,
                                                                               triton_calls):
     """A pallas decode call of one SmolLM2-shaped layer, lowered for CUDA: four fused linears and
     the attention kernel, whose keys and values outputs alias its cache operands, so that XLA
-    need not copy a donated cache; split over the cache (as up to 8 rows without a tiling given:
-    `Tiling.for_rows`), o_proj's kernel merges the parts, so no combine kernel is added.
-    "pallas_linear" lowers the four linears alone (XLA attends between them)."""
+    need not copy a donated cache; split over the cache, the attention adds its combine kernel,
+    as it does up to 8 rows without a tiling given (`Tiling.for_rows`). "pallas_linear" lowers the
+    four linears alone (XLA attends between them)."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the kernels' interpret=None: compile them
     cfg = config_lib.LlamaConfig(vocab_size=8, hidden_size=576, intermediate_size=1536, num_layers=1, num_heads=9,
                                  num_kv_heads=3, head_dim=64, rope_theta=100000.0)
@@ -384,15 +334,14 @@ def test_a_tree_verify_lowers_for_cuda_in_token_blocks(monkeypatch):
 @pytest.mark.parametrize("nodes", [4, 17])
 def test_a_tree_verify_takes_the_attention_kernel_given_its_ancestors(random_target, nodes):
     """A tree's SlotMask with `among_new` runs the attention kernel between the four linears (at
-    one row, split over the cache, its parts merged by o_proj's kernel), up to a tree of 16 drafted
-    nodes and its root (17 rows: one block of 32); a mask without it (any other layout of slots)
-    keeps XLA's attention."""
+    one row, split over the cache: two calls), up to a tree of 16 drafted nodes and its root (17
+    rows: one block of 32); a mask without it (any other layout of slots) keeps XLA's attention."""
     target = random_target(num_layers=1)
     cache = target.init_cache(1, 32)
     depths, ancestors = (jnp.asarray(a) for a in random_trees(1, nodes, seed=nodes))
     start = jnp.array([4], jnp.int32)
     visible = attention_ops.visible_slots(start, ancestors, 32)
-    for mask, kernels in ((layers.SlotMask(start, visible, among_new=ancestors), 5),
+    for mask, kernels in ((layers.SlotMask(start, visible, among_new=ancestors), 6),
                           (layers.SlotMask(start, visible), 4)):
         jaxpr = jax.make_jaxpr(lambda tokens: target(tokens, start[:, None] + depths, cache, mask=mask,
                                                         kernels=layers.Kernels("pallas")))(

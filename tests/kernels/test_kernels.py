@@ -181,11 +181,10 @@ def test_decode_step_runs_the_kernels(random_target):
         call = lambda: target(tokens, positions, cache, kernels=kernels)
         return lambda: call()[0], jax.make_jaxpr(call)()
 
-    # norm + qkv, attention (up to 8 rows split over the cache, its parts merged by o_proj's kernel),
-    # o_proj, norm + gate_up, down_proj (at one row its parts, summed by the next layer's first
-    # kernel, in XLA after the last layer)
-    assert kernel_calls.pallas_calls(forward(fused, 1, 4)[1]) == 5
-    assert kernel_calls.pallas_calls(forward(fused, 8, 4)[1]) == 5
+    # norm + qkv, attention (up to 8 rows split over the cache: two calls), o_proj, norm + gate_up,
+    # down_proj's parts (summed by the next layer's first kernel, in XLA after the last layer)
+    assert kernel_calls.pallas_calls(forward(fused, 1, 4)[1]) == 6
+    assert kernel_calls.pallas_calls(forward(fused, 8, 4)[1]) == 6
     assert kernel_calls.pallas_calls(forward(fused, 9, 1)[1]) == 5
     assert kernel_calls.pallas_calls(forward(fused, 1, 33)[1]) == 0
     # More rows than the linear kernels take (a batched decode step): the attention kernel alone,

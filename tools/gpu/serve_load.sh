@@ -93,17 +93,16 @@ step() {  # label code [profile_step flags...]
     | grep -E "step_trace|Error" | tail -2
 }
 if [ "${QUEUE:-full}" = goals ]; then
-  # The goals' figures and nothing else: the batch-1 steps (plain and the shipped head's k = 6 beside
-  # kernel_base's, k = 6 beside kernel_variant's too, k = 4), the peer, the 16-slot servers at 1
-  # request/s and in a closed loop, the offline figure with the same slots, MT-Bench at batch 1;
-  # then the steps' second pass.
+  # The goals' figures and nothing else: the batch-1 steps (plain, the shipped head's k = 6 and k = 4,
+  # each beside kernel_base's), the peer, the 16-slot servers at 1 request/s and in a closed loop,
+  # the offline figure with the same slots, MT-Bench at batch 1; then the steps' second pass.
   steps() {
     step "this tree" $W --method none
     [ -n "$kbase" ] && step "kernel base" $kbase --method none
-    step "this tree" $W --method eagle3 --k 6
-    [ -n "$kbase" ] && step "kernel base" $kbase --method eagle3 --k 6
-    [ -n "$kvariant" ] && step "kernel variant" $kvariant --method eagle3 --k 6
-    step "this tree" $W --method eagle3 --k 4
+    for k in 6 4; do
+      step "this tree" $W --method eagle3 --k $k
+      [ -n "$kbase" ] && step "kernel base" $kbase --method eagle3 --k $k
+    done
   }
   steps
   echo "== torch peer ($(date -u +%T))"
