@@ -3,8 +3,8 @@
 Both heads share one interface, so the speculative loop and the trainer do not care which runs:
   * `project(target_features)`: target features -> the head's feature space [.., D].
   * `attention_input(embedded, features)` -> (attention input, residual); `attention`, the
-    layer's `layers.Attention`; `finish(attended, residual, decode_kernels="xla")` -> next
-    features; `logits(out, target)`.
+    layer's `layers.Attention`; `finish(h, decode_kernels="xla")` -> next features, h being the
+    residual plus the attention's projected output; `logits(out, target)`.
   * `extra_layers`: EAGLE-3 only, plain Llama decoder layers after the first (empty for one layer).
   * `__call__(tokens, features, positions, cache, target, mask=None, attend_length=None, kernels=XLA)`: every
     layer, each with its layer of the KV cache (`mask`: `layers.SlotMask` for tree drafting;
@@ -81,8 +81,8 @@ class Eagle1Head(nnx.Module):
         x = self.fc(jnp.concatenate([embedded, features.astype(embedded.dtype)], axis=-1))
         return x, x  # layer 0 has no input norm
 
-    def finish(self, attended, residual, decode_kernels: str = "xla"):
-        return layers.residual_mlp(residual + attended, self.post_attention_layernorm, self.mlp, decode_kernels)
+    def finish(self, h, decode_kernels: str = "xla"):
+        return layers.residual_mlp(h, self.post_attention_layernorm, self.mlp, decode_kernels)
 
     @property
     def extra_layers(self) -> tuple:
@@ -129,9 +129,9 @@ class Eagle3Head(nnx.Module):
         layer = self.midlayer
         return jnp.concatenate([layer.input_layernorm(embedded), layer.hidden_norm(features)], axis=-1), features
 
-    def finish(self, attended, residual, decode_kernels: str = "xla"):
+    def finish(self, h, decode_kernels: str = "xla"):
         layer = self.midlayer
-        return layers.residual_mlp(attended + residual, layer.post_attention_layernorm, layer.mlp, decode_kernels)
+        return layers.residual_mlp(h, layer.post_attention_layernorm, layer.mlp, decode_kernels)
 
     @property
     def extra_layers(self) -> nnx.List:
@@ -182,15 +182,16 @@ def forward_layers(head, embedded, features, attend, decode_kernels: str = "xla"
     """The head's layers over (embedded token, feature) pairs; returns the last layer's output.
 
     That output, before the head's final norm, is both what `logits` reads and the feature fed
-    back to the next draft step. `attend(index, attention, x)` runs layer `index`'s attention
-    (`layers.Attention`) on its normed input x and returns the projected output: a KV cache at
-    inference, the training-time-test pattern in training.
+    back to the next draft step. `attend(index, attention, x, residual)` runs layer `index`'s
+    attention (`layers.Attention`) on its normed input x and returns residual plus the projected
+    output (one kernel with o_proj where the fused kernels run): a KV cache at inference, the
+    training-time-test pattern in training.
     """
     x, residual = head.attention_input(embedded, features)
-    out = head.finish(attend(0, head.attention, x), residual, decode_kernels)
+    out = head.finish(attend(0, head.attention, x, residual), decode_kernels)
     for index, layer in enumerate(head.extra_layers, start=1):
-        attended = attend(index, layer.self_attn, layer.input_layernorm(out))
-        out = layers.residual_mlp(out + attended, layer.post_attention_layernorm, layer.mlp, decode_kernels)
+        h = attend(index, layer.self_attn, layer.input_layernorm(out), out)
+        out = layers.residual_mlp(h, layer.post_attention_layernorm, layer.mlp, decode_kernels)
     return out
 
 
@@ -201,15 +202,15 @@ def _cached_forward(head, tokens, features, positions, cache: kv_cache_lib.KVCac
     its cached calls in `kernels` (as the target's decode steps)."""
     keys, values = list(cache.keys), list(cache.values)
 
-    def attend(index, attention, x):
+    def attend(index, attention, x, residual):
         if layers.uses_attention_kernel(kernels.decode_kernels, x, mask, attention):
             attended, keys[index], values[index] = layers.kernel_attend(
                 attention, attention.qkv_proj(x), positions, keys[index], values[index], mask, attend_length,
                 kernels.attention_tiling)
-            return attention.output(attended)
+            return layers.output_residual(attention, attended, residual, kernels.decode_kernels)
         attended, keys[index], values[index] = attention(x, positions, keys[index], values[index], mask=mask,
                                                          attend_length=attend_length)
-        return attended
+        return residual + attended
 
     out = forward_layers(head, target.embed_tokens(tokens), features, attend, kernels.decode_kernels)
     return out, head.logits(out, target), cache.replace(keys=tuple(keys), values=tuple(values))

@@ -327,6 +327,15 @@ def summed(x) -> jax.Array:
     return x.value() if isinstance(x, PendingResidual) else x
 
 
+def output_residual(attention: Attention, attended: jax.Array, residual: jax.Array, decode_kernels: str = "xla"):
+    """residual + o_proj(attended [B, T, N, H]): one fused kernel where `uses_decode_kernels` says so
+    (a draft head's cached call; a target layer's `_fused_decode` does the same in its own order)."""
+    if not uses_decode_kernels(decode_kernels, residual, attention.o_proj):
+        return residual + attention.output(attended)
+    return fused_linear.linear_residual(attended.reshape(*residual.shape[:-1], -1), attention.o_proj.kernel[...],
+                                        residual, implementation=fused_kernels(decode_kernels))
+
+
 def residual_mlp(x: jax.Array, norm: RMSNorm, mlp: MLP, decode_kernels: str = "xla") -> jax.Array:
     """x + mlp(norm(x)), in two fused kernels when `uses_decode_kernels` says so (a draft head's
     MLP). In a one-row call down_proj runs split-K, its parts added in XLA: a whole-column kernel

@@ -78,7 +78,7 @@ def unrolled_head(head, target: llama.Llama, tokens: jax.Array, features: jax.Ar
     results = []
     for step in range(num_steps):
 
-        def attend(index, attention, x, step=step):
+        def attend(index, attention, x, residual, step=step):
             q, k, v = attention.project(x, positions + step)
             if step == 0:
                 first_keys[index], first_values[index] = k, v
@@ -87,7 +87,7 @@ def unrolled_head(head, target: llama.Llama, tokens: jax.Array, features: jax.Ar
                 diagonal_values[index].append(v)
             attended = causal_attention.causal_attention(q, first_keys[index], first_values[index], implementation,
                                                          tuple(diagonal_keys[index]), tuple(diagonal_values[index]))
-            return attention.output(attended)
+            return residual + attention.output(attended)
 
         out = eagle.forward_layers(head, target.embed_tokens(_shift(tokens, 1 + step, n)), features, attend)
         results.append((out, head.logits(out, target)))

@@ -6,14 +6,19 @@ def pallas_calls(jaxpr) -> int:
     included: each launches one kernel per call. The kernel entry points are jitted, so a kernel
     call sits inside a nested function's jaxpr, written out once however often it is called; this
     counts it at every call."""
+    return len(pallas_names(jaxpr))
+
+
+def pallas_names(jaxpr) -> list[str]:
+    """The kernel names of `pallas_calls`'s equations, in program order, one per call."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    total = 0
+    names = []
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "pallas_call":
-            total += 1
+            names.append(str(eqn.params["name"]))
             continue
         for value in eqn.params.values():
             for inner in value if isinstance(value, (tuple, list)) else (value,):
                 if hasattr(inner, "eqns") or hasattr(getattr(inner, "jaxpr", None), "eqns"):
-                    total += pallas_calls(inner)
-    return total
+                    names += pallas_names(inner)
+    return names

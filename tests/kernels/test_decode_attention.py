@@ -351,8 +351,9 @@ def test_a_tree_verify_takes_the_attention_kernel_given_its_ancestors(random_tar
 
 def test_a_draft_heads_cached_calls_attend_in_the_kernel(random_target, random_head):
     """Under "pallas" an EAGLE-3 head's cached calls attend in the kernel as the target's do (its
-    midlayer, whose q/k/v read 2H inputs, and a plain layer after it), computing what XLA's
-    attention does; under a tree-drafting mask (no `among_new`) they keep XLA's attention."""
+    midlayer, whose q/k/v read 2H inputs, and a plain layer after it), o_proj and the residual
+    add in one fused kernel, computing what XLA does; under a tree-drafting mask (no `among_new`)
+    they keep XLA's attention."""
     target = random_target(num_layers=1)
     head = random_head(target.config, "eagle3", draft_vocab_size=50, num_layers=2)
     cache = eagle.init_cache(head.config, 1, 32, jnp.float32)
@@ -361,10 +362,13 @@ def test_a_draft_heads_cached_calls_attend_in_the_kernel(random_target, random_h
     start = jnp.asarray([4], jnp.int32)
     positions = start[:, None] + jnp.arange(3, dtype=jnp.int32)
     chain_mask = layers.SlotMask(start, attention_ops.visible_slots(start, jnp.tril(jnp.ones((1, 3, 3), bool)), 32))
-    for mask, kernels in ((None, 8), (chain_mask, 4)):  # a layer: attention split over the cache at one row,
-        call = lambda setting: head(tokens, features, positions, cache, target, mask=mask,  # and the MLP's two
+    # A layer: the attention split over the cache at one row and its combine, o_proj + residual, the
+    # MLP's two; under the mask the MLP's two alone (o_proj stays XLA's beside XLA's attention).
+    fused = ["decode_attention", "decode_attention_combine", "linear_residual", "norm_gate_up", "linear_residual"]
+    for mask, kernels in ((None, fused * 2), (chain_mask, ["norm_gate_up", "linear_residual"] * 2)):
+        call = lambda setting: head(tokens, features, positions, cache, target, mask=mask,
                                     kernels=layers.Kernels(setting))
-        assert kernel_calls.pallas_calls(jax.make_jaxpr(lambda: call("pallas"))()) == kernels
+        assert kernel_calls.pallas_names(jax.make_jaxpr(lambda: call("pallas"))()) == kernels
         (out, logits, written), (want_out, want_logits, want_written) = call("pallas"), call("xla")
         np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=2e-5, atol=2e-5)
         np.testing.assert_allclose(np.asarray(logits), np.asarray(want_logits), rtol=2e-5, atol=2e-5)
