@@ -16,6 +16,8 @@ Random bf16 weights, no model files. Ops (`kernels.fused_linear`, implementation
   * o_proj_residual, down_proj_residual: linear_residual (576 -> 576, 1536 -> 576)
   * o_proj_parts, down_proj_parts: the split-K pair the target's layers run instead: linear_parts,
     then the kernel that sums its parts into the residual (norm_gate_up, norm_linear)
+  * draft_lm_head: an EAGLE-3 head's final norm + lm_head with float32 logits, norm_linear
+    (576 -> --draft-vocab): what every draft forward ends in
   * decode_attention: `kernels.decode_attention.attend` of --tokens tokens (1: a plain decode
     step; 6: a k = 5 chain's verify) in each of `rows` rows, from qkv_proj's output: rotary, cache
     write and attention over a --cache-length cache whose first half is filled (the new tokens
@@ -94,7 +96,7 @@ DEFAULT_CONFIG = config_lib.LlamaConfig(vocab_size=49152, hidden_size=576, inter
                                         num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0)
 SMOLLM2_LAYERS = 30  # compact_cache moves a path in every layer's keys and values
 LINEAR_OPS = ("norm_linear", "norm_gate_up", "o_proj_residual", "down_proj_residual", "o_proj_parts",
-              "down_proj_parts")  # fused_linear: <= MAX_ROWS rows
+              "down_proj_parts", "draft_lm_head")  # fused_linear: <= MAX_ROWS rows
 OPS = LINEAR_OPS + ("decode_attention", "decoder_layer", "draft_top_k", "compact_cache")
 
 
@@ -135,7 +137,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--trace-calls", type=int, default=100, help="calls traced for kernels and busy time")
     parser.add_argument("--cache-length", type=int, default=1024,
                         help="KV cache slots of decode_attention and decoder_layer")
-    parser.add_argument("--draft-vocab", type=int, default=16384, help="draft_top_k's row length (draft vocabulary size)")
+    parser.add_argument("--draft-vocab", type=int, default=32768,
+                        help="the draft vocabulary (default: the shipped EAGLE-3 head's): draft_top_k's row length, "
+                             "draft_lm_head's output width")
     parser.add_argument("--evict-mb", type=int_list, default=[0],
                         help="MB read by a kernel after each call (the L2 cache evicted), or a comma list; GPU only")
     parser.add_argument("--label", default="", help="free text saved in every row")
@@ -258,7 +262,7 @@ def failed_checks(rows: list[dict], dtype: str) -> list[dict]:
     return [r for r in rows if r["max_error"] is not None and not r["max_error"] <= CHECK_TOLERANCE[dtype]]
 
 
-def linear_cases(cfg: config_lib.LlamaConfig, rows: int, dtype, seed: int = 0) -> dict:
+def linear_cases(cfg: config_lib.LlamaConfig, rows: int, dtype, seed: int = 0, draft_vocab: int = 32768) -> dict:
     """op -> (function of (inputs, implementation, tiling), inputs, weight bytes)."""
     rng = np.random.default_rng(seed)
     activations = lambda width: jnp.asarray(rng.standard_normal((rows, width)), dtype)
@@ -269,6 +273,8 @@ def linear_cases(cfg: config_lib.LlamaConfig, rows: int, dtype, seed: int = 0) -
     o_proj, down_proj = weight(attended, hidden), weight(intermediate, hidden)
     size = lambda w: w.size * w.dtype.itemsize
     norm_linear = lambda i, **kw: fused_linear.norm_linear(i[0], i[1], eps, i[2], **kw)
+    lm_head = lambda i, **kw: fused_linear.norm_linear(i[0], i[1], eps, i[2], out_dtype=jnp.float32, **kw)
+    draft_vocab = weight(hidden, draft_vocab)
     norm_gate_up = lambda i, **kw: fused_linear.norm_gate_up(i[0], i[1], eps, i[2], **kw)
     linear_residual = lambda i, **kw: fused_linear.linear_residual(*i, **kw)
 
@@ -282,7 +288,8 @@ def linear_cases(cfg: config_lib.LlamaConfig, rows: int, dtype, seed: int = 0) -
             "o_proj_parts": (split_k(fused_linear.norm_gate_up), (x, activations(attended), o_proj, norm, gate_up),
                              size(o_proj) + size(gate_up)),
             "down_proj_parts": (split_k(fused_linear.norm_linear), (x, activations(intermediate), down_proj, norm, qkv),
-                                size(down_proj) + size(qkv))}
+                                size(down_proj) + size(qkv)),
+            "draft_lm_head": (lm_head, (x, norm, draft_vocab), size(draft_vocab))}
 
 
 def layer_case(cfg: config_lib.LlamaConfig, rows: int, dtype, setting: str, cache_length: int):
@@ -384,7 +391,7 @@ def run_cases(args, cfg: config_lib.LlamaConfig, dtype, common: dict, evict) -> 
     """The rows of every op and setting asked for, with `evict` (or nothing) after each call."""
     rows = []
     for count in args.rows:
-        cases = linear_cases(cfg, count, dtype)
+        cases = linear_cases(cfg, count, dtype, draft_vocab=args.draft_vocab)
         for op in args.ops:
             if op == "decoder_layer":
                 for setting in layers.DECODE_KERNELS:

@@ -80,7 +80,7 @@ class Tiling:
 
 def norm_linear(x: jax.Array, norm_weight: jax.Array, eps: float, weight: jax.Array, *,
                 parts: jax.Array | None = None, implementation: str = "xla", interpret: bool | None = None,
-                tiling: Tiling = Tiling()):
+                tiling: Tiling = Tiling(), out_dtype=None):
     """rmsnorm(x) @ weight: HF's RMSNorm (as `layers.RMSNorm`), then a bias-free linear layer.
 
     Args:
@@ -93,16 +93,18 @@ def norm_linear(x: jax.Array, norm_weight: jax.Array, eps: float, weight: jax.Ar
         implementation: "xla" (reference) or "pallas".
         interpret: run the Pallas kernel in interpret mode; None: unless the backend is a GPU.
         tiling: the Pallas kernel's block sizes.
+        out_dtype: the output's dtype (None: x's). float32 keeps the float32 accumulation
+            unrounded, as `float32_logits` does for an output layer's logits.
     Returns:
-        [..., N] in x's dtype; with parts, (that, the input `add_parts(x, parts)` [..., K]).
+        [..., N] in out_dtype; with parts, (that, the input `add_parts(x, parts)` [..., K]).
     """
     _check(implementation, x, weight, parts)
     if implementation == "xla":
         normed = x if parts is None else add_parts(x, parts)
-        out = _linear(rms_norm(normed, norm_weight, eps), weight)
+        out = _linear(rms_norm(normed, norm_weight, eps), weight, out_dtype)
         return out if parts is None else (out, normed)
     return _call(_norm_linear_kernel, "norm_linear", x, (norm_weight, weight), weight.shape[1], interpret, tiling,
-                 parts, eps=eps)
+                 parts, out_dtype=out_dtype, eps=eps)
 
 
 def norm_gate_up(x: jax.Array, norm_weight: jax.Array, eps: float, weight_gate_up: jax.Array, *,
@@ -210,10 +212,11 @@ def _check(implementation: str, x: jax.Array, weight: jax.Array, parts: jax.Arra
 # ---- the Pallas kernels --------------------------------------------------------------------
 
 def _call(kernel, name: str, x: jax.Array, operands: tuple, width: int, interpret: bool | None,
-          tiling: Tiling, parts: jax.Array | None = None, **params):
+          tiling: Tiling, parts: jax.Array | None = None, out_dtype=None, **params):
     """Runs `kernel(x [M, K], *operands, out [M, width], tiling=..., **params)` over (row blocks,
-    column blocks); `params` are the kernel's static settings (hashable). With parts [S, ..., K],
-    `kernel(x, parts [S, M, K], *operands, out, summed [M, K], ...)`, returning (out, summed)."""
+    column blocks); `params` are the kernel's static settings (hashable); out in out_dtype (None:
+    x's). With parts [S, ..., K], `kernel(x, parts [S, M, K], *operands, out, summed [M, K], ...)`,
+    returning (out, summed)."""
     rows = x.reshape(-1, x.shape[-1])  # [M, K]
     if tiling.block_m is None:
         tiling = dataclasses.replace(tiling, block_m=row_block(rows.shape[0]))
@@ -222,7 +225,8 @@ def _call(kernel, name: str, x: jax.Array, operands: tuple, width: int, interpre
     if parts is not None:
         operands = (parts.reshape(parts.shape[0], *rows.shape), *operands)
     out = _pallas_call(rows, *operands, kernel=kernel, name=name, width=width, interpret=interpret, tiling=tiling,
-                       summed=parts is not None, params=tuple(sorted(params.items())))
+                       summed=parts is not None, params=tuple(sorted(params.items())),
+                       out_dtype=jnp.dtype(out_dtype or x.dtype))
     if parts is None:
         return out.reshape(*x.shape[:-1], width)
     out, summed, _ = out  # the third: the programs' own copies of their input
@@ -233,10 +237,11 @@ def _call(kernel, name: str, x: jax.Array, operands: tuple, width: int, interpre
 # Triton each time it is called, and a decode step calls these kernels four times a layer. Jitted,
 # the calls of one shape and setting are traced once and lowered once per program (a function the
 # program calls at each layer): SmolLM2's 30-layer verify forward lowered in 1.0 s instead of 10.2.
-@functools.partial(jax.jit, static_argnames=("kernel", "name", "width", "interpret", "tiling", "summed", "params"))
+@functools.partial(jax.jit, static_argnames=("kernel", "name", "width", "interpret", "tiling", "summed", "params",
+                                             "out_dtype"))
 def _pallas_call(rows: jax.Array, *operands: jax.Array, kernel, name: str, width: int, interpret: bool,
-                 tiling: Tiling, summed: bool, params: tuple):
-    out_shape = jax.ShapeDtypeStruct((rows.shape[0], width), rows.dtype)
+                 tiling: Tiling, summed: bool, params: tuple, out_dtype):
+    out_shape = jax.ShapeDtypeStruct((rows.shape[0], width), out_dtype)
     grid = (pl.cdiv(rows.shape[0], tiling.block_m), pl.cdiv(width, tiling.block_n))
     if summed:  # operands start with the parts; outputs: the input's sum, and a copy of it a column block
         out_shape = (out_shape, jax.ShapeDtypeStruct(rows.shape, rows.dtype),

@@ -4,7 +4,7 @@ Both heads share one interface, so the speculative loop and the trainer do not c
   * `project(target_features)`: target features -> the head's feature space [.., D].
   * `attention_input(embedded, features)` -> (attention input, residual); `attention`, the
     layer's `layers.Attention`; `finish(h, decode_kernels="xla")` -> next features, h being the
-    residual plus the attention's projected output; `logits(out, target)`.
+    residual plus the attention's projected output; `logits(out, target, decode_kernels="xla")`.
   * `extra_layers`: EAGLE-3 only, plain Llama decoder layers after the first (empty for one layer).
   * `__call__(tokens, features, positions, cache, target, mask=None, attend_length=None, kernels=XLA)`: every
     layer, each with its layer of the KV cache (`mask`: `layers.SlotMask` for tree drafting;
@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from eagle_jax.kernels import fused_linear
 from eagle_jax.model import config as config_lib
 from eagle_jax.model import float32_logits
 from eagle_jax.model import kv_cache as kv_cache_lib
@@ -88,7 +89,7 @@ class Eagle1Head(nnx.Module):
     def extra_layers(self) -> tuple:
         return ()
 
-    def logits(self, out, target: llama.Llama):
+    def logits(self, out, target: llama.Llama, decode_kernels: str = "xla"):
         return target.logits(out)
 
     def __call__(self, tokens, features, positions, cache: kv_cache_lib.KVCache, target: llama.Llama,
@@ -137,7 +138,10 @@ class Eagle3Head(nnx.Module):
     def extra_layers(self) -> nnx.List:
         return self.layers
 
-    def logits(self, out, target: llama.Llama):
+    def logits(self, out, target: llama.Llama, decode_kernels: str = "xla"):
+        if layers.uses_decode_kernels(decode_kernels, out, self.lm_head):  # the final norm in the lm_head's kernel
+            return fused_linear.norm_linear(out, self.norm.weight[...], self.norm.eps, self.lm_head.kernel[...],
+                                            implementation=layers.fused_kernels(decode_kernels), out_dtype=jnp.float32)
         return float32_logits.float32_logits(self.norm(out), self.lm_head.kernel[...])
 
     def __call__(self, tokens, features, positions, cache: kv_cache_lib.KVCache, target: llama.Llama,
@@ -213,7 +217,7 @@ def _cached_forward(head, tokens, features, positions, cache: kv_cache_lib.KVCac
         return residual + attended
 
     out = forward_layers(head, target.embed_tokens(tokens), features, attend, kernels.decode_kernels)
-    return out, head.logits(out, target), cache.replace(keys=tuple(keys), values=tuple(values))
+    return out, head.logits(out, target, kernels.decode_kernels), cache.replace(keys=tuple(keys), values=tuple(values))
 
 
 def make_head(cfg: EagleConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):

@@ -18,6 +18,7 @@ from jax import export
 from eagle_jax.serve import config as config_lib
 from eagle_jax.serve import engine as engine_lib
 from eagle_jax.model import config as model_config
+from eagle_jax.model import float32_logits
 from eagle_jax.model import layers
 from eagle_jax.decode import tree as tree_lib
 from eagle_jax.kernels import decode_attention
@@ -91,6 +92,24 @@ def test_split_k_parts_are_summed_by_the_next_kernel(shape, rows, dtype, toleran
         fused_linear.norm_linear(o["x"], o["norm"], EPS, o["qkv"], parts=parts.astype(jnp.bfloat16))
     with pytest.raises(ValueError, match="partial sums"):
         fused_linear.norm_gate_up(o["x"], o["norm"], EPS, o["gate_up"], parts=parts[:, :, :-1])
+
+
+@pytest.mark.parametrize("shape,rows", [(REAL, 1), (RAGGED, 17)], ids=["real-1", "ragged-17"])
+def test_norm_linear_keeps_float32_logits_unrounded(shape, rows):
+    """out_dtype=float32 (a draft head's final norm and lm_head): bf16 inputs, the float32
+    accumulation stored as it is, what `float32_logits` of the normed input gives."""
+    o = operands(shape, rows, jnp.bfloat16)
+    norm = layers.RMSNorm(shape["hidden"], EPS, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    norm.weight[...] = o["norm"]
+    want = np.asarray(float32_logits.float32_logits(norm(o["x"]), o["qkv"]))
+    for implementation in ("xla", "pallas"):
+        got = fused_linear.norm_linear(o["x"], o["norm"], EPS, o["qkv"], implementation=implementation,
+                                       out_dtype=jnp.float32)
+        assert got.dtype == jnp.float32 and got.shape == want.shape
+        # XLA's reference is the same computation; the kernel differs by summation order only.
+        assert within(got, want, 0 if implementation == "xla" else 1e-5)
+    bf16 = fused_linear.norm_linear(o["x"], o["norm"], EPS, o["qkv"], implementation="pallas")
+    assert bf16.dtype == jnp.bfloat16 and not np.array_equal(np.asarray(bf16, np.float32), want)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -267,11 +286,12 @@ def test_kernel_bench_runs_without_model_files(tmp_path, tiny_hf_config):
     (tmp_path / "config.json").write_text(json.dumps(tiny_hf_config()))
     out = tmp_path / "rows.json"
     assert bench.main(["--config", str(tmp_path / "config.json"), "--dtype", "float32", "--ops",
-                       "norm_gate_up,decode_attention,decoder_layer", "--cache-length", "64", "--iterations", "1",
-                       "--trace-calls", "1", "--out", str(out)]) == 0
+                       "norm_gate_up,draft_lm_head,decode_attention,decoder_layer", "--cache-length", "64",
+                       "--draft-vocab", "100", "--iterations", "1", "--trace-calls", "1", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())
     assert [(r["kind"], r["op"], r["implementation"], r.get("attend_length")) for r in rows] == [
         ("kernel_bench", "norm_gate_up", "xla", None), ("kernel_bench", "norm_gate_up", "pallas", None),
+        ("kernel_bench", "draft_lm_head", "xla", None), ("kernel_bench", "draft_lm_head", "pallas", None),
         ("kernel_bench", "decode_attention", "xla", None), ("kernel_bench", "decode_attention", "pallas", None),
         ("kernel_bench", "decode_attention", "xla", 32), ("kernel_bench", "decode_attention", "pallas", 32),
         ("kernel_bench", "decoder_layer", "xla", None), ("kernel_bench", "decoder_layer", "pallas", None),
