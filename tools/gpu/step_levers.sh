@@ -19,13 +19,15 @@
 #                                          figure on the same model and slots, the engine in its own process and in
 #                                          the HTTP process, alternated; the SM clock while it takes 1 request/s
 #   bash tools/gpu/step_levers.sh shipped  plain, then EAGLE-3 k = 6 and k = 4 with the shipped head, on a 2048-slot cache
+#   bash tools/gpu/step_levers.sh draft    the draft head's final norm + lm_head (float32 logits) in the Pallas kernel
+#                                          against XLA's, one row, a sweep of column and K blocks, L2 evicted
 #   bash tools/gpu/step_levers.sh ab       a kernel change: plain (AB_PASSES times, default 2, alternated) and k = 6 steps of this tree
 #                                          and of it with .stage/kernel_base's files over it (an earlier commit's,
 #                                          at their paths), on a 2048-slot cache; k = 6 with .stage/kernel_variant's
 #                                          files over this tree too, if carried
 # Rows go to $OUT/profile.json and $OUT/torch_peer.jsonl; the console to $OUT/console_<phase>.txt.
 set -uo pipefail
-phase=${1:?base, pdl, repeat, cache, peer, serve, saturation, shipped or ab}
+phase=${1:?base, pdl, repeat, cache, peer, serve, saturation, shipped, draft or ab}
 out=${OUT:?}; export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 EAGLE_JAX_CACHE_DIR=/tmp/eagle_jax_cache
 exec > >(tee -a "$out/console_$phase.txt") 2>&1
 config=.stage/smollm2_config.json
@@ -124,6 +126,10 @@ case $phase in
     shipped_steps
     closed_loops 2 ;;
   shipped) shipped_steps ;;
+  draft)
+    timeout 300 python3 benchmarks/kernels_bench.py --ops draft_lm_head --rows 1 --block-n 32,64,128 \
+      --block-k 64,128,256 --evict-mb 256 --check --iterations 50 --trace-calls 20 --out "$out/kernels.json" 2>&1 \
+      | grep -v -i warn | tail -14 ;;
   base)
     echo "== plain and EAGLE-3 k = 6, default flags (PTX dumped for the plain step)"
     rm -rf /tmp/dump_default
