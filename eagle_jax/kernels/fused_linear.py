@@ -9,6 +9,9 @@ layer's projections take four kernels:
   norm_gate_up     silu(n @ W_gate) * (n @ W_up), n = rmsnorm(x)   post_attention_layernorm + gate_up_proj
   linear_residual  residual + x @ W                        o_proj, down_proj (a head's)
   linear_parts     x @ W as float32 partial sums over K      down_proj (the target's layers)
+  norm_pair_linear [rmsnorm(a); rmsnorm(b)] @ W            EAGLE-3's midlayer input norms + qkv_proj
+
+and `norm_linear(..., out_dtype=float32)` is a draft head's final norm + lm_head.
 
 A split-K `linear_parts` spreads a narrow output (576 columns: 18 programs of 32 columns would
 leave most of the GPU idle, each streaming its whole K = 1536) over one program per block_k chunk
@@ -105,6 +108,33 @@ def norm_linear(x: jax.Array, norm_weight: jax.Array, eps: float, weight: jax.Ar
         return out if parts is None else (out, normed)
     return _call(_norm_linear_kernel, "norm_linear", x, (norm_weight, weight), weight.shape[1], interpret, tiling,
                  parts, out_dtype=out_dtype, eps=eps)
+
+
+def norm_pair_linear(a: jax.Array, a_norm: jax.Array, b: jax.Array, b_norm: jax.Array, eps: float,
+                     weight: jax.Array, *, implementation: str = "xla", interpret: bool | None = None,
+                     tiling: Tiling = Tiling()) -> jax.Array:
+    """[rmsnorm(a); rmsnorm(b)] @ weight, each input with its own RMSNorm scale: EAGLE-3's midlayer,
+    whose q/k/v read the normed token embedding beside the normed feature, in one kernel instead
+    of XLA's norms, concatenation and matmul.
+
+    Args:
+        a, b: [..., Ka] and [..., Kb] activations of one dtype and leading shape.
+        a_norm, b_norm: [Ka] and [Kb] RMSNorm scales; eps: their epsilon.
+        weight: [Ka + Kb, N].
+        implementation, interpret, tiling: as `norm_linear`.
+    Returns:
+        [..., N] in a's dtype.
+    """
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown implementation {implementation!r} ({', '.join(IMPLEMENTATIONS)})")
+    if a.shape[:-1] != b.shape[:-1] or a.dtype != b.dtype:
+        raise ValueError(f"inputs {a.shape} {a.dtype} and {b.shape} {b.dtype} differ in their rows or dtype")
+    if weight.ndim != 2 or weight.shape[0] != a.shape[-1] + b.shape[-1]:
+        raise ValueError(f"weight shape {weight.shape} does not take inputs of widths {a.shape[-1]} + {b.shape[-1]}")
+    if implementation == "xla":
+        return _linear(jnp.concatenate([rms_norm(a, a_norm, eps), rms_norm(b, b_norm, eps)], axis=-1), weight)
+    return _call(_norm_pair_linear_kernel, "norm_pair_linear", a, (b.reshape(-1, b.shape[-1]), a_norm, b_norm, weight),
+                 weight.shape[1], interpret, tiling, eps=eps)
 
 
 def norm_gate_up(x: jax.Array, norm_weight: jax.Array, eps: float, weight_gate_up: jax.Array, *,
@@ -372,11 +402,26 @@ def _inverse_rms(x_ref, row: jax.Array, eps: float, tiling: Tiling, sums=None):
 def _normed(load, dtype, norm_ref, k: jax.Array, inverse_rms: jax.Array, tiling: Tiling) -> jax.Array:
     """[block_m, block_k] of rmsnorm(x) in dtype, from feature k on (x's from `load(k)`), rounded as
     `rms_norm` rounds."""
-    x = load(k).astype(jnp.float32)
-    scale = _vector(norm_ref, k, tiling.block_k).astype(dtype).astype(jnp.float32)
+    return _rounded_norm(load(k), _vector(norm_ref, k, tiling.block_k), inverse_rms, dtype)
+
+
+def _rounded_norm(x: jax.Array, scale: jax.Array, inverse_rms: jax.Array, dtype) -> jax.Array:
+    """scale [F] x (x [M, F] x inverse_rms [M, 1]) in dtype, rounded as `rms_norm` rounds."""
+    scale = scale.astype(dtype).astype(jnp.float32)
     # The product of two dtype values is exact in float32, so rounding it once equals a
     # multiplication in dtype (math is done in float32: Triton lacks most bf16 arithmetic).
-    return (scale[None, :] * (x * inverse_rms).astype(dtype).astype(jnp.float32)).astype(dtype)
+    return (scale[None, :] * (x.astype(jnp.float32) * inverse_rms).astype(dtype).astype(jnp.float32)).astype(dtype)
+
+
+def _normed_columns(x_ref, norm_ref, rows: jax.Array, columns: jax.Array, inverse_rms: jax.Array, dtype) -> jax.Array:
+    """[M, F] of rmsnorm(x) at `rows` and `columns` (zeros outside x; columns may run below 0 or past
+    its width), loaded by index: a window starting below 0 would be clamped in interpret mode."""
+    in_rows, in_columns = rows < x_ref.shape[0], (columns >= 0) & (columns < x_ref.shape[1])
+    row_index, column_index = jnp.clip(rows, 0, x_ref.shape[0] - 1), jnp.clip(columns, 0, x_ref.shape[1] - 1)
+    x = plgpu.load(x_ref.at[row_index[:, None], column_index[None, :]], mask=in_rows[:, None] & in_columns[None, :],
+                   other=0.0)
+    scale = plgpu.load(norm_ref.at[column_index], mask=in_columns, other=0.0)
+    return _rounded_norm(x, scale, inverse_rms, dtype)
 
 
 def _project(rows_at, w_ref, columns, tiling: Tiling) -> tuple[jax.Array, ...]:
@@ -404,6 +449,23 @@ def _norm_linear_kernel(x_ref, norm_ref, w_ref, out_ref, *, eps: float, tiling: 
     row, column = _origin(tiling)
     inverse_rms, load = _inverse_rms(x_ref, row, eps, tiling, sums)
     normed = lambda k: _normed(load, x_ref.dtype, norm_ref, k, inverse_rms, tiling)
+    [out] = _project(normed, w_ref, [(column, w_ref.shape[1])], tiling)
+    _store(out_ref, (row, column), out.astype(out_ref.dtype))
+
+
+def _norm_pair_linear_kernel(a_ref, b_ref, a_norm_ref, b_norm_ref, w_ref, out_ref, *, eps: float, tiling: Tiling):
+    """Features [0, Ka) of the weights' input are a's, [Ka, Ka + Kb) b's: a chunk of K may hold both."""
+    row, column = _origin(tiling)
+    inverse_a, _ = _inverse_rms(a_ref, row, eps, tiling)
+    inverse_b, _ = _inverse_rms(b_ref, row, eps, tiling)
+    rows, width_a, dtype = row + jnp.arange(tiling.block_m), a_ref.shape[1], a_ref.dtype
+
+    def normed(k):
+        features = k + jnp.arange(tiling.block_k)
+        a = _normed_columns(a_ref, a_norm_ref, rows, features, inverse_a, dtype)
+        b = _normed_columns(b_ref, b_norm_ref, rows, features - width_a, inverse_b, dtype)
+        return jnp.where((features < width_a)[None, :], a, b)
+
     [out] = _project(normed, w_ref, [(column, w_ref.shape[1])], tiling)
     _store(out_ref, (row, column), out.astype(out_ref.dtype))
 

@@ -2,7 +2,8 @@
 
 Both heads share one interface, so the speculative loop and the trainer do not care which runs:
   * `project(target_features)`: target features -> the head's feature space [.., D].
-  * `attention_input(embedded, features)` -> (attention input, residual); `attention`, the
+  * `attention_input(embedded, features, decode_kernels="xla")` -> (attention input, residual: the
+    input an array, or with fused kernels a `layers.NormedInputs` for q/k/v's kernel); `attention`, the
     layer's `layers.Attention`; `finish(h, decode_kernels="xla")` -> next features, h being the
     residual plus the attention's projected output; `logits(out, target, decode_kernels="xla")`.
   * `extra_layers`: EAGLE-3 only, plain Llama decoder layers after the first (empty for one layer).
@@ -78,7 +79,7 @@ class Eagle1Head(nnx.Module):
     def attention(self) -> layers.Attention:
         return self.self_attn
 
-    def attention_input(self, embedded, features):
+    def attention_input(self, embedded, features, decode_kernels: str = "xla"):
         x = self.fc(jnp.concatenate([embedded, features.astype(embedded.dtype)], axis=-1))
         return x, x  # layer 0 has no input norm
 
@@ -125,10 +126,11 @@ class Eagle3Head(nnx.Module):
     def attention(self) -> layers.Attention:
         return self.midlayer.self_attn
 
-    def attention_input(self, embedded, features):
+    def attention_input(self, embedded, features, decode_kernels: str = "xla"):
         features = features.astype(embedded.dtype)
         layer = self.midlayer
-        return jnp.concatenate([layer.input_layernorm(embedded), layer.hidden_norm(features)], axis=-1), features
+        x = layers.NormedInputs((embedded, features), (layer.input_layernorm, layer.hidden_norm))
+        return (x if layers.uses_decode_kernels(decode_kernels, embedded) else x.value()), features
 
     def finish(self, h, decode_kernels: str = "xla"):
         layer = self.midlayer
@@ -188,13 +190,15 @@ def forward_layers(head, embedded, features, attend, decode_kernels: str = "xla"
     That output, before the head's final norm, is both what `logits` reads and the feature fed
     back to the next draft step. `attend(index, attention, x, residual)` runs layer `index`'s
     attention (`layers.Attention`) on its normed input x and returns residual plus the projected
-    output (one kernel with o_proj where the fused kernels run): a KV cache at inference, the
-    training-time-test pattern in training.
+    output: a KV cache at inference, the training-time-test pattern in training. Where the fused
+    kernels run (`decode_kernels`), x is a `layers.NormedInputs` that q/k/v's kernel norms as it
+    loads it, and o_proj adds the residual in its kernel.
     """
-    x, residual = head.attention_input(embedded, features)
+    x, residual = head.attention_input(embedded, features, decode_kernels)
     out = head.finish(attend(0, head.attention, x, residual), decode_kernels)
     for index, layer in enumerate(head.extra_layers, start=1):
-        h = attend(index, layer.self_attn, layer.input_layernorm(out), out)
+        x = layers.NormedInputs((out,), (layer.input_layernorm,))
+        h = attend(index, layer.self_attn, x if layers.uses_decode_kernels(decode_kernels, out) else x.value(), out)
         out = layers.residual_mlp(h, layer.post_attention_layernorm, layer.mlp, decode_kernels)
     return out
 
@@ -207,13 +211,13 @@ def _cached_forward(head, tokens, features, positions, cache: kv_cache_lib.KVCac
     keys, values = list(cache.keys), list(cache.values)
 
     def attend(index, attention, x, residual):
-        if layers.uses_attention_kernel(kernels.decode_kernels, x, mask, attention):
+        if layers.uses_attention_kernel(kernels.decode_kernels, residual, mask, attention):
             attended, keys[index], values[index] = layers.kernel_attend(
-                attention, attention.qkv_proj(x), positions, keys[index], values[index], mask, attend_length,
-                kernels.attention_tiling)
+                attention, layers.project_qkv(attention, x, kernels.decode_kernels), positions, keys[index],
+                values[index], mask, attend_length, kernels.attention_tiling)
             return layers.output_residual(attention, attended, residual, kernels.decode_kernels)
-        attended, keys[index], values[index] = attention(x, positions, keys[index], values[index], mask=mask,
-                                                         attend_length=attend_length)
+        attended, keys[index], values[index] = attention(layers.input_value(x), positions, keys[index], values[index],
+                                                         mask=mask, attend_length=attend_length)
         return residual + attended
 
     out = forward_layers(head, target.embed_tokens(tokens), features, attend, kernels.decode_kernels)

@@ -327,6 +327,40 @@ def summed(x) -> jax.Array:
     return x.value() if isinstance(x, PendingResidual) else x
 
 
+class NormedInputs(NamedTuple):
+    """An attention's input [norm_0(x_0); norm_1(x_1); ...] not normed yet: a draft head's cached call
+    hands it to q/k/v's fused kernel (`project_qkv`), which norms (and concatenates) as it loads.
+    EAGLE-3's midlayer reads two (the token embedding and the feature), a plain layer one."""
+
+    inputs: tuple[jax.Array, ...]
+    norms: tuple[RMSNorm, ...]
+
+    def value(self) -> jax.Array:
+        return jnp.concatenate([norm(x) for x, norm in zip(self.inputs, self.norms)], axis=-1)
+
+
+def input_value(x) -> jax.Array:
+    """x itself, or a `NormedInputs`' value."""
+    return x.value() if isinstance(x, NormedInputs) else x
+
+
+def project_qkv(attention: Attention, x, decode_kernels: str = "xla") -> jax.Array:
+    """qkv_proj of x (an array or `NormedInputs`): the norms in the projection's kernel where
+    `uses_decode_kernels` says so (`fused_linear.norm_linear`, `norm_pair_linear`)."""
+    if not isinstance(x, NormedInputs):
+        return attention.qkv_proj(x)
+    first, weight = x.inputs[0], attention.qkv_proj.kernel[...]
+    if (len(x.inputs) > 2 or len({norm.eps for norm in x.norms}) > 1
+            or not uses_decode_kernels(decode_kernels, first, attention.qkv_proj)):
+        return attention.qkv_proj(x.value())
+    implementation, eps = fused_kernels(decode_kernels), x.norms[0].eps
+    if len(x.inputs) == 1:
+        return fused_linear.norm_linear(first, x.norms[0].weight[...], eps, weight, implementation=implementation)
+    (a, b), (a_norm, b_norm) = x.inputs, x.norms
+    return fused_linear.norm_pair_linear(a, a_norm.weight[...], b, b_norm.weight[...], eps, weight,
+                                         implementation=implementation)
+
+
 def output_residual(attention: Attention, attended: jax.Array, residual: jax.Array, decode_kernels: str = "xla"):
     """residual + o_proj(attended [B, T, N, H]): one fused kernel where `uses_decode_kernels` says so
     (a draft head's cached call; a target layer's `_fused_decode` does the same in its own order)."""

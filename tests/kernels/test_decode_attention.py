@@ -351,9 +351,10 @@ def test_a_tree_verify_takes_the_attention_kernel_given_its_ancestors(random_tar
 
 def test_a_draft_heads_cached_calls_attend_in_the_kernel(random_target, random_head):
     """Under "pallas" an EAGLE-3 head's cached calls attend in the kernel as the target's do (its
-    midlayer, whose q/k/v read 2H inputs, and a plain layer after it), o_proj and the residual
-    add in one fused kernel, the final norm and lm_head in another, computing what XLA does (the
-    logits in float32); under a tree-drafting mask (no `among_new`) they keep XLA's attention."""
+    midlayer, whose q/k/v read 2H inputs, and a plain layer after it), with the input norms in
+    q/k/v's fused kernel, o_proj and the residual add in one, the final norm and lm_head in
+    another, computing what XLA does (the logits in float32); under a tree-drafting mask (no
+    `among_new`) they keep XLA's attention."""
     target = random_target(num_layers=1)
     head = random_head(target.config, "eagle3", draft_vocab_size=50, num_layers=2)
     cache = eagle.init_cache(head.config, 1, 32, jnp.float32)
@@ -362,12 +363,14 @@ def test_a_draft_heads_cached_calls_attend_in_the_kernel(random_target, random_h
     start = jnp.asarray([4], jnp.int32)
     positions = start[:, None] + jnp.arange(3, dtype=jnp.int32)
     chain_mask = layers.SlotMask(start, attention_ops.visible_slots(start, jnp.tril(jnp.ones((1, 3, 3), bool)), 32))
-    # A layer: the attention split over the cache at one row and its combine, o_proj + residual, the
-    # MLP's two; under the mask the MLP's two alone (o_proj stays XLA's beside XLA's attention).
-    # Then the final norm and the lm_head, in one kernel.
+    # A layer: its input norms + q/k/v (the midlayer's two norms, the plain layer's one), the
+    # attention split over the cache at one row and its combine, o_proj + residual, the MLP's two;
+    # under the mask the MLP's two alone (XLA's norms, q/k/v, attention and o_proj). Then the final
+    # norm and the lm_head, in one kernel.
     fused = ["decode_attention", "decode_attention_combine", "linear_residual", "norm_gate_up", "linear_residual"]
     mlp = ["norm_gate_up", "linear_residual"]
-    for mask, kernels in ((None, fused * 2 + ["norm_linear"]), (chain_mask, mlp * 2 + ["norm_linear"])):
+    for mask, kernels in ((None, ["norm_pair_linear", *fused, "norm_linear", *fused, "norm_linear"]),
+                          (chain_mask, mlp * 2 + ["norm_linear"])):
         call = lambda setting: head(tokens, features, positions, cache, target, mask=mask,
                                     kernels=layers.Kernels(setting))
         assert kernel_calls.pallas_names(jax.make_jaxpr(lambda: call("pallas"))()) == kernels

@@ -94,6 +94,31 @@ def test_split_k_parts_are_summed_by_the_next_kernel(shape, rows, dtype, toleran
         fused_linear.norm_gate_up(o["x"], o["norm"], EPS, o["gate_up"], parts=parts[:, :, :-1])
 
 
+@pytest.mark.parametrize("widths,rows,dtype,tolerance", [
+    ((576, 576), 1, jnp.bfloat16, 2e-2), ((576, 576), 3, jnp.float32, 1e-5), ((40, 24), 17, jnp.float32, 1e-5),
+], ids=["eagle3-midlayer-1-bf16", "eagle3-midlayer-3", "ragged-17"])
+def test_norm_pair_linear_norms_each_input_as_its_own_layer(widths, rows, dtype, tolerance):
+    """EAGLE-3's midlayer q/k/v: [rmsnorm(a); rmsnorm(b)] @ W, a chunk of K holding the end of a and
+    the start of b (576 is not a multiple of 256), against the layers' own norms and matmul."""
+    rng = np.random.default_rng(7)
+    (width_a, width_b), out = widths, 48
+    a, b = (jnp.asarray(scale * rng.standard_normal((rows, w)), dtype) for w, scale in ((width_a, 1.0), (width_b, 4.0)))
+    norms = [layers.RMSNorm(w, EPS, dtype=dtype, param_dtype=dtype) for w in widths]
+    for norm in norms:
+        norm.weight[...] = jnp.asarray(1 + 0.1 * rng.standard_normal(norm.weight.shape), dtype)
+    weight = jnp.asarray(rng.standard_normal((width_a + width_b, out)) / np.sqrt(width_a + width_b), dtype)
+    want = jnp.concatenate([norms[0](a), norms[1](b)], axis=-1) @ weight
+    args = (a, norms[0].weight[...], b, norms[1].weight[...], EPS, weight)
+    reference = fused_linear.norm_pair_linear(*args)
+    np.testing.assert_array_equal(np.asarray(reference, np.float32), np.asarray(want, np.float32))
+    got = fused_linear.norm_pair_linear(*args, implementation="pallas")
+    assert got.shape == (rows, out) and got.dtype == dtype and within(got, reference, tolerance)
+    with pytest.raises(ValueError, match="differ in their rows or dtype"):
+        fused_linear.norm_pair_linear(a, args[1], b[:1] if rows > 1 else b.astype(jnp.float16), args[3], EPS, weight)
+    with pytest.raises(ValueError, match="weight shape"):
+        fused_linear.norm_pair_linear(*args[:5], weight[1:])
+
+
 @pytest.mark.parametrize("shape,rows", [(REAL, 1), (RAGGED, 17)], ids=["real-1", "ragged-17"])
 def test_norm_linear_keeps_float32_logits_unrounded(shape, rows):
     """out_dtype=float32 (a draft head's final norm and lm_head): bf16 inputs, the float32
@@ -128,7 +153,8 @@ def test_xla_reference_is_what_the_layers_compute(dtype):
 
 @pytest.mark.parametrize("dtype,rows", [(jnp.float32, 1), (jnp.bfloat16, 1), (jnp.bfloat16, 17)])
 def test_pallas_kernels_lower_for_cuda(dtype, rows):
-    """Triton's rules (power-of-two tensors, dot operands >= 16) are checked while lowering."""
+    """Triton's rules (power-of-two tensors, dot operands >= 16) are checked while lowering: the
+    target layers' kernels, the split-K pair, the draft head's two-input q/k/v and float32 logits."""
     o = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), operands(REAL, rows, dtype))
 
     def split_k(o):  # down_proj's parts, summed by the next norm_linear and norm_gate_up
@@ -137,10 +163,16 @@ def test_pallas_kernels_lower_for_cuda(dtype, rows):
         return [fused(o["x"], o["norm"], EPS, weight, parts=parts, **kw)
                 for fused, weight in ((fused_linear.norm_linear, o["qkv"]), (fused_linear.norm_gate_up, o["gate_up"]))]
 
-    lowered = export.export(jax.jit(lambda o: (all_kernels(o, "pallas", interpret=False), split_k(o))),
+    def draft_head(o):  # EAGLE-3's midlayer q/k/v over two normed inputs, its float32 logits
+        kw = dict(implementation="pallas", interpret=False)
+        return [fused_linear.norm_pair_linear(o["x"], o["norm"], o["x"], o["norm"], EPS,
+                                              jnp.concatenate([o["qkv"], o["qkv"]]), **kw),
+                fused_linear.norm_linear(o["x"], o["norm"], EPS, o["gate_up"], out_dtype=jnp.float32, **kw)]
+
+    lowered = export.export(jax.jit(lambda o: (all_kernels(o, "pallas", interpret=False), split_k(o), draft_head(o))),
                             platforms=["cuda"],
                             disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(o)
-    assert lowered.mlir_module().count("__gpu$xla.gpu.triton") == 6
+    assert lowered.mlir_module().count("__gpu$xla.gpu.triton") == 8
 
 
 def test_tiling_needs_powers_of_two_of_at_least_16():
