@@ -274,7 +274,7 @@ def linear_cases(cfg: config_lib.LlamaConfig, rows: int, dtype, seed: int = 0, d
     size = lambda w: w.size * w.dtype.itemsize
     norm_linear = lambda i, **kw: fused_linear.norm_linear(i[0], i[1], eps, i[2], **kw)
     lm_head = lambda i, **kw: fused_linear.norm_linear(i[0], i[1], eps, i[2], out_dtype=jnp.float32, **kw)
-    draft_vocab = weight(hidden, draft_vocab)
+    lm_head_weight = weight(hidden, draft_vocab)
     norm_gate_up = lambda i, **kw: fused_linear.norm_gate_up(i[0], i[1], eps, i[2], **kw)
     linear_residual = lambda i, **kw: fused_linear.linear_residual(*i, **kw)
 
@@ -289,7 +289,7 @@ def linear_cases(cfg: config_lib.LlamaConfig, rows: int, dtype, seed: int = 0, d
                              size(o_proj) + size(gate_up)),
             "down_proj_parts": (split_k(fused_linear.norm_linear), (x, activations(intermediate), down_proj, norm, qkv),
                                 size(down_proj) + size(qkv)),
-            "draft_lm_head": (lm_head, (x, norm, draft_vocab), size(draft_vocab))}
+            "draft_lm_head": (lm_head, (x, norm, lm_head_weight), size(lm_head_weight))}
 
 
 def layer_case(cfg: config_lib.LlamaConfig, rows: int, dtype, setting: str, cache_length: int):

@@ -129,8 +129,8 @@ class Eagle3Head(nnx.Module):
     def attention_input(self, embedded, features, decode_kernels: str = "xla"):
         features = features.astype(embedded.dtype)
         layer = self.midlayer
-        x = layers.NormedInputs((embedded, features), (layer.input_layernorm, layer.hidden_norm))
-        return (x if layers.uses_decode_kernels(decode_kernels, embedded) else x.value()), features
+        return layers.normed_inputs((embedded, features), (layer.input_layernorm, layer.hidden_norm),
+                                    decode_kernels), features
 
     def finish(self, h, decode_kernels: str = "xla"):
         layer = self.midlayer
@@ -197,8 +197,7 @@ def forward_layers(head, embedded, features, attend, decode_kernels: str = "xla"
     x, residual = head.attention_input(embedded, features, decode_kernels)
     out = head.finish(attend(0, head.attention, x, residual), decode_kernels)
     for index, layer in enumerate(head.extra_layers, start=1):
-        x = layers.NormedInputs((out,), (layer.input_layernorm,))
-        h = attend(index, layer.self_attn, x if layers.uses_decode_kernels(decode_kernels, out) else x.value(), out)
+        h = attend(index, layer.self_attn, layers.normed_inputs((out,), (layer.input_layernorm,), decode_kernels), out)
         out = layers.residual_mlp(h, layer.post_attention_layernorm, layer.mlp, decode_kernels)
     return out
 

@@ -339,6 +339,13 @@ class NormedInputs(NamedTuple):
         return jnp.concatenate([norm(x) for x, norm in zip(self.inputs, self.norms)], axis=-1)
 
 
+def normed_inputs(inputs: tuple[jax.Array, ...], norms: tuple[RMSNorm, ...], decode_kernels: str = "xla"):
+    """[norm_0(x_0); ...] as `NormedInputs` where the fused kernels may take it (`project_qkv` norms it
+    in q/k/v's kernel), else its value now."""
+    x = NormedInputs(inputs, norms)
+    return x if uses_decode_kernels(decode_kernels, inputs[0]) else x.value()
+
+
 def input_value(x) -> jax.Array:
     """x itself, or a `NormedInputs`' value."""
     return x.value() if isinstance(x, NormedInputs) else x

@@ -161,8 +161,11 @@ case $phase in
     prof "plain, cache 1024, XLA kernels" --method none --cache-length 1024 --decode-kernels xla
     prof "eagle3 k=6, cache 1024, XLA kernels" --method eagle3 --k 6 --cache-length 1024 --decode-kernels xla ;;
   ab)
+    overlay() {  # DIR FILES: this tree's eagle_jax with FILES' files (at their paths) over it, in DIR
+      rm -rf "$1" && mkdir -p "$1" && cp -r eagle_jax "$1/" && cp -r "$2/." "$1/"
+    }
     base=/tmp/kernel_base_tree
-    rm -rf $base && mkdir -p $base && cp -r eagle_jax $base/ && cp -r .stage/kernel_base/. $base/
+    overlay $base .stage/kernel_base
     for pass in $(seq 1 ${AB_PASSES:-2}); do
       prof "plain, this tree, pass $pass" --method none --cache-length 2048
       PYTHONPATH=/tmp/site:$base prof "plain, kernel base, pass $pass" --method none --cache-length 2048
@@ -171,7 +174,7 @@ case $phase in
     PYTHONPATH=/tmp/site:$base prof "eagle3 k=6, kernel base" --method eagle3 --k 6 --cache-length 2048
     if [ -d .stage/kernel_variant ]; then  # a second change's files over this tree, beside the first
       variant=/tmp/kernel_variant_tree
-      rm -rf $variant && mkdir -p $variant && cp -r eagle_jax $variant/ && cp -r .stage/kernel_variant/. $variant/
+      overlay $variant .stage/kernel_variant
       PYTHONPATH=/tmp/site:$variant prof "eagle3 k=6, kernel variant" --method eagle3 --k 6 --cache-length 2048
     fi ;;
 esac
