@@ -43,15 +43,17 @@ def last_pending(state: state_lib.DecodeState, x: jax.Array) -> jax.Array:
 
 
 def draft(target: llama.Llama, head, state: state_lib.DecodeState, opts: state_lib.Options,
-          keys: jax.Array | None = None):
+          k: int | None = None, keys: jax.Array | None = None):
     """Drafts k tokens: one wide forward over the pending pairs, then k-1 single-token steps.
 
     Args:
+        k: 1..opts.k; None: what the program's steps draft (`Options.num_draft_tokens`).
         keys: [B, k] one key per row and draft (`row_sampling.keys`); None when no row samples.
     Returns:
         (draft ids [B, k] int32, draft probs q [B, k, V] or None when no row samples, updated draft cache).
     """
-    batch, k, vocab = state.next_token.shape[0], opts.k, target.config.vocab_size
+    batch, vocab = state.next_token.shape[0], target.config.vocab_size
+    k = opts.num_draft_tokens if k is None else k
     features, logits, cache = read_pending(target, head, state, opts.attend_length, opts.kernels)
     feature, logits = last_pending(state, features), last_pending(state, logits)
 
@@ -84,14 +86,15 @@ def draft(target: llama.Llama, head, state: state_lib.DecodeState, opts: state_l
 
 def step(target: llama.Llama, head, state: state_lib.DecodeState, opts: state_lib.Options,
          k: int) -> state_lib.DecodeState:
-    """A chain step drafting `k` tokens: opts.k, or 0 (with a head: a plain step that keeps its state)."""
+    """A chain step drafting `k` tokens: up to opts.k (`Options.num_draft_tokens`), or 0 (with a head: a
+    plain step that keeps its state)."""
     batch = state.next_token.shape[0]
     uses_head = bool(opts.k)  # the state carries a draft cache and pending pairs
     mode = opts.sampling_mode
     rng, step_rng = jax.random.split(state.rng)
     keys = row_sampling.keys(state, step_rng, k + 1) if mode.sample else None  # k drafts, then the verify
     if k:
-        draft_ids, draft_probs, draft_cache = draft(target, head, state, opts, keys)
+        draft_ids, draft_probs, draft_cache = draft(target, head, state, opts, k, keys)
     else:
         draft_ids, draft_probs, draft_cache = jnp.zeros((batch, 0), jnp.int32), None, None
         if uses_head:  # no drafts, but the pending pairs still enter the draft cache

@@ -51,13 +51,14 @@ def append_tokens(state: state_lib.DecodeState, tokens: jax.Array, counts: jax.A
 def commit(state: state_lib.DecodeState, rng: jax.Array, cache: kv_cache_lib.KVCache, drafts: jax.Array,
            num_accepted: jax.Array, next_token: jax.Array, draft_cache: kv_cache_lib.KVCache | None,
            features: jax.Array | None, logprobs: sampling_lib.Logprobs | None = None,
-           count_tokens: bool = True) -> state_lib.DecodeState:
+           count_tokens: bool = True, verified_drafts: int | None = None) -> state_lib.DecodeState:
     """Emits the accepted drafts and the next token, advances the cursors, queues the pending pairs.
 
     Args:
         cache: the target cache after the verify, the accepted positions at slots L..L+num_accepted.
         drafts: [B, k] the drafts along the accepted path (those past num_accepted are not used);
-            k is opts.k, or 0 for a step that did not draft (plain, or paused by disable_by_batch_size).
+            k is the step's drafts (up to opts.k), or 0 for a step that did not draft (plain, or
+            paused by disable_by_batch_size).
         draft_cache: the head's cache after eating the pending pairs (and drafting); None without a head.
         features: [B, k+1, D] the head-space target features at the path's positions, root first.
         logprobs: [B, k+1] entries for the emitted tokens, position by position (`row_sampling.logprobs`).
@@ -65,6 +66,8 @@ def commit(state: state_lib.DecodeState, rng: jax.Array, cache: kv_cache_lib.KVC
             step's tokens. False in a program with no penalties (`SamplingMode.penalties`): its
             rows never read their counts, and a penalised row starts its own at its prefill.
             Skipping them saves a [B, V] scatter and its index work a step.
+        verified_drafts: the drafts the step verified, for `num_draft_tokens`: a tree's nodes;
+            None: k.
     """
     k, batch = drafts.shape[1], state.next_token.shape[0]
     active = ~state.done
@@ -103,4 +106,6 @@ def commit(state: state_lib.DecodeState, rng: jax.Array, cache: kv_cache_lib.KVC
         pending_features=keep(state.pending_features.at[:, :k + 1].set(features), state.pending_features),
         pending_count=keep(num_accepted + 1, state.pending_count),
         num_drafts=state.num_drafts + (active if k else 0),
+        num_draft_tokens=state.num_draft_tokens + (active * (k if verified_drafts is None else verified_drafts)
+                                                   if k else 0),
     )

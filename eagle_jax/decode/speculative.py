@@ -98,6 +98,7 @@ def start(target: llama.Llama, head, tokens: jax.Array, lengths: jax.Array, rng:
         pending_features=pending_features.at[:, 0].set(features[rows, lengths - 1]),
         pending_count=jnp.ones((batch,), jnp.int32),
         num_drafts=jnp.zeros((batch,), jnp.int32),
+        num_draft_tokens=jnp.zeros((batch,), jnp.int32),
     )
 
 
@@ -110,7 +111,7 @@ def step(target: llama.Llama, head, state: state_lib.DecodeState, opts: state_li
     def speculate(state):  # a chain of k drafts, or the tree
         if opts.tree is not None:
             return tree_step.step(target, head, state, opts)
-        return chain.step(target, head, state, opts, opts.k)
+        return chain.step(target, head, state, opts, opts.num_draft_tokens)
 
     if not opts.k or opts.disable_by_batch_size is None:
         return speculate(state)

@@ -54,6 +54,7 @@ class DecodeState:
     pending_features: jax.Array | None = None  # [B, k+1, D]
     pending_count: jax.Array | None = None  # [B] int32
     num_drafts: jax.Array | None = None  # [B] int32 steps that drafted while active (<= num_steps)
+    num_draft_tokens: jax.Array | None = None  # [B] int32 drafts those steps verified (a step's k, or a tree's nodes)
 
 
 @struct.dataclass
@@ -64,6 +65,11 @@ class Options:
     """
 
     k: int = struct.field(pytree_node=False, default=0)
+    # Drafts a chain step of this program makes, at most k; None: k. The state's shapes follow k
+    # (output headroom, pending pairs, per-position counters), so programs that share one state
+    # may draft fewer: the continuous scheduler's row buckets each draft what suits their rows
+    # (`EngineConfig.speculative_tokens_by_rows`).
+    step_k: int | None = struct.field(pytree_node=False, default=None)
     tree: tree_lib.TreeOptions | None = struct.field(pytree_node=False, default=None)
     # What the program's rows may ask for (`sampling.SamplingMode`); the default, greedy without
     # processors, traces the plain argmax program. Every row's `params` must be covered by it.
@@ -88,6 +94,8 @@ class Options:
     def __post_init__(self):
         if self.tree is not None and self.k != self.tree.num_steps:  # state shapes follow k
             raise ValueError(f"with a tree, k must be its depth {self.tree.num_steps}, got {self.k}")
+        if self.step_k is not None and (self.tree is not None or not 0 <= self.step_k <= self.k):
+            raise ValueError(f"step_k must be in 0..k={self.k} and without a tree, got {self.step_k}")
         if self.attend_length is not None and (self.tree is not None or not 0 < self.attend_length <= self.cache_length):
             raise ValueError(f"attend_length must be in 1..cache_length={self.cache_length} and without a tree, "
                              f"got {self.attend_length}")
@@ -102,7 +110,9 @@ class Options:
     @property
     def num_draft_tokens(self) -> int:
         """Drafts verified per step."""
-        return self.tree.num_draft_tokens if self.tree is not None else self.k
+        if self.tree is not None:
+            return self.tree.num_draft_tokens
+        return self.k if self.step_k is None else self.step_k
 
     @property
     def cache_headroom(self) -> int:
@@ -117,17 +127,19 @@ def stats(state: DecodeState, opts: Options) -> list[dict[str, Any]]:
     accepted only if it was also emitted (EOS or the budget may cut a step's accepted drafts).
     So a row's tokens number 1 + num_drafts + num_accepted_tokens, plus one per step where
     speculation was disabled, or one fewer when its last step was cut before the correction or
-    bonus token.
+    bonus token. `num_draft_tokens` counts what those steps drafted and verified: their k each
+    (which may differ between programs sharing the state, `Options.step_k`), or a tree's nodes.
     """
     k = opts.k
-    steps = jax.device_get(state.num_drafts if k else state.num_steps)
+    steps, draft_tokens = jax.device_get((state.num_drafts if k else state.num_steps,
+                                          state.num_draft_tokens if k else state.num_steps))
     per_position = jax.device_get(state.accepted_per_position)[:, :k]
     rows = []
-    for row_steps, row_accepted in zip(steps, per_position):
+    for row_steps, row_draft_tokens, row_accepted in zip(steps, draft_tokens, per_position):
         drafts, accepted = int(row_steps), int(row_accepted.sum())
         rows.append(dict(
             num_drafts=drafts if k else 0,
-            num_draft_tokens=drafts * opts.num_draft_tokens,
+            num_draft_tokens=int(row_draft_tokens) if k else 0,
             num_accepted_tokens=accepted,
             acceptance_length=1 + accepted / drafts if drafts and k else 1.0,
             acceptance_rate_per_position=[int(a) / drafts if drafts else 0.0 for a in row_accepted],

@@ -82,4 +82,4 @@ def step(target: llama.Llama, head, state: state_lib.DecodeState, opts: state_li
         logprobs = row_sampling.logprobs(opts, on_path(processed), drafts, num_accepted, next_token)
     return commit_lib.commit(state, rng, cache, drafts, num_accepted, next_token, draft_cache,
                              eagle.target_features(head, on_path(hidden), on_path(captured)), logprobs,
-                             count_tokens=opts.sampling_mode.penalties)
+                             count_tokens=opts.sampling_mode.penalties, verified_drafts=opts.num_draft_tokens)

@@ -36,13 +36,22 @@ def best_k(method: str | None, platform: str = "gpu", batch_size: int = 1) -> in
     Where k was measured per batch size, the largest measured batch size not above `batch_size`
     gives it (the smallest measured one below them all).
     """
+    pairs = k_by_batch_size(method, platform)
+    return max([pair for pair in pairs if pair[0] <= batch_size], default=pairs[0])[1]
+
+
+def k_by_batch_size(method: str | None, platform: str = "gpu", max_batch_size: int | None = None
+                    ) -> tuple[tuple[int, int], ...]:
+    """`best_k`'s measurements as (batch size, k) pairs, ascending: ((1, k),) where one k was
+    measured; those above `max_batch_size` left out, but for the smallest."""
     measured = _defaults().get(method or "", {}).get("num_speculative_tokens", 3)
     if isinstance(measured, dict):
         measured = measured.get(platform, measured.get("gpu", 3))
-    if isinstance(measured, dict):
-        sizes = sorted(int(size) for size in measured)
-        measured = measured[str(max([size for size in sizes if size <= batch_size], default=sizes[0]))]
-    return int(measured)
+    if not isinstance(measured, dict):
+        return ((1, int(measured)),)
+    pairs = sorted((int(size), int(k)) for size, k in measured.items())
+    return tuple(pair for index, pair in enumerate(pairs) if index == 0 or max_batch_size is None
+                 or pair[0] <= max_batch_size)
 
 
 def plain_by_default(platform: str) -> str | None:

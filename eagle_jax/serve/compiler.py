@@ -230,7 +230,8 @@ class Compiler:
         # Its own name: a static batch would lower the same step for the prefill's output types.
         # A call's step limit is an argument too (`steps`): the host lengthens calls while every
         # slot is held and requests wait (`scheduler.SlotLoop`), without a second set of programs.
-        runs = {(argmax, rows): self._run_programs("slots-run", state_shape, None, mode,
+        # Each bucket drafts its own k (`EngineConfig.k_for_rows`) on the one state, sized for k.
+        runs = {(argmax, rows): self._run_programs("slots-run", state_shape, None, self._drafting(mode, rows),
                                                    (np.int32(1), np.int32(steps_per_call)),
                                                    rows=None if rows == slots else rows, stop_on_finish=True)
                 for argmax, mode in modes.items() for rows in row_counts}
@@ -280,6 +281,13 @@ class Compiler:
         return programs_lib.BatchPrograms(start=start, runs=runs, start_args=args, prompt_lengths=lengths,
                                           idle=np.arange(rows) >= len(prompts), steps_per_call=steps_per_call,
                                           compile_seconds=self.compile_seconds - compile_before, opts=opts)
+
+    def _drafting(self, opts: state_lib.Options, rows: int) -> state_lib.Options:
+        """opts for a run call over `rows` rows: its chain drafts `k_for_rows(rows)` tokens a step."""
+        if opts.tree is not None or not opts.k:
+            return opts
+        k = self.config.k_for_rows(rows)
+        return opts if k == opts.k else opts.replace(step_k=k)
 
     def _run_programs(self, name: str, state_shape, steps_per_call: int | None, opts: state_lib.Options,
                       extra_args: tuple = (), rows: int | None = None, **static) -> dict[int, Callable]:

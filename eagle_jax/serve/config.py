@@ -58,6 +58,12 @@ class EngineConfig:
             of its rows have finished; None: a quarter of the slots, at least 1 (`resolved_refill_at`).
         speculative_disable_by_batch_size: while more rows than this are active, steps decode
             plainly (vLLM's flag); None speculates at every step. Greedy outputs are the same.
+        speculative_tokens_by_rows: (rows, k) pairs for the continuous scheduler: a run call over
+            R rows (a row bucket, `inputs.row_buckets`) drafts the k of the largest listed rows
+            <= R (of the smallest listed, below them all), at most num_speculative_tokens, which
+            sizes the state. A lone request drafts more than a full batch's rows can afford, in
+            the same slots. Empty: every call drafts num_speculative_tokens. Greedy outputs are
+            the same.
         decode_kernels: "auto", "xla", "pallas" or "pallas_linear" (`layers.Kernels`); "auto"
             picks the Pallas kernels on one GPU, XLA elsewhere (`choose_decode_kernels`).
         attention_tiling: the Pallas attention kernel's block size and launch settings
@@ -89,6 +95,7 @@ class EngineConfig:
     scheduler: Literal["static", "continuous"] = "static"
     refill_at: int | None = None
     speculative_disable_by_batch_size: int | None = None
+    speculative_tokens_by_rows: tuple[tuple[int, int], ...] = ()
     decode_kernels: Literal["auto", "xla", "pallas", "pallas_linear"] = "auto"
     attention_tiling: decode_attention.Tiling | None = None
     unroll_draft: bool = False
@@ -111,6 +118,14 @@ class EngineConfig:
                 _check_at_least(name, getattr(self, name), 1)
         if self.num_speculative_tokens and self.tree is not None:
             raise InputError("num_speculative_tokens (a chain) and tree exclude each other")
+        for pair in self.speculative_tokens_by_rows:
+            if not (isinstance(pair, tuple) and len(pair) == 2):
+                raise InputError(f"speculative_tokens_by_rows holds (rows, k) pairs, got {pair!r}")
+            _check_at_least("speculative_tokens_by_rows' rows", pair[0], 1)
+            _check_at_least("speculative_tokens_by_rows' k", pair[1], 0)
+            if pair[1] > self.num_speculative_tokens:
+                raise InputError(f"speculative_tokens_by_rows asks k = {pair[1]} at {pair[0]} rows, more than "
+                                 f"num_speculative_tokens = {self.num_speculative_tokens}, which sizes the state")
         if self.tree is not None and not isinstance(self.tree, tree_lib.TreeOptions):
             raise InputError(f"tree must be a tree.TreeOptions, got {self.tree!r}")
         if self.sampling_mode is not None and not isinstance(self.sampling_mode, sampling_lib.SamplingMode):
@@ -144,6 +159,13 @@ class EngineConfig:
     def cache_headroom(self) -> int:
         """Cache slots past a row's committed length that one step may write."""
         return self.tree.cache_headroom if self.tree is not None else self.k + 1
+
+    def k_for_rows(self, rows: int) -> int:
+        """The drafts a continuous run call over `rows` rows makes a step (`speculative_tokens_by_rows`)."""
+        if not self.speculative_tokens_by_rows:
+            return self.num_speculative_tokens
+        pairs = sorted(self.speculative_tokens_by_rows)
+        return max([pair for pair in pairs if pair[0] <= rows], default=pairs[0])[1]
 
     @property
     def resolved_refill_at(self) -> int:

@@ -70,12 +70,13 @@ class Metrics:
         self.requests.labels(model_name=self._label, finished_reason=reason).inc()
 
     def speculation(self, stats: dict) -> None:
-        """Adds one request's acceptance counters (`Result.stats`: num_drafts, num_accepted_tokens, per position)."""
+        """Adds one request's acceptance counters (`Result.stats`: num_drafts, num_draft_tokens,
+        num_accepted_tokens, per position)."""
         drafts = int(stats.get("num_drafts", 0))
         if not drafts or not self.num_speculative_tokens:
             return
         self.num_drafts.inc(drafts)
-        self.num_draft_tokens.inc(drafts * self.num_speculative_tokens)
+        self.num_draft_tokens.inc(int(stats.get("num_draft_tokens", 0)))
         self.num_accepted_tokens.inc(int(stats.get("num_accepted_tokens", 0)))
         for counter, rate in zip(self.accepted_per_position, stats.get("acceptance_rate_per_position", [])):
             counter.inc(round(rate * drafts))

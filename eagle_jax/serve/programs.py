@@ -174,4 +174,6 @@ def module_name(program: str, opts: state_lib.Options | None, head_config) -> st
     if opts.tree is not None:
         tree = opts.tree
         return f"speculative-{method}-topk{tree.topk}-steps{tree.num_steps}-draft{tree.num_draft_tokens}"
-    return f"speculative-{method}-k{opts.k}" if opts.k else "decode"
+    if not opts.k:
+        return "decode"
+    return f"speculative-{method}-k{opts.k}" + (f"-drafts{opts.step_k}" if opts.step_k is not None else "")

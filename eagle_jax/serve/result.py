@@ -53,4 +53,4 @@ def pooled_stats(results: Sequence[Result], k: int) -> dict:
     for result in results:
         per_position += np.asarray(result.stats["acceptance_rate_per_position"][:k], float) * result.stats["num_drafts"]
     return dict(acceptance_length=1 + accepted / drafts if drafts else 1.0, num_drafts=drafts,
-                num_accepted_tokens=accepted, acceptance_rate_per_position=(per_position / max(drafts, 1)).tolist())
+                num_draft_tokens=sum(r.stats.get("num_draft_tokens", 0) for r in results), num_accepted_tokens=accepted, acceptance_rate_per_position=(per_position / max(drafts, 1)).tolist())

@@ -252,6 +252,37 @@ def test_speculation_resumes_with_the_draft_state_it_would_have_had(target, make
     assert accepted[0] > 0  # drafts were accepted after the pause: a test that can tell
 
 
+@pytest.mark.parametrize("kind", ["eagle-noisy", "eagle3-biased"])
+def test_a_program_drafting_fewer_than_its_state_holds_drafts_as_that_k(target, make_head, prompts, reference, kind):
+    """One slot, its state sized for k = 4, its run program drafting 2 (`speculative_tokens_by_rows`):
+    the outputs are lossless and the acceptance, depth by depth, is exactly k = 2's; the positions
+    past 2 accept nothing, and the drafted tokens count 2 a step."""
+    engine = engine_lib.Engine(target, make_head(kind), config=config_lib.EngineConfig(
+        steps_per_call=3, num_speculative_tokens=4, max_length=64, scheduler="continuous",
+        speculative_tokens_by_rows=((1, 2),)))
+    results = engine.generate(prompts, max_new_tokens=MAX_NEW, ignore_eos=True)
+    assert [r.token_ids for r in results] == reference
+    for prompt, output, result in zip(prompts, reference, results):
+        steps, accepted, _ = reference_stats(target, make_head(kind), prompt, output, 2)
+        rates = result.stats["acceptance_rate_per_position"]
+        assert result.stats["num_drafts"] == steps and result.stats["num_draft_tokens"] == 2 * steps
+        assert [round(rate * steps) for rate in rates] == accepted.tolist() + [0, 0]
+    assert sum(r.stats["num_accepted_tokens"] for r in results) > 0  # drafts were accepted: a test that can tell
+
+
+def test_row_buckets_draft_their_own_k_on_one_state(target, make_head, prompts, reference):
+    """Two slots, k = 2 while both run and 4 once one is left (row buckets of 2 and 1): lossless, and
+    the long row's drafted tokens count both: more than 2 a step, fewer than 4."""
+    short = 4
+    engine = engine_lib.Engine(target, make_head("eagle-noisy"), config=config_lib.EngineConfig(
+        steps_per_call=3, num_speculative_tokens=4, max_length=64, batch_size=2, scheduler="continuous",
+        speculative_tokens_by_rows=((1, 4), (2, 2))))
+    paired, alone = engine.generate([prompts[2], prompts[1]], max_new_tokens=[short, MAX_NEW], ignore_eos=True)
+    assert [paired.token_ids, alone.token_ids] == [reference[2][:short], reference[1]]
+    assert paired.stats["num_draft_tokens"] == 2 * paired.stats["num_drafts"] > 0
+    assert 2 * alone.stats["num_drafts"] < alone.stats["num_draft_tokens"] < 4 * alone.stats["num_drafts"]
+
+
 @pytest.mark.parametrize("kind, k, batch_size", [("eagle-bias", 2, 2), ("eagle3-biased", 4, 1)])
 def test_checking_for_done_rows_less_often_changes_nothing(target, prompts, make_head, run, kind, k, batch_size):
     engine = engine_lib.Engine(target, make_head(kind), config=config_lib.EngineConfig(steps_per_call=4, num_speculative_tokens=k, max_length=64,

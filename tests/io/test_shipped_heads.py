@@ -103,3 +103,8 @@ def test_best_k_per_batch_size(tmp_path, monkeypatch):
     shipped = heads.shipped_head("eagle3")
     assert heads.draft_plan(None, None, None, None, "gpu", 32) == (shipped, "eagle3", 3, None)
     assert heads.draft_plan(None, None, None, 4, "gpu", 32) == (shipped, "eagle3", 4, None)  # a given k wins
+    # The whole table, for a server that drafts by its running requests (sizes above its slots left out).
+    assert heads.k_by_batch_size("eagle3", "gpu") == ((1, 5), (16, 3), (64, 2))
+    assert heads.k_by_batch_size("eagle3", "gpu", 16) == ((1, 5), (16, 3))
+    assert heads.k_by_batch_size("eagle", "gpu", 1) == ((4, 2),)  # the smallest stays
+    assert heads.k_by_batch_size("eagle3", "cpu") == ((1, 1),)

@@ -7,7 +7,8 @@
 # .stage/queue.sh with the serve extra's wheels (fastapi, starlette, pydantic, pydantic-core,
 # annotated-types, typing-inspection, annotated-doc, opentelemetry-api, typing-extensions,
 # uvicorn) installed into /tmp/site; launch.sh runs it. QUEUE=goals (in the queue's environment:
-# the carried queue can set it) runs only what the serving and decode-step goals need.
+# the carried queue can set it) runs only what the serving and decode-step goals need; QUEUE=check
+# a change's check beside kernel_base (the k = 6 step, the 16-slot servers, the offline figure).
 # A server variant, set per `serve` call, tells what a change of the host loop is worth:
 #   CODE=DIR    the server's code from DIR (holding eagle_jax/). The queue builds one (`overlay`)
 #               from this tree with the files of /root/stage/base_overlay over it (carried: an
@@ -115,6 +116,19 @@ if [ "${QUEUE:-full}" = goals ]; then
   timeout 300 python3 benchmarks/eagle.py --method none,eagle3 --num_spec_tokens 6 --num_prompts 80 --max_new_tokens 256 \
     --out $R/mtbench.json 2>&1 | grep -E "tok/s|tokens/s|Error" | tail -4
   steps
+  echo "queue end $(date -u +%T)"
+  echo BENCH DONE
+  exit 0
+fi
+if [ "${QUEUE:-full}" = check ]; then
+  # A change's check in under ten minutes: the k = 6 step beside kernel_base's, the 16-slot servers
+  # at 1 request/s and in a closed loop, the offline figure with the same slots, the steps again.
+  ab() { step "this tree" $W --method eagle3 --k 6; [ -n "$kbase" ] && step "kernel base" $kbase --method eagle3 --k 6; }
+  ab
+  serve eagle3-16 16 1 32 --method eagle3
+  serve plain-16 16 1 32 --num-speculative-tokens 0
+  off "EOS ignored" 16 --method eagle3,none --num_spec_tokens 4 --ignore_eos
+  ab
   echo "queue end $(date -u +%T)"
   echo BENCH DONE
   exit 0
