@@ -26,7 +26,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--draft", help="EAGLE head directory; 'none' disables (default: the shipped head with the "
                                         "default model)")
     parser.add_argument("--method", choices=["eagle", "eagle3"], help="which shipped head")
-    parser.add_argument("--num-speculative-tokens", type=int, help="k drafted tokens per step; 0 = plain decoding")
+    parser.add_argument("--num-speculative-tokens", type=int,
+                        help="k drafted tokens per step; 0 = plain decoding (default: the measured best k for as "
+                             "many running requests as each call holds, eagle_jax/heads/defaults.json)")
     parser.add_argument("--speculative-disable-by-batch-size", type=int, metavar="N")
     parser.add_argument("--max-num-seqs", "--batch-size", dest="batch_size", type=int, default=16,
                         help="decode slots (requests decoded together)")
