@@ -18,6 +18,9 @@ Random bf16 weights, no model files. Ops (`kernels.fused_linear`, implementation
     then the kernel that sums its parts into the residual (norm_gate_up, norm_linear)
   * draft_lm_head: an EAGLE-3 head's final norm + lm_head with float32 logits, norm_linear
     (576 -> --draft-vocab): what every draft forward ends in
+  * draft_qkv, draft_gate_up, draft_down_parts: the rest of an EAGLE-3 head's layer: its two
+    input norms + q/k/v (norm_pair_linear, 2 x 576 -> 960), its MLP's first half (576 -> 2 x
+    --draft-intermediate) and one row's split-K down_proj, the parts added in XLA
   * decode_attention: `kernels.decode_attention.attend` of --tokens tokens (1: a plain decode
     step; 6: a k = 5 chain's verify) in each of `rows` rows, from qkv_proj's output: rotary, cache
     write and attention over a --cache-length cache whose first half is filled (the new tokens
@@ -96,7 +99,7 @@ DEFAULT_CONFIG = config_lib.LlamaConfig(vocab_size=49152, hidden_size=576, inter
                                         num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0)
 SMOLLM2_LAYERS = 30  # compact_cache moves a path in every layer's keys and values
 LINEAR_OPS = ("norm_linear", "norm_gate_up", "o_proj_residual", "down_proj_residual", "o_proj_parts",
-              "down_proj_parts", "draft_lm_head")  # fused_linear: <= MAX_ROWS rows
+              "down_proj_parts", "draft_lm_head", "draft_qkv", "draft_gate_up", "draft_down_parts")  # <= MAX_ROWS rows
 OPS = LINEAR_OPS + ("decode_attention", "decoder_layer", "draft_top_k", "compact_cache")
 
 
@@ -140,6 +143,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--draft-vocab", type=int, default=32768,
                         help="the draft vocabulary (default: the shipped EAGLE-3 head's): draft_top_k's row length, "
                              "draft_lm_head's output width")
+    parser.add_argument("--draft-intermediate", type=int, default=3072,
+                        help="the draft head's MLP width (default: the shipped EAGLE-3 head's): draft_gate_up, "
+                             "draft_down_parts")
     parser.add_argument("--evict-mb", type=int_list, default=[0],
                         help="MB read by a kernel after each call (the L2 cache evicted), or a comma list; GPU only")
     parser.add_argument("--label", default="", help="free text saved in every row")
@@ -262,7 +268,8 @@ def failed_checks(rows: list[dict], dtype: str) -> list[dict]:
     return [r for r in rows if r["max_error"] is not None and not r["max_error"] <= CHECK_TOLERANCE[dtype]]
 
 
-def linear_cases(cfg: config_lib.LlamaConfig, rows: int, dtype, seed: int = 0, draft_vocab: int = 32768) -> dict:
+def linear_cases(cfg: config_lib.LlamaConfig, rows: int, dtype, seed: int = 0, draft_vocab: int = 32768,
+                 draft_intermediate: int = 3072) -> dict:
     """op -> (function of (inputs, implementation, tiling), inputs, weight bytes)."""
     rng = np.random.default_rng(seed)
     activations = lambda width: jnp.asarray(rng.standard_normal((rows, width)), dtype)
@@ -281,6 +288,14 @@ def linear_cases(cfg: config_lib.LlamaConfig, rows: int, dtype, seed: int = 0, d
     def split_k(fused):  # (x, its parts' inputs and weight, the summing kernel's norm and weight)
         return lambda i, **kw: fused(i[0], i[3], eps, i[4], parts=fused_linear.linear_parts(i[1], i[2], **kw), **kw)
 
+    # The EAGLE-3 head's layer: q/k/v read the normed token embedding beside the normed feature
+    # (`norm_pair_linear`); its MLP is wider, and one row's down_proj runs split-K, the parts
+    # added in XLA (`layers.residual_mlp`).
+    draft_qkv = weight(2 * hidden, sum(layers.qkv_sizes(cfg)))
+    draft_gate_up, draft_down = weight(hidden, 2 * draft_intermediate), weight(draft_intermediate, hidden)
+    pair_linear = lambda i, **kw: fused_linear.norm_pair_linear(i[0], i[1], i[2], i[3], eps, i[4], **kw)
+    parts_added = lambda i, **kw: fused_linear.add_parts(i[0], fused_linear.linear_parts(i[1], i[2], **kw))
+
     return {"norm_linear": (norm_linear, (x, norm, qkv), size(qkv)),
             "norm_gate_up": (norm_gate_up, (x, norm, gate_up), size(gate_up)),
             "o_proj_residual": (linear_residual, (activations(attended), o_proj, x), size(o_proj)),
@@ -289,7 +304,10 @@ def linear_cases(cfg: config_lib.LlamaConfig, rows: int, dtype, seed: int = 0, d
                              size(o_proj) + size(gate_up)),
             "down_proj_parts": (split_k(fused_linear.norm_linear), (x, activations(intermediate), down_proj, norm, qkv),
                                 size(down_proj) + size(qkv)),
-            "draft_lm_head": (lm_head, (x, norm, lm_head_weight), size(lm_head_weight))}
+            "draft_lm_head": (lm_head, (x, norm, lm_head_weight), size(lm_head_weight)),
+            "draft_qkv": (pair_linear, (x, norm, activations(hidden), norm, draft_qkv), size(draft_qkv)),
+            "draft_gate_up": (norm_gate_up, (x, norm, draft_gate_up), size(draft_gate_up)),
+            "draft_down_parts": (parts_added, (x, activations(draft_intermediate), draft_down), size(draft_down))}
 
 
 def layer_case(cfg: config_lib.LlamaConfig, rows: int, dtype, setting: str, cache_length: int):
@@ -391,7 +409,7 @@ def run_cases(args, cfg: config_lib.LlamaConfig, dtype, common: dict, evict) -> 
     """The rows of every op and setting asked for, with `evict` (or nothing) after each call."""
     rows = []
     for count in args.rows:
-        cases = linear_cases(cfg, count, dtype, draft_vocab=args.draft_vocab)
+        cases = linear_cases(cfg, count, dtype, draft_vocab=args.draft_vocab, draft_intermediate=args.draft_intermediate)
         for op in args.ops:
             if op == "decoder_layer":
                 for setting in layers.DECODE_KERNELS:

@@ -337,6 +337,22 @@ def test_kernel_bench_runs_without_model_files(tmp_path, tiny_hf_config):
     assert attention == [vars(decode_attention.Tiling.for_rows(1))] * 2
 
 
+def test_kernel_bench_times_the_draft_heads_layer_kernels(tmp_path, tiny_hf_config):
+    """The head's q/k/v over its two inputs, its wider MLP's first half and its one-row split-K
+    down_proj: both implementations, the Pallas ones over the tilings asked, checked against XLA's."""
+    bench = load_kernel_bench()
+    (tmp_path / "config.json").write_text(json.dumps(tiny_hf_config()))
+    out = tmp_path / "rows.json"
+    assert bench.main(["--config", str(tmp_path / "config.json"), "--dtype", "float32", "--ops",
+                       "draft_qkv,draft_gate_up,draft_down_parts", "--draft-intermediate", "96", "--block-k", "16,32",
+                       "--iterations", "1", "--trace-calls", "1", "--check", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["op"], r["implementation"], r["tiling"]["block_k"] if r["tiling"] else None) for r in rows] == [
+        (op, implementation, block_k) for op in ("draft_qkv", "draft_gate_up", "draft_down_parts")
+        for implementation, block_k in (("xla", None), ("pallas", 16), ("pallas", 32))]
+    assert all(r["max_error"] <= 1e-5 for r in rows if r["max_error"] is not None)
+
+
 def test_kernel_bench_check_fails_on_a_wrong_kernel(tmp_path, monkeypatch, capsys):
     """--check: exit 0 while every kernel agrees with XLA; a Pallas kernel off by 1 in one output
     value (of outputs of order 1-5) fails the run, naming the op, after the rows are written (the
