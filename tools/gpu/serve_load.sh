@@ -8,7 +8,8 @@
 # annotated-types, typing-inspection, annotated-doc, opentelemetry-api, typing-extensions,
 # uvicorn) installed into /tmp/site; launch.sh runs it. QUEUE=goals (in the queue's environment:
 # the carried queue can set it) runs only what the serving and decode-step goals need; QUEUE=check
-# a change's check beside kernel_base (the k = 6 step, the 16-slot servers, the offline figure).
+# a change's check beside kernel_base (the k = 6 step, the 16-slot servers, the offline figure);
+# QUEUE=calls the cost of a device call apart from its steps (steps in calls of 64 and 16, servers).
 # A server variant, set per `serve` call, tells what a change of the host loop is worth:
 #   CODE=DIR    the server's code from DIR (holding eagle_jax/). The queue builds one (`overlay`)
 #               from this tree with the files of /root/stage/base_overlay over it (carried: an
@@ -116,6 +117,21 @@ if [ "${QUEUE:-full}" = goals ]; then
   timeout 300 python3 benchmarks/eagle.py --method none,eagle3 --num_spec_tokens 6 --num_prompts 80 --max_new_tokens 256 \
     --out $R/mtbench.json 2>&1 | grep -E "tok/s|tokens/s|Error" | tail -4
   steps
+  echo "queue end $(date -u +%T)"
+  echo BENCH DONE
+  exit 0
+fi
+if [ "${QUEUE:-full}" = calls ]; then
+  # Where a server's extra time a step at low load goes: the engine's batch-1 step in calls of 64
+  # steps (what profile_step reports) and of 16 (the server's), with and without XLA's command
+  # buffers (CUDA graphs); then the 16-slot EAGLE-3 server at 1 request/s with 16 and 64 steps a call.
+  for method in "none" "eagle3 --k 6"; do
+    for calls in 64 16; do step "$calls steps a call" $W --method $method --steps-per-call $calls; done
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= step "16 steps a call, no command buffers" $W --method $method \
+      --steps-per-call 16
+  done
+  serve eagle3-16 16 1 "" --method eagle3
+  serve eagle3-16-64-steps 16 1 "" --method eagle3 --steps-per-call 64
   echo "queue end $(date -u +%T)"
   echo BENCH DONE
   exit 0
