@@ -118,6 +118,9 @@ class EngineConfig:
                 _check_at_least(name, getattr(self, name), 1)
         if self.num_speculative_tokens and self.tree is not None:
             raise InputError("num_speculative_tokens (a chain) and tree exclude each other")
+        if self.speculative_tokens_by_rows and self.scheduler != "continuous":
+            raise InputError("speculative_tokens_by_rows sets the continuous scheduler's row buckets; "
+                             f"scheduler={self.scheduler!r} runs every row in one program")
         for pair in self.speculative_tokens_by_rows:
             if not (isinstance(pair, tuple) and len(pair) == 2):
                 raise InputError(f"speculative_tokens_by_rows holds (rows, k) pairs, got {pair!r}")

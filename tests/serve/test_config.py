@@ -30,11 +30,13 @@ TILING = decode_attention.Tiling(block_s=16, num_warps=2, splits=3)
     (dict(decode_kernels="xla", attention_tiling=TILING), "attention_tiling sets the Pallas attention kernel"),
     (dict(decode_kernels="pallas_linear", attention_tiling=TILING), "attention_tiling"),
     (dict(tensor_parallel_size=2, draft_tensor_parallel_size=4), "draft_tensor_parallel_size must be 1"),
-    (dict(num_speculative_tokens=4, speculative_tokens_by_rows=((1, 6),)),
+    (dict(num_speculative_tokens=4, scheduler="continuous", speculative_tokens_by_rows=((1, 6),)),
      "asks k = 6 at 1 rows, more than num_speculative_tokens = 4"),
-    (dict(num_speculative_tokens=4, speculative_tokens_by_rows=((0, 2),)),
+    (dict(num_speculative_tokens=4, scheduler="continuous", speculative_tokens_by_rows=((0, 2),)),
      "speculative_tokens_by_rows' rows must be an integer >= 1, got 0"),
-    (dict(num_speculative_tokens=4, speculative_tokens_by_rows=(4, 2)), "holds (rows, k) pairs, got 4"),
+    (dict(num_speculative_tokens=4, scheduler="continuous", speculative_tokens_by_rows=(4, 2)),
+     "holds (rows, k) pairs, got 4"),
+    (dict(num_speculative_tokens=4, speculative_tokens_by_rows=((1, 2),)), "scheduler='static' runs every row"),
 ])
 def test_bad_settings_are_refused_by_name(settings, message):
     with pytest.raises(config_lib.InputError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -50,7 +52,8 @@ def test_derived_values():
     assert config_lib.EngineConfig(tree=tree).cache_headroom == tree.cache_headroom
     assert config_lib.EngineConfig(batch_size=2, refill_at=5).resolved_refill_at == 2
     # A run call's drafts by its rows: the largest listed rows not above them (the smallest's below all).
-    by_rows = config_lib.EngineConfig(num_speculative_tokens=6, speculative_tokens_by_rows=((2, 6), (4, 3), (5, 4)))
+    by_rows = config_lib.EngineConfig(num_speculative_tokens=6, scheduler="continuous",
+                                      speculative_tokens_by_rows=((2, 6), (4, 3), (5, 4)))
     assert [by_rows.k_for_rows(rows) for rows in (1, 2, 3, 4, 16)] == [6, 6, 6, 3, 4]
     assert chain.k_for_rows(16) == 3  # none listed: num_speculative_tokens
 
