@@ -56,11 +56,11 @@ def build(args):
         cache_dir=str(args.cache_dir or compile_cache.default_root()))
     if by_rows:  # a run call drafts by its row bucket: the fewest rows that hold the running requests
         buckets = inputs.row_buckets(args.batch_size)
-        spans = [str(rows) if rows == low else f"{low}-{rows}" for low, rows in zip((1,) + tuple(b + 1 for b in buckets),
-                                                                                  buckets)]
-        print(f"eagle_jax: drafts a step by running requests: "
-              f"{', '.join(f'{span}: {config.k_for_rows(rows)}' for span, rows in zip(spans, buckets))} "
-              "(the measured best k; --num-speculative-tokens fixes one)", file=sys.stderr)
+        spans = []
+        for low, rows in zip((1,) + tuple(bucket + 1 for bucket in buckets), buckets):
+            spans.append(f"{low if low == rows else f'{low}-{rows}'}: {config.k_for_rows(rows)}")
+        print(f"eagle_jax: drafts a step by running requests: {', '.join(spans)} (the measured best k; "
+              "--num-speculative-tokens fixes one)", file=sys.stderr)
     engine = engine_lib.Engine(target, head, config)
     backend = online.OnlineEngine(engine, tokenization.load(tokenizer_dir), served_name(args), defaults,
                                   args.max_queue, args.seed)
