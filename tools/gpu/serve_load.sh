@@ -48,7 +48,7 @@ serve() {  # name slots rates concurrency [server flags...]: one server, Poisson
     > $R/gpu_clocks_$name.csv 2>/dev/null &
   local clocks=$!
   for rate in ${rates//,/ }; do
-    case $rate in 1) n=24;; 4) n=64;; 16) n=192;; *) n=384;; esac
+    case $rate in 1) n=48;; 4) n=64;; 16) n=192;; *) n=384;; esac  # 48 at 1 request/s: TPOT p50s to set side by side
     [ -n "$Q" ] && n=3
     timeout 300 python3 benchmarks/serve_bench.py --url http://127.0.0.1:$port --request-rate $rate --num-prompts $n \
       --label "$name" --out $R/serve.json 2>&1 | grep -v -i warn | tail -1
