@@ -36,8 +36,14 @@ def best_k(method: str | None, platform: str = "gpu", batch_size: int = 1) -> in
     Where k was measured per batch size, the largest measured batch size not above `batch_size`
     gives it (the smallest measured one below them all).
     """
-    pairs = k_by_batch_size(method, platform)
-    return max([pair for pair in pairs if pair[0] <= batch_size], default=pairs[0])[1]
+    return k_at(k_by_batch_size(method, platform), batch_size)
+
+
+def k_at(pairs, size: int) -> int:
+    """The k of the (size, k) pair with the largest size not above `size` (the smallest size's
+    below them all): how a table of k measured per batch size reads between its sizes."""
+    pairs = sorted(pairs)
+    return max([pair for pair in pairs if pair[0] <= size], default=pairs[0])[1]
 
 
 def k_by_batch_size(method: str | None, platform: str = "gpu", max_batch_size: int | None = None

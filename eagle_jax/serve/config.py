@@ -12,6 +12,7 @@ import dataclasses
 import numbers
 from typing import Literal
 
+from eagle_jax import heads
 from eagle_jax.decode import sampling as sampling_lib
 from eagle_jax.decode import tree as tree_lib
 from eagle_jax.kernels import decode_attention
@@ -167,8 +168,7 @@ class EngineConfig:
         """The drafts a continuous run call over `rows` rows makes a step (`speculative_tokens_by_rows`)."""
         if not self.speculative_tokens_by_rows:
             return self.num_speculative_tokens
-        pairs = sorted(self.speculative_tokens_by_rows)
-        return max([pair for pair in pairs if pair[0] <= rows], default=pairs[0])[1]
+        return heads.k_at(self.speculative_tokens_by_rows, rows)
 
     @property
     def resolved_refill_at(self) -> int:
