@@ -9,7 +9,8 @@
 # uvicorn) installed into /tmp/site; launch.sh runs it. QUEUE=goals (in the queue's environment:
 # the carried queue can set it) runs only what the serving and decode-step goals need; QUEUE=check
 # a change's check beside kernel_base (the k = 6 step, the 16-slot servers, the offline figure);
-# QUEUE=calls the cost of a device call apart from its steps (steps in calls of 64 and 16, servers).
+# QUEUE=calls the cost of a device call apart from its steps (steps in calls of 64 and 16, servers
+# with and without command buffers).
 # A server variant, set per `serve` call, tells what a change of the host loop is worth:
 #   CODE=DIR    the server's code from DIR (holding eagle_jax/). The queue builds one (`overlay`)
 #               from this tree with the files of /root/stage/base_overlay over it (carried: an
@@ -130,7 +131,10 @@ if [ "${QUEUE:-full}" = calls ]; then
     XLA_FLAGS=--xla_gpu_enable_command_buffer= step "16 steps a call, no command buffers" $W --method $method \
       --steps-per-call 16
   done
+  # XLA updates a program's command buffers (CUDA graphs) when its buffers' addresses change,
+  # which a donated state's may do each call: the server without them tells what they cost.
   serve eagle3-16 16 1 "" --method eagle3
+  XLA_FLAGS=--xla_gpu_enable_command_buffer= serve eagle3-16-no-command-buffers 16 1 "" --method eagle3
   serve eagle3-16-64-steps 16 1 "" --method eagle3 --steps-per-call 64
   echo "queue end $(date -u +%T)"
   echo BENCH DONE
