@@ -1,0 +1,353 @@
+"""A Llama decoder stack's one-token decode step in one persistent kernel: every layer, one launch.
+
+At batch 1 a SmolLM2 step on the fused kernels runs ~200 launches of 2-6 us, each reading far
+less than its share of the GPU's bandwidth (the weights take ~80 us to read on an H100): the
+step is bound by the count and fixed cost of its kernels. Here one launch of as many programs as
+the GPU has SMs, all resident at once, walks every layer in five stages and meets at a grid-wide
+barrier between stages (a counter in global memory: each program adds one, then waits until all
+have), the scheme of Hazy Research's Llama-1B megakernel; a layer costs five barriers in place
+of six launches.
+
+Stages of layer l, each a loop over work items shared round-robin by the programs; an item is
+`rows` output features, whose weight rows (stacked over layers and transposed by
+`stack_layers`) are contiguous:
+
+  1 qkv      qkv = rmsnorm(x) @ Wqkv (each program recomputes the norm of x: D values)
+  2 attend   per (kv head, part of `part_slots` cache slots): rotary of the q heads and the new
+             key, an online-softmax partial over the part's older slots; the part holding the
+             token's position folds in the new key and value from registers and writes them to
+             the cache (no program reads that slot in this launch)
+  3 o_proj   each working program merges the partials (log-sum-exp), then x[rows] += attended @ Wo
+  4 gate/up  h = silu(rmsnorm(x) @ Wgate) * (rmsnorm(x) @ Wup)
+  5 down     x[rows] += h @ Wdown
+
+What a program reads that another wrote in this launch (x, qkv, the partials, h) it loads past
+its SM's L1 (`.cg`), after the barrier's acquire. Values round to the weights' dtype where the
+model's layers round (`layers.DecoderLayer` in that dtype); accumulation is float32.
+
+The programs must all be resident at once or the first barrier never opens: the grid is at most
+the GPU's SM count, one program each, with nothing else running. Pallas interpret mode (CPU
+tests) runs programs one after another, so it runs one program, whose barriers never wait.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from eagle_jax.model import attention_ops
+
+CHUNK = 64  # weight columns a matvec loads at once
+STAGES = 5  # barriers a layer
+
+
+class StackedLayers(NamedTuple):
+    """A decoder stack's weights, stacked over layers, projections transposed to [out, in]."""
+
+    input_norm: jax.Array  # [L, D]
+    qkv: jax.Array  # [L, (N + 2K) H, D]
+    o: jax.Array  # [L, D, N H]
+    post_norm: jax.Array  # [L, D]
+    gate: jax.Array  # [L, I, D]
+    up: jax.Array  # [L, I, D]
+    down: jax.Array  # [L, D, I]
+
+
+def stack_layers(model) -> StackedLayers:
+    """The kernel's weights from a `llama.Llama` (no biases, one shard: the HF Llama layout)."""
+    cfg, layers = model.config, model.layers
+    if cfg.attention_bias or cfg.mlp_bias:
+        raise ValueError("the persistent kernel takes layers without biases")
+    inter = cfg.intermediate_size
+    stack = lambda weight: jnp.stack([weight(layer) for layer in layers])
+    return StackedLayers(
+        input_norm=stack(lambda layer: layer.input_layernorm.weight[...]),
+        qkv=stack(lambda layer: layer.self_attn.qkv_proj.kernel[...].T),
+        o=stack(lambda layer: layer.self_attn.o_proj.kernel[...].T),
+        post_norm=stack(lambda layer: layer.post_attention_layernorm.weight[...]),
+        gate=stack(lambda layer: layer.mlp.gate_up_proj.kernel[...][:, :inter].T),
+        up=stack(lambda layer: layer.mlp.gate_up_proj.kernel[...][:, inter:].T),
+        down=stack(lambda layer: layer.mlp.down_proj.kernel[...].T))
+
+
+def default_programs() -> int:
+    """One program per SM of the default device (a GPU), else 1."""
+    device = jax.devices()[0]
+    return int(getattr(device, "core_count", 0) or 1) if device.platform == "gpu" else 1
+
+
+def decode_layers(x: jax.Array, position: jax.Array, weights: StackedLayers, keys: jax.Array, values: jax.Array, *,
+                  num_heads: int, eps: float, inv_freq: np.ndarray, programs: int | None = None,
+                  part_slots: int = 256, rows: int = 8, num_warps: int = 8, interpret: bool | None = None):
+    """Every layer of one token's decode step.
+
+    Args:
+        x: [D] the token's embedding, in the layers' dtype.
+        position: int32 scalar, the token's position and cache slot (< S).
+        weights: `stack_layers`'s.
+        keys, values: [L, S, K, H] the stack's caches; the new key and value are written at
+            `position` (in place when donated).
+        num_heads, eps, inv_freq: N, the norms' epsilon, rotary's [H/2] inverse frequencies.
+        programs: the grid (default: the GPU's SMs; 1 in interpret mode, which runs programs in turn).
+        part_slots: cache slots of an attention work item (a power of two >= 16).
+        rows: output features of a projection's work item.
+        interpret: Pallas interpret mode; None: unless the default backend is a GPU.
+    Returns:
+        (x [D] float32 after the last layer, rounded as the layers round it, keys, values).
+    """
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    programs = 1 if interpret else (programs or default_programs())
+    frequencies = jnp.asarray(np.concatenate([inv_freq, inv_freq]), jnp.float32)
+    return _decode_layers(jnp.reshape(position, (1,)).astype(jnp.int32), frequencies, x, *weights, keys, values,
+                          num_heads=num_heads, eps=eps, programs=programs, part_slots=part_slots, rows=rows,
+                          num_warps=num_warps, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("num_heads", "eps", "programs", "part_slots", "rows", "num_warps",
+                                             "interpret"))
+def _decode_layers(position, frequencies, x, *arrays, num_heads, eps, programs, part_slots, rows, num_warps,
+                   interpret):
+    *weights, keys, values = arrays
+    weights = StackedLayers(*weights)
+    _, qkv_width, hidden = weights.qkv.shape
+    num_layers, slots, num_kv_heads, head_dim = keys.shape
+    parts = pl.cdiv(slots, part_slots)
+    f32 = jnp.float32
+    partial_shape = (num_heads, parts)
+    out_shape = (jax.ShapeDtypeStruct((hidden,), f32),  # x, the residual stream
+                 jax.ShapeDtypeStruct(keys.shape, keys.dtype), jax.ShapeDtypeStruct(values.shape, values.dtype),
+                 jax.ShapeDtypeStruct((1,), jnp.int32),  # the barrier's counter
+                 jax.ShapeDtypeStruct((qkv_width,), f32),
+                 jax.ShapeDtypeStruct((*partial_shape, head_dim), f32),  # attention partials: outputs,
+                 jax.ShapeDtypeStruct(partial_shape, f32), jax.ShapeDtypeStruct(partial_shape, f32),  # maxima, sums
+                 jax.ShapeDtypeStruct((weights.gate.shape[1],), f32))  # h, the MLP's hidden
+    counter = jnp.zeros((1,), jnp.int32)
+    first_cache = 3 + len(weights)
+    results = pl.pallas_call(
+        functools.partial(_kernel, num_heads=num_heads, eps=eps, programs=programs, part_slots=part_slots, rows=rows,
+                          interpret=interpret),
+        out_shape=out_shape,
+        grid=(programs,),
+        input_output_aliases={first_cache: 1, first_cache + 1: 2, first_cache + 2: 3},
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="persistent_decode_layers",
+    )(position, frequencies, x, *weights, keys, values, counter)
+    return results[0], results[1], results[2]
+
+
+def _block(size: int) -> int:
+    """Triton's block for `size` elements: a power of two, >= 16 where it meets a dot."""
+    return max(16, pl.next_power_of_2(size))
+
+
+def _kernel(position_ref, frequencies_ref, x0_ref, input_norm_ref, qkv_w_ref, o_w_ref, post_norm_ref, gate_ref, up_ref,
+            down_ref, keys_ref, values_ref, _counter_in, x_ref, keys_out, values_out, counter_ref, qkv_ref,
+            part_out_ref, part_max_ref, part_sum_ref, h_ref, *, num_heads: int, eps: float, programs: int,
+            part_slots: int, rows: int, interpret: bool):
+    program = pl.program_id(0)
+    num_layers, qkv_width, hidden = qkv_w_ref.shape
+    slots, num_kv_heads, head_dim = keys_ref.shape[1:]
+    inter = gate_ref.shape[1]
+    group, parts = num_heads // num_kv_heads, part_max_ref.shape[1]
+    dtype = x0_ref.dtype
+    f32 = jnp.float32
+    position = position_ref[jnp.int32(0)]
+    rnd = lambda value: value.astype(dtype).astype(f32)  # where the layers hold a value in their dtype
+
+    def barrier(index):
+        """Waits until every program has arrived here: the index-th barrier of the launch."""
+        if not interpret:  # Pallas interpret mode has no CTA barrier (nor needs one)
+            plgpu.debug_barrier()  # every thread's stores before this program's release
+        arrived = plgpu.atomic_add(counter_ref, (jnp.int32(0),), jnp.int32(1)) + 1
+        target = index * programs
+        lax.while_loop(lambda seen: seen < target,
+                       lambda _: plgpu.load(counter_ref.at[jnp.int32(0)], volatile=True), arrived)
+        plgpu.atomic_add(counter_ref, (jnp.int32(0),), jnp.int32(0))  # acquire: others' stores now visible
+        if not interpret:
+            plgpu.debug_barrier()
+
+    def shared(ref, index, mask, other=0.0):
+        """A load of what other programs stored in this launch: past L1."""
+        return plgpu.load(ref.at[index], mask=mask, other=other, cache_modifier=".cg")
+
+    def vector(ref, size):
+        """ref[:size] (another program's stores) as CHUNK-wide float32 pieces."""
+        pieces = []
+        for chunk in range(pl.cdiv(size, CHUNK)):
+            index = chunk * CHUNK + jnp.arange(CHUNK)
+            pieces.append(shared(ref, (index,), index < size))
+        return pieces
+
+    def rmsnorm(pieces, weight_ref, layer):
+        """`layers.RMSNorm` of x's pieces with layer `layer`'s weight."""
+        total = sum(jnp.sum(piece * piece) for piece in pieces)
+        scale = lax.rsqrt(total / hidden + eps)
+        normed = []
+        for chunk, piece in enumerate(pieces):
+            index = chunk * CHUNK + jnp.arange(CHUNK)
+            weight = plgpu.load(weight_ref.at[layer, index], mask=index < hidden, other=0).astype(f32)
+            normed.append(rnd(rnd(piece * scale) * weight))
+        return normed
+
+    def matvec(weight_ref, layer, features, pieces, size):
+        """[rows] float32: weight[layer, features] (rows of `size` inputs) . the vector's pieces."""
+        total = jnp.zeros((rows, CHUNK), f32)
+        real = features < weight_ref.shape[1]
+        for chunk, piece in enumerate(pieces):
+            index = chunk * CHUNK + jnp.arange(CHUNK)
+            weight = plgpu.load(weight_ref.at[layer, features[:, None], index[None, :]],
+                                mask=real[:, None] & (index < size)[None, :], other=0).astype(f32)
+            total += weight * piece[None, :]
+        return jnp.sum(total, axis=1)
+
+    def each_item(count, body):
+        """body(item) for this program's items of `count`: program, program + programs, ..."""
+        mine = lax.div(count - program + programs - 1, programs)
+        lax.fori_loop(0, mine, lambda step, carry: (body(program + step * programs), carry)[1], 0)
+
+    def features_of(item):
+        return item * rows + jnp.arange(rows)
+
+    # Stage 0: the residual stream starts as the embedding.
+    @pl.when(program == 0)
+    def _():
+        for chunk in range(pl.cdiv(hidden, CHUNK)):
+            index = chunk * CHUNK + jnp.arange(CHUNK)
+            value = plgpu.load(x0_ref.at[index], mask=index < hidden, other=0).astype(f32)
+            plgpu.store(x_ref.at[index], value, mask=index < hidden)
+
+    barrier(1)
+    head_rows = jnp.arange(_block(group))  # a kv head's query heads, padded for the dot
+    columns = jnp.arange(_block(head_dim))
+    in_head = columns < head_dim
+    half = head_dim // 2
+    partner = jnp.where(columns < half, columns + half, columns - half)
+    frequencies = plgpu.load(frequencies_ref.at[columns], mask=in_head, other=0)
+    angles = position.astype(f32) * frequencies
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+
+    def rotated(starts, real):
+        """Rotate-half rotary of qkv[starts[r] : starts[r] + H] [R, H'], rounded as `rotary` rounds."""
+        mask = real[:, None] & in_head[None, :]
+        x = shared(qkv_ref, (starts[:, None] + columns[None, :],), mask)
+        pair = shared(qkv_ref, (starts[:, None] + partner[None, :],), mask)
+        pair = jnp.where((columns < half)[None, :], -pair, pair)
+        return rnd(x * cos[None, :] + pair * sin[None, :])
+
+    def layer_step(layer, carry):
+        base = 1 + STAGES * layer
+
+        # 1: qkv = rmsnorm(x) @ Wqkv
+        normed = rmsnorm(vector(x_ref, hidden), input_norm_ref, layer)
+
+        def qkv_item(item):
+            features = features_of(item)
+            plgpu.store(qkv_ref.at[features], rnd(matvec(qkv_w_ref, layer, features, normed, hidden)),
+                        mask=features < qkv_width)
+
+        each_item(pl.cdiv(qkv_width, rows), qkv_item)
+        barrier(base + 1)
+
+        # 2: attention partials, one item a (kv head, part of the cache)
+        def attend_item(item):
+            kv_head, part = lax.div(item, parts), lax.rem(item, parts)
+            heads = kv_head * group + head_rows
+            real = head_rows < group
+            q = rotated(heads * head_dim, real)  # [G', H']
+            one = jnp.zeros((1,), jnp.int32)
+            new_key = rotated(one + (num_heads + kv_head) * head_dim, one == 0)  # [1, H']
+            new_value = shared(qkv_ref, ((num_heads + num_kv_heads + kv_head) * head_dim + columns,), in_head)
+            new_value = new_value[None, :]
+            first = part * part_slots
+            cache_slots = first + jnp.arange(part_slots)
+            older = cache_slots < jnp.minimum(first + part_slots, position)
+            index = (layer, cache_slots[:, None], kv_head, columns[None, :])
+            mask = older[:, None] & in_head[None, :]
+            part_keys = plgpu.load(keys_ref.at[index], mask=mask, other=0).astype(dtype)
+            part_values = plgpu.load(values_ref.at[index], mask=mask, other=0).astype(dtype)
+            scale = 1.0 / math.sqrt(head_dim)
+            scores = lax.dot_general(q.astype(dtype), part_keys, (((1,), (1,)), ((), ())),
+                                     preferred_element_type=f32) * scale
+            scores = jnp.where(older[None, :], scores, attention_ops.MASK_VALUE)
+            holds_new = part == lax.div(position, part_slots)
+            new_score = jnp.where(holds_new, jnp.sum(q * new_key, axis=1) * scale, attention_ops.MASK_VALUE)
+            maximum = jnp.maximum(jnp.max(scores, axis=1), new_score)
+            probs = jnp.where(older[None, :], jnp.exp(scores - maximum[:, None]), 0.0)
+            new_prob = jnp.where(holds_new, jnp.exp(new_score - maximum), 0.0)
+            total = jnp.sum(probs, axis=1) + new_prob
+            out = jnp.dot(probs.astype(dtype), part_values, preferred_element_type=f32)
+            out = out + new_prob[:, None] * new_value.astype(dtype).astype(f32)
+            plgpu.store(part_max_ref.at[heads, part], maximum, mask=real)
+            plgpu.store(part_sum_ref.at[heads, part], total, mask=real)
+            plgpu.store(part_out_ref.at[heads[:, None], part, columns[None, :]], out,
+                        mask=real[:, None] & in_head[None, :])
+            written = (one == 0)[:, None] & in_head[None, :] & holds_new
+            cache_index = (layer, position + one[:, None], kv_head, columns[None, :])
+            plgpu.store(keys_out.at[cache_index], new_key.astype(keys_out.dtype), mask=written)
+            plgpu.store(values_out.at[cache_index], new_value.astype(values_out.dtype), mask=written)
+
+        each_item(num_kv_heads * parts, attend_item)
+        barrier(base + 2)
+
+        # 3: merge the partials; x += attended @ Wo
+        def o_item(item):
+            heads, part_index = jnp.arange(_block(num_heads)), jnp.arange(pl.next_power_of_2(parts))
+            real = heads < num_heads
+            mask = real[:, None] & (part_index < parts)[None, :]
+            maxima = shared(part_max_ref, (heads[:, None], part_index[None, :]), mask, attention_ops.MASK_VALUE)
+            sums = shared(part_sum_ref, (heads[:, None], part_index[None, :]), mask)
+            outs = shared(part_out_ref, (heads[:, None, None], part_index[None, :, None], columns[None, None, :]),
+                          mask[:, :, None] & in_head[None, None, :])
+            maximum = jnp.max(maxima, axis=1)
+            weight = jnp.exp(maxima - maximum[:, None])
+            total = jnp.sum(sums * weight, axis=1)
+            attended = jnp.sum(outs * weight[:, :, None], axis=1) / jnp.where(real, total, 1.0)[:, None]
+            attended = jnp.where(real[:, None], rnd(attended), 0.0)  # [N', H']
+            features = features_of(item)
+            inputs = heads[:, None] * head_dim + columns[None, :]
+            weights = plgpu.load(o_w_ref.at[layer, features[:, None, None], inputs[None, :, :]],
+                                 mask=(features < hidden)[:, None, None] & (real[:, None] & in_head[None, :])[None],
+                                 other=0).astype(f32)
+            update = jnp.sum(jnp.sum(weights * attended[None], axis=2), axis=1)
+            residual = shared(x_ref, (features,), features < hidden)
+            plgpu.store(x_ref.at[features], rnd(residual + rnd(update)), mask=features < hidden)
+
+        each_item(pl.cdiv(hidden, rows), o_item)
+        barrier(base + 3)
+
+        # 4: h = silu(rmsnorm(x) @ Wgate) * (rmsnorm(x) @ Wup)
+        normed = rmsnorm(vector(x_ref, hidden), post_norm_ref, layer)
+
+        def gate_up_item(item):
+            features = features_of(item)
+            gate = rnd(matvec(gate_ref, layer, features, normed, hidden))
+            up = rnd(matvec(up_ref, layer, features, normed, hidden))
+            plgpu.store(h_ref.at[features], rnd(rnd(gate / (1.0 + jnp.exp(-gate))) * up), mask=features < inter)
+
+        each_item(pl.cdiv(inter, rows), gate_up_item)
+        barrier(base + 4)
+
+        # 5: x += h @ Wdown
+        hidden_pieces = vector(h_ref, inter)
+
+        def down_item(item):
+            features = features_of(item)
+            update = rnd(matvec(down_ref, layer, features, hidden_pieces, inter))
+            residual = shared(x_ref, (features,), features < hidden)
+            plgpu.store(x_ref.at[features], rnd(residual + update), mask=features < hidden)
+
+        each_item(pl.cdiv(hidden, rows), down_item)
+        barrier(base + 5)
+        return carry
+
+    lax.fori_loop(0, num_layers, layer_step, 0)

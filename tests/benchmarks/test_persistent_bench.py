@@ -1,0 +1,26 @@
+"""benchmarks/persistent_bench.py on a tiny random target: a row per kernel, the two steps agreeing."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+from tests.conftest import hf_config_dict
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_rows_compare_the_persistent_kernel_with_the_fused_kernels(tmp_path):
+    spec = importlib.util.spec_from_file_location("persistent_bench", REPO / "benchmarks" / "persistent_bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_dict()))
+    out = tmp_path / "rows.json"
+    assert bench.main(["--random-target", str(tmp_path / "config.json"), "--dtype", "float32", "--cache-length", "64",
+                       "--position", "20", "--steps", "3", "--repeats", "1", "--part-slots", "16", "--rows", "4,8",
+                       "--out", str(out)]) == 0
+    fused, *persistent = json.loads(out.read_text())
+    assert fused["kernel"] == "fused kernels" and fused["us_per_call"] > 0
+    assert [row["rows"] for row in persistent] == [4, 8]
+    for row in persistent:
+        assert "error" not in row and row["programs"] == 1  # interpret mode runs one program
+        assert row["same_next_token"] and row["max_abs_difference"] < 1e-4 * row["reference_max_abs"] + 1e-5

@@ -1,0 +1,64 @@
+"""The persistent decode kernel against the model's own cached decode step (Pallas interpret mode, CPU)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eagle_jax.kernels import persistent_layers
+from eagle_jax.model import kv_cache as kv_cache_lib
+from eagle_jax.model import rotary
+
+SLOTS = 64
+
+
+def filled_cache(target, position: int, seed: int) -> kv_cache_lib.KVCache:
+    """A one-row cache whose slots below `position` hold random keys and values (the rest zero)."""
+    cfg = target.config
+    rng = np.random.default_rng(seed)
+    shape = (1, SLOTS, cfg.num_kv_heads, cfg.head_dim)
+    visible = (np.arange(SLOTS) < position)[None, :, None, None]
+    layer = lambda: jnp.asarray(np.where(visible, rng.standard_normal(shape), 0.0), jnp.float32)
+    return kv_cache_lib.KVCache(keys=tuple(layer() for _ in range(cfg.num_layers)),
+                                values=tuple(layer() for _ in range(cfg.num_layers)),
+                                lengths=jnp.full((1,), position, jnp.int32))
+
+
+def run_kernel(target, token: int, position: int, cache: kv_cache_lib.KVCache, **settings):
+    cfg = target.config
+    x = target.embed_tokens(jnp.array([[token]], jnp.int32))[0, 0]
+    return persistent_layers.decode_layers(
+        x, jnp.int32(position), persistent_layers.stack_layers(target),
+        jnp.stack(cache.keys)[:, 0], jnp.stack(cache.values)[:, 0], num_heads=cfg.num_heads, eps=cfg.rms_norm_eps,
+        inv_freq=rotary.rope_inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), interpret=True,
+        **settings)
+
+
+# Slot 0 (no older slot), inside the first part, its last slot, the first of the next, the last slot.
+@pytest.mark.parametrize("position", [0, 5, 15, 16, SLOTS - 1])
+def test_matches_the_models_decode_step(random_target, position):
+    target = random_target(seed=3, num_layers=3)
+    cache = filled_cache(target, position, seed=position)
+    token = 17
+    hidden, model_cache, _ = target(jnp.array([[token]], jnp.int32), jnp.array([[position]], jnp.int32), cache)
+    x, keys, values = run_kernel(target, token, position, cache, part_slots=16, rows=8)
+    np.testing.assert_allclose(target.norm(x), hidden[0, 0], rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(keys, jnp.stack(model_cache.keys)[:, 0], rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(values, jnp.stack(model_cache.values)[:, 0], rtol=2e-5, atol=2e-5)
+
+
+def test_work_items_cover_every_feature_whatever_their_size(random_target):
+    """Items of 4 or 16 features (a partial item at the edges) and one part for the whole cache
+    give the same step as the defaults."""
+    target = random_target(seed=4)
+    position = 20
+    cache = filled_cache(target, position, seed=1)
+    reference = run_kernel(target, 5, position, cache)
+    for settings in (dict(rows=4, part_slots=16), dict(rows=16, part_slots=64)):
+        for got, want in zip(run_kernel(target, 5, position, cache, **settings), reference):
+            np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_refuses_biased_layers(random_target):
+    with pytest.raises(ValueError, match="biases"):
+        persistent_layers.stack_layers(random_target(attention_bias=True))
