@@ -22,7 +22,7 @@ Stages of layer l, each a loop over work items shared round-robin by the program
   5 down     x[rows] += h @ Wdown
 
 What a program reads that another wrote in this launch (x, qkv, the partials, h) it loads past
-its SM's L1 (`.cg`), after the barrier's acquire. Values round to the weights' dtype where the
+its SM's L1 (volatile loads), after the barrier's acquire. Values round to the weights' dtype where the
 model's layers round (`layers.DecoderLayer` in that dtype); accumulation is float32.
 
 The programs must all be resident at once or the first barrier never opens: the grid is at most
@@ -177,8 +177,9 @@ def _kernel(position_ref, frequencies_ref, x0_ref, input_norm_ref, qkv_w_ref, o_
             plgpu.debug_barrier()
 
     def shared(ref, index, mask, other=0.0):
-        """A load of what other programs stored in this launch: past L1."""
-        return plgpu.load(ref.at[index], mask=mask, other=other, cache_modifier=".cg")
+        """A load of what other programs stored in this launch: volatile, so from L2, never a stale
+        line of this SM's L1 (Pallas lowers no `.cg` cache modifier)."""
+        return plgpu.load(ref.at[index], mask=mask, other=other, volatile=True)
 
     def vector(ref, size):
         """ref[:size] (another program's stores) as CHUNK-wide float32 pieces."""
