@@ -1,0 +1,18 @@
+"""benchmarks/call_overhead.py: a row per buffer count and steps a call."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_a_row_per_setting(tmp_path):
+    spec = importlib.util.spec_from_file_location("call_overhead", REPO / "benchmarks" / "call_overhead.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "rows.json"
+    assert bench.main(["--buffers", "1:1,3:2", "--steps", "1,4", "--calls", "2", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(row["params"], row["state"], row["steps"]) for row in rows] == [(1, 1, 1), (1, 1, 4), (3, 2, 1), (3, 2, 4)]
+    assert all(row["us_per_call"] > 0 for row in rows)
