@@ -57,6 +57,7 @@ def main(argv=None) -> int:
     parser.add_argument("--part-slots", default="256", help="comma list: cache slots of an attention item")
     parser.add_argument("--num-warps", default="8", help="comma list")
     parser.add_argument("--programs", default="", help="comma list: grid sizes (default: the GPU's SMs)")
+    parser.add_argument("--prefetch", default="1", help="comma list of 1 / 0: weights loaded ahead of the barriers")
     parser.add_argument("--label", default="")
     parser.add_argument("--out", help="JSON list the rows are appended to")
     args = parser.parse_args(argv)
@@ -123,15 +124,17 @@ def main(argv=None) -> int:
                   layers=cfg.num_layers, label=args.label, model=args.random_target or args.model or "default")
     rows = [dict(common, kernel="fused kernels", us_per_call=timed(fused_call, per_layer),
                  max_abs_difference=0.0)]
-    print(f"{'kernel':<40} {'us a call':>10} {'max |diff|':>11}")
-    print(f"{rows[0]['kernel']:<40} {rows[0]['us_per_call']:>10.1f} {0.0:>11.4f}", flush=True)
+    print(f"{'kernel':<46} {'us a call':>10} {'max |diff|':>11}")
+    print(f"{rows[0]['kernel']:<46} {rows[0]['us_per_call']:>10.1f} {0.0:>11.4f}", flush=True)
     grids = ints(args.programs) or [persistent_layers.default_programs()]
     for programs in grids:
         for rows_per_item in ints(args.rows):
             for part_slots in ints(args.part_slots):
-                for num_warps in ints(args.num_warps):
-                    settings = dict(programs=programs, rows=rows_per_item, part_slots=part_slots, num_warps=num_warps)
-                    label = f"persistent {programs}p rows {rows_per_item} part {part_slots} warps {num_warps}"
+                for num_warps, prefetch in ((w, bool(p)) for w in ints(args.num_warps) for p in ints(args.prefetch)):
+                    settings = dict(programs=programs, rows=rows_per_item, part_slots=part_slots, num_warps=num_warps,
+                                    prefetch=prefetch)
+                    label = (f"persistent {programs}p rows {rows_per_item} part {part_slots} warps {num_warps}"
+                             + (" ahead" if prefetch else ""))
                     try:
                         call = persistent_call(settings)
                         hidden = jax.jit(call)((keys, values), jnp.int32(args.position))[0].astype(jnp.float32)
@@ -143,9 +146,9 @@ def main(argv=None) -> int:
                         row = dict(common, kernel=label, **settings, error=f"{type(error).__name__}: {error}"[:400])
                     rows.append(row)
                     if "error" in row:
-                        print(f"{label:<40} {row['error'][:120]}", flush=True)
+                        print(f"{label:<46} {row['error'][:120]}", flush=True)
                     else:
-                        print(f"{label:<40} {row['us_per_call']:>10.1f} {row['max_abs_difference']:>11.4f}",
+                        print(f"{label:<46} {row['us_per_call']:>10.1f} {row['max_abs_difference']:>11.4f}",
                               flush=True)
     if args.out:
         append_rows(args.out, rows)

@@ -22,7 +22,9 @@ Stages of layer l, each a loop over work items shared round-robin by the program
   5 down     x[rows] += h @ Wdown
 
 What a program reads that another wrote in this launch (x, qkv, the partials, h) it loads past
-its SM's L1 (volatile loads), after the barrier's acquire. Values round to the weights' dtype where the
+its SM's L1 (volatile loads), after the barrier's acquire. What no program writes (the weights,
+the cache's older slots) a program of a stage with one item each (`prefetch`) loads before the
+barrier ahead of that stage, so the memory's latency overlaps the wait. Values round to the weights' dtype where the
 model's layers round (`layers.DecoderLayer` in that dtype); accumulation is float32.
 
 The programs must all be resident at once or the first barrier never opens: the grid is at most
@@ -86,7 +88,8 @@ def default_programs() -> int:
 
 def decode_layers(x: jax.Array, position: jax.Array, weights: StackedLayers, keys: jax.Array, values: jax.Array, *,
                   num_heads: int, eps: float, inv_freq: np.ndarray, programs: int | None = None,
-                  part_slots: int = 256, rows: int = 8, num_warps: int = 8, interpret: bool | None = None):
+                  part_slots: int = 256, rows: int = 8, num_warps: int = 8, prefetch: bool = True,
+                  interpret: bool | None = None):
     """Every layer of one token's decode step.
 
     Args:
@@ -99,6 +102,8 @@ def decode_layers(x: jax.Array, position: jax.Array, weights: StackedLayers, key
         programs: the grid (default: the GPU's SMs; 1 in interpret mode, which runs programs in turn).
         part_slots: cache slots of an attention work item (a power of two >= 16).
         rows: output features of a projection's work item.
+        prefetch: each stage of at most one item a program loads what no program writes in this
+            launch (its weights, the older cache slots) before the barrier ahead of it.
         interpret: Pallas interpret mode; None: unless the default backend is a GPU.
     Returns:
         (x [D] float32 after the last layer, rounded as the layers round it, keys, values).
@@ -109,13 +114,13 @@ def decode_layers(x: jax.Array, position: jax.Array, weights: StackedLayers, key
     frequencies = jnp.asarray(np.concatenate([inv_freq, inv_freq]), jnp.float32)
     return _decode_layers(jnp.reshape(position, (1,)).astype(jnp.int32), frequencies, x, *weights, keys, values,
                           num_heads=num_heads, eps=eps, programs=programs, part_slots=part_slots, rows=rows,
-                          num_warps=num_warps, interpret=interpret)
+                          num_warps=num_warps, prefetch=prefetch, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "eps", "programs", "part_slots", "rows", "num_warps",
-                                             "interpret"))
+                                             "prefetch", "interpret"))
 def _decode_layers(position, frequencies, x, *arrays, num_heads, eps, programs, part_slots, rows, num_warps,
-                   interpret):
+                   prefetch, interpret):
     *weights, keys, values = arrays
     weights = StackedLayers(*weights)
     _, qkv_width, hidden = weights.qkv.shape
@@ -134,7 +139,7 @@ def _decode_layers(position, frequencies, x, *arrays, num_heads, eps, programs, 
     first_cache = 3 + len(weights)
     results = pl.pallas_call(
         functools.partial(_kernel, num_heads=num_heads, eps=eps, programs=programs, part_slots=part_slots, rows=rows,
-                          interpret=interpret),
+                          prefetch=prefetch, interpret=interpret),
         out_shape=out_shape,
         grid=(programs,),
         input_output_aliases={first_cache: 1, first_cache + 1: 2, first_cache + 2: 3},
@@ -153,7 +158,7 @@ def _block(size: int) -> int:
 def _kernel(position_ref, frequencies_ref, x0_ref, input_norm_ref, qkv_w_ref, o_w_ref, post_norm_ref, gate_ref, up_ref,
             down_ref, keys_ref, values_ref, _counter_in, x_ref, keys_out, values_out, counter_ref, qkv_ref,
             part_out_ref, part_max_ref, part_sum_ref, h_ref, *, num_heads: int, eps: float, programs: int,
-            part_slots: int, rows: int, interpret: bool):
+            part_slots: int, rows: int, prefetch: bool, interpret: bool):
     program = pl.program_id(0)
     num_layers, qkv_width, hidden = qkv_w_ref.shape
     slots, num_kv_heads, head_dim = keys_ref.shape[1:]
@@ -200,15 +205,26 @@ def _kernel(position_ref, frequencies_ref, x0_ref, input_norm_ref, qkv_w_ref, o_
             normed.append(rnd(rnd(piece * scale) * weight))
         return normed
 
-    def matvec(weight_ref, layer, features, pieces, size):
-        """[rows] float32: weight[layer, features] (rows of `size` inputs) . the vector's pieces."""
-        total = jnp.zeros((rows, CHUNK), f32)
+    def features_of(item):
+        return item * rows + jnp.arange(rows)
+
+    def weight_rows(weight_ref, layer, item, size):
+        """Item `item`'s rows of weight[layer] ([rows, size], in CHUNK-wide tiles of the weights'
+        dtype); an item past the last feature loads nothing."""
+        features = features_of(item)
         real = features < weight_ref.shape[1]
-        for chunk, piece in enumerate(pieces):
+        tiles = []
+        for chunk in range(pl.cdiv(size, CHUNK)):
             index = chunk * CHUNK + jnp.arange(CHUNK)
-            weight = plgpu.load(weight_ref.at[layer, features[:, None], index[None, :]],
-                                mask=real[:, None] & (index < size)[None, :], other=0).astype(f32)
-            total += weight * piece[None, :]
+            tiles.append(plgpu.load(weight_ref.at[layer, features[:, None], index[None, :]],
+                                    mask=real[:, None] & (index < size)[None, :], other=0))
+        return tiles
+
+    def matvec(tiles, pieces):
+        """[rows] float32: weight rows (`weight_rows`) . a vector's pieces."""
+        total = jnp.zeros((rows, CHUNK), f32)
+        for tile, piece in zip(tiles, pieces):
+            total += tile.astype(f32) * piece[None, :]
         return jnp.sum(total, axis=1)
 
     def each_item(count, body):
@@ -216,8 +232,19 @@ def _kernel(position_ref, frequencies_ref, x0_ref, input_norm_ref, qkv_w_ref, o_
         mine = lax.div(count - program + programs - 1, programs)
         lax.fori_loop(0, mine, lambda step, carry: (body(program + step * programs), carry)[1], 0)
 
-    def features_of(item):
-        return item * rows + jnp.arange(rows)
+    def early(count) -> bool:
+        """Whether a stage of `count` items loads its inputs that no program writes (weights, the
+        older cache slots) before the barrier ahead of it: with `prefetch`, when each program has
+        at most one item (its own index). Their latency then overlaps the wait."""
+        return prefetch and count <= programs
+
+    def stage(count, load, compute, loaded=None):
+        """A stage's items: compute(item, load(item)) each, or, with `loaded` (`early`), its one
+        item's compute on what was loaded before the barrier."""
+        if loaded is not None:
+            compute(program, loaded)
+        else:
+            each_item(count, lambda item: compute(item, load(item)))
 
     # Stage 0: the residual stream starts as the embedding.
     @pl.when(program == 0)
@@ -227,7 +254,6 @@ def _kernel(position_ref, frequencies_ref, x0_ref, input_norm_ref, qkv_w_ref, o_
             value = plgpu.load(x0_ref.at[index], mask=index < hidden, other=0).astype(f32)
             plgpu.store(x_ref.at[index], value, mask=index < hidden)
 
-    barrier(1)
     head_rows = jnp.arange(_block(group))  # a kv head's query heads, padded for the dot
     columns = jnp.arange(_block(head_dim))
     in_head = columns < head_dim
@@ -236,6 +262,8 @@ def _kernel(position_ref, frequencies_ref, x0_ref, input_norm_ref, qkv_w_ref, o_
     frequencies = plgpu.load(frequencies_ref.at[columns], mask=in_head, other=0)
     angles = position.astype(f32) * frequencies
     cos, sin = jnp.cos(angles), jnp.sin(angles)
+    counts = dict(qkv=pl.cdiv(qkv_width, rows), attend=num_kv_heads * parts, o=pl.cdiv(hidden, rows),
+                  gate_up=pl.cdiv(inter, rows), down=pl.cdiv(hidden, rows))
 
     def rotated(starts, real):
         """Rotate-half rotary of qkv[starts[r] : starts[r] + H] [R, H'], rounded as `rotary` rounds."""
@@ -245,110 +273,138 @@ def _kernel(position_ref, frequencies_ref, x0_ref, input_norm_ref, qkv_w_ref, o_
         pair = jnp.where((columns < half)[None, :], -pair, pair)
         return rnd(x * cos[None, :] + pair * sin[None, :])
 
-    def layer_step(layer, carry):
+    def attention_item(item):
+        """(kv head, part) of attention item `item`, its older cache slots and whether it is one."""
+        kv_head, part = lax.div(item, parts), lax.rem(item, parts)
+        first = part * part_slots
+        cache_slots = first + jnp.arange(part_slots)
+        older = (cache_slots < jnp.minimum(first + part_slots, position)) & (item < counts["attend"])
+        return kv_head, part, cache_slots, older
+
+    def attend_load(layer, item):
+        """The item's older keys and values [part_slots, H'] (slots below the position: no program
+        writes them in this launch)."""
+        kv_head, _, cache_slots, older = attention_item(item)
+        index = (layer, cache_slots[:, None], kv_head, columns[None, :])
+        mask = older[:, None] & in_head[None, :]
+        return (plgpu.load(keys_ref.at[index], mask=mask, other=0).astype(dtype),
+                plgpu.load(values_ref.at[index], mask=mask, other=0).astype(dtype))
+
+    def attend(layer, item, loaded):
+        """Attention item `item`'s online-softmax partial over its part; the part holding the
+        position also folds in the new key and value and writes them to the cache."""
+        part_keys, part_values = loaded
+        kv_head, part, _, older = attention_item(item)
+        heads = kv_head * group + head_rows
+        real = (head_rows < group) & (item < counts["attend"])
+        q = rotated(heads * head_dim, real)  # [G', H']
+        one = jnp.zeros((1,), jnp.int32)
+        new_key = rotated(one + (num_heads + kv_head) * head_dim, one == 0)  # [1, H']
+        new_value = shared(qkv_ref, ((num_heads + num_kv_heads + kv_head) * head_dim + columns,), in_head)
+        new_value = new_value[None, :]
+        scale = 1.0 / math.sqrt(head_dim)
+        scores = lax.dot_general(q.astype(dtype), part_keys, (((1,), (1,)), ((), ())),
+                                 preferred_element_type=f32) * scale
+        scores = jnp.where(older[None, :], scores, attention_ops.MASK_VALUE)
+        holds_new = (part == lax.div(position, part_slots)) & (item < counts["attend"])
+        new_score = jnp.where(holds_new, jnp.sum(q * new_key, axis=1) * scale, attention_ops.MASK_VALUE)
+        maximum = jnp.maximum(jnp.max(scores, axis=1), new_score)
+        probs = jnp.where(older[None, :], jnp.exp(scores - maximum[:, None]), 0.0)
+        new_prob = jnp.where(holds_new, jnp.exp(new_score - maximum), 0.0)
+        total = jnp.sum(probs, axis=1) + new_prob
+        out = jnp.dot(probs.astype(dtype), part_values, preferred_element_type=f32)
+        out = out + new_prob[:, None] * new_value.astype(dtype).astype(f32)
+        plgpu.store(part_max_ref.at[heads, part], maximum, mask=real)
+        plgpu.store(part_sum_ref.at[heads, part], total, mask=real)
+        plgpu.store(part_out_ref.at[heads[:, None], part, columns[None, :]], out, mask=real[:, None] & in_head[None, :])
+        written = (one == 0)[:, None] & in_head[None, :] & holds_new
+        cache_index = (layer, position + one[:, None], kv_head, columns[None, :])
+        plgpu.store(keys_out.at[cache_index], new_key.astype(keys_out.dtype), mask=written)
+        plgpu.store(values_out.at[cache_index], new_value.astype(values_out.dtype), mask=written)
+
+    all_heads = jnp.arange(_block(num_heads))
+
+    def o_load(layer, item):
+        """Item `item`'s rows of Wo[layer] as [rows, N', H'] (query head, head dim)."""
+        features = features_of(item)
+        inputs = all_heads[:, None] * head_dim + columns[None, :]
+        mask = (features < hidden)[:, None, None] & ((all_heads < num_heads)[:, None] & in_head[None, :])[None]
+        return plgpu.load(o_w_ref.at[layer, features[:, None, None], inputs[None, :, :]], mask=mask, other=0)
+
+    def o_proj(item, weights):
+        """The partials merged (log-sum-exp) into the attended heads; x[rows] += attended @ Wo."""
+        part_index = jnp.arange(pl.next_power_of_2(parts))
+        real = all_heads < num_heads
+        mask = real[:, None] & (part_index < parts)[None, :]
+        maxima = shared(part_max_ref, (all_heads[:, None], part_index[None, :]), mask, attention_ops.MASK_VALUE)
+        sums = shared(part_sum_ref, (all_heads[:, None], part_index[None, :]), mask)
+        outs = shared(part_out_ref, (all_heads[:, None, None], part_index[None, :, None], columns[None, None, :]),
+                      mask[:, :, None] & in_head[None, None, :])
+        maximum = jnp.max(maxima, axis=1)
+        weight = jnp.exp(maxima - maximum[:, None])
+        total = jnp.sum(sums * weight, axis=1)
+        attended = jnp.sum(outs * weight[:, :, None], axis=1) / jnp.where(real, total, 1.0)[:, None]
+        attended = jnp.where(real[:, None], rnd(attended), 0.0)  # [N', H']
+        update = jnp.sum(jnp.sum(weights.astype(f32) * attended[None], axis=2), axis=1)
+        add_residual(item, update)
+
+    def add_residual(item, update):
+        features = features_of(item)
+        residual = shared(x_ref, (features,), features < hidden)
+        plgpu.store(x_ref.at[features], rnd(residual + rnd(update)), mask=features < hidden)
+
+    def qkv_load(layer, item):
+        return weight_rows(qkv_w_ref, layer, item, hidden)
+
+    def ahead(name, load):
+        """What stage `name` loads before the barrier ahead of it (`early`), else None."""
+        return load(program) if early(counts[name]) else None
+
+    def layer_step(layer, qkv_weights):
         base = 1 + STAGES * layer
 
         # 1: qkv = rmsnorm(x) @ Wqkv
         normed = rmsnorm(vector(x_ref, hidden), input_norm_ref, layer)
 
-        def qkv_item(item):
+        def qkv(item, tiles):
             features = features_of(item)
-            plgpu.store(qkv_ref.at[features], rnd(matvec(qkv_w_ref, layer, features, normed, hidden)),
-                        mask=features < qkv_width)
+            plgpu.store(qkv_ref.at[features], rnd(matvec(tiles, normed)), mask=features < qkv_width)
 
-        each_item(pl.cdiv(qkv_width, rows), qkv_item)
+        stage(counts["qkv"], functools.partial(qkv_load, layer), qkv, qkv_weights)
+        loaded = ahead("attend", functools.partial(attend_load, layer))
         barrier(base + 1)
 
         # 2: attention partials, one item a (kv head, part of the cache)
-        def attend_item(item):
-            kv_head, part = lax.div(item, parts), lax.rem(item, parts)
-            heads = kv_head * group + head_rows
-            real = head_rows < group
-            q = rotated(heads * head_dim, real)  # [G', H']
-            one = jnp.zeros((1,), jnp.int32)
-            new_key = rotated(one + (num_heads + kv_head) * head_dim, one == 0)  # [1, H']
-            new_value = shared(qkv_ref, ((num_heads + num_kv_heads + kv_head) * head_dim + columns,), in_head)
-            new_value = new_value[None, :]
-            first = part * part_slots
-            cache_slots = first + jnp.arange(part_slots)
-            older = cache_slots < jnp.minimum(first + part_slots, position)
-            index = (layer, cache_slots[:, None], kv_head, columns[None, :])
-            mask = older[:, None] & in_head[None, :]
-            part_keys = plgpu.load(keys_ref.at[index], mask=mask, other=0).astype(dtype)
-            part_values = plgpu.load(values_ref.at[index], mask=mask, other=0).astype(dtype)
-            scale = 1.0 / math.sqrt(head_dim)
-            scores = lax.dot_general(q.astype(dtype), part_keys, (((1,), (1,)), ((), ())),
-                                     preferred_element_type=f32) * scale
-            scores = jnp.where(older[None, :], scores, attention_ops.MASK_VALUE)
-            holds_new = part == lax.div(position, part_slots)
-            new_score = jnp.where(holds_new, jnp.sum(q * new_key, axis=1) * scale, attention_ops.MASK_VALUE)
-            maximum = jnp.maximum(jnp.max(scores, axis=1), new_score)
-            probs = jnp.where(older[None, :], jnp.exp(scores - maximum[:, None]), 0.0)
-            new_prob = jnp.where(holds_new, jnp.exp(new_score - maximum), 0.0)
-            total = jnp.sum(probs, axis=1) + new_prob
-            out = jnp.dot(probs.astype(dtype), part_values, preferred_element_type=f32)
-            out = out + new_prob[:, None] * new_value.astype(dtype).astype(f32)
-            plgpu.store(part_max_ref.at[heads, part], maximum, mask=real)
-            plgpu.store(part_sum_ref.at[heads, part], total, mask=real)
-            plgpu.store(part_out_ref.at[heads[:, None], part, columns[None, :]], out,
-                        mask=real[:, None] & in_head[None, :])
-            written = (one == 0)[:, None] & in_head[None, :] & holds_new
-            cache_index = (layer, position + one[:, None], kv_head, columns[None, :])
-            plgpu.store(keys_out.at[cache_index], new_key.astype(keys_out.dtype), mask=written)
-            plgpu.store(values_out.at[cache_index], new_value.astype(values_out.dtype), mask=written)
-
-        each_item(num_kv_heads * parts, attend_item)
+        stage(counts["attend"], functools.partial(attend_load, layer), functools.partial(attend, layer), loaded)
+        loaded = ahead("o", functools.partial(o_load, layer))
         barrier(base + 2)
 
         # 3: merge the partials; x += attended @ Wo
-        def o_item(item):
-            heads, part_index = jnp.arange(_block(num_heads)), jnp.arange(pl.next_power_of_2(parts))
-            real = heads < num_heads
-            mask = real[:, None] & (part_index < parts)[None, :]
-            maxima = shared(part_max_ref, (heads[:, None], part_index[None, :]), mask, attention_ops.MASK_VALUE)
-            sums = shared(part_sum_ref, (heads[:, None], part_index[None, :]), mask)
-            outs = shared(part_out_ref, (heads[:, None, None], part_index[None, :, None], columns[None, None, :]),
-                          mask[:, :, None] & in_head[None, None, :])
-            maximum = jnp.max(maxima, axis=1)
-            weight = jnp.exp(maxima - maximum[:, None])
-            total = jnp.sum(sums * weight, axis=1)
-            attended = jnp.sum(outs * weight[:, :, None], axis=1) / jnp.where(real, total, 1.0)[:, None]
-            attended = jnp.where(real[:, None], rnd(attended), 0.0)  # [N', H']
-            features = features_of(item)
-            inputs = heads[:, None] * head_dim + columns[None, :]
-            weights = plgpu.load(o_w_ref.at[layer, features[:, None, None], inputs[None, :, :]],
-                                 mask=(features < hidden)[:, None, None] & (real[:, None] & in_head[None, :])[None],
-                                 other=0).astype(f32)
-            update = jnp.sum(jnp.sum(weights * attended[None], axis=2), axis=1)
-            residual = shared(x_ref, (features,), features < hidden)
-            plgpu.store(x_ref.at[features], rnd(residual + rnd(update)), mask=features < hidden)
-
-        each_item(pl.cdiv(hidden, rows), o_item)
+        stage(counts["o"], functools.partial(o_load, layer), o_proj, loaded)
+        gate_up_load = lambda item: (weight_rows(gate_ref, layer, item, hidden), weight_rows(up_ref, layer, item, hidden))
+        loaded = ahead("gate_up", gate_up_load)
         barrier(base + 3)
 
         # 4: h = silu(rmsnorm(x) @ Wgate) * (rmsnorm(x) @ Wup)
         normed = rmsnorm(vector(x_ref, hidden), post_norm_ref, layer)
 
-        def gate_up_item(item):
+        def gate_up(item, tiles):
             features = features_of(item)
-            gate = rnd(matvec(gate_ref, layer, features, normed, hidden))
-            up = rnd(matvec(up_ref, layer, features, normed, hidden))
+            gate, up = rnd(matvec(tiles[0], normed)), rnd(matvec(tiles[1], normed))
             plgpu.store(h_ref.at[features], rnd(rnd(gate / (1.0 + jnp.exp(-gate))) * up), mask=features < inter)
 
-        each_item(pl.cdiv(inter, rows), gate_up_item)
+        stage(counts["gate_up"], gate_up_load, gate_up, loaded)
+        down_load = lambda item: weight_rows(down_ref, layer, item, inter)
+        loaded = ahead("down", down_load)
         barrier(base + 4)
 
         # 5: x += h @ Wdown
         hidden_pieces = vector(h_ref, inter)
-
-        def down_item(item):
-            features = features_of(item)
-            update = rnd(matvec(down_ref, layer, features, hidden_pieces, inter))
-            residual = shared(x_ref, (features,), features < hidden)
-            plgpu.store(x_ref.at[features], rnd(residual + update), mask=features < hidden)
-
-        each_item(pl.cdiv(hidden, rows), down_item)
+        stage(counts["down"], down_load, lambda item, tiles: add_residual(item, matvec(tiles, hidden_pieces)), loaded)
+        following = ahead("qkv", functools.partial(qkv_load, jnp.minimum(layer + 1, num_layers - 1)))
         barrier(base + 5)
-        return carry
+        return following
 
-    lax.fori_loop(0, num_layers, layer_step, 0)
+    first = ahead("qkv", functools.partial(qkv_load, jnp.int32(0)))
+    barrier(1)
+    lax.fori_loop(0, num_layers, layer_step, first)

@@ -59,6 +59,20 @@ def test_work_items_cover_every_feature_whatever_their_size(random_target):
             np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
+def test_loading_ahead_of_the_barriers_changes_nothing(random_target):
+    """With one item a stage (the one program interpret mode runs), every stage loads its weights,
+    and attention its older slots, before the barrier ahead of it: the same step as without."""
+    target = random_target(seed=5, num_kv_heads=1, num_heads=2, head_dim=16)
+    position = 30
+    cache = filled_cache(target, position, seed=2)
+    one_item = dict(rows=64, part_slots=SLOTS)
+    ahead = run_kernel(target, 9, position, cache, prefetch=True, **one_item)
+    for got, want in zip(ahead, run_kernel(target, 9, position, cache, prefetch=False, **one_item)):
+        np.testing.assert_array_equal(got, want)
+    hidden, _, _ = target(jnp.array([[9]], jnp.int32), jnp.array([[position]], jnp.int32), cache)
+    np.testing.assert_allclose(target.norm(ahead[0]), hidden[0, 0], rtol=2e-5, atol=2e-5)
+
+
 def test_refuses_biased_layers(random_target):
     with pytest.raises(ValueError, match="biases"):
         persistent_layers.stack_layers(random_target(attention_bias=True))
