@@ -5,8 +5,8 @@ less than its share of the GPU's bandwidth (the weights take ~80 us to read on a
 step is bound by the count and fixed cost of its kernels. Here one launch of as many programs as
 the GPU has SMs, all resident at once, walks every layer in five stages and meets at a grid-wide
 barrier between stages (a counter in global memory: each program adds one, then waits until all
-have), the scheme of Hazy Research's Llama-1B megakernel; a layer costs five barriers in place
-of six launches.
+have): a megakernel after Hazy Research's Llama-1B one, which waits on finer per-stage counters
+instead. A layer costs five barriers in place of six launches.
 
 Stages of layer l, each a loop over work items shared round-robin by the programs; an item is
 `rows` output features, whose weight rows (stacked over layers and transposed by
@@ -24,8 +24,9 @@ Stages of layer l, each a loop over work items shared round-robin by the program
 What a program reads that another wrote in this launch (x, qkv, the partials, h) it loads past
 its SM's L1 (volatile loads), after the barrier's acquire. What no program writes (the weights,
 the cache's older slots) a program of a stage with one item each (`prefetch`) loads before the
-barrier ahead of that stage, so the memory's latency overlaps the wait. Values round to the weights' dtype where the
-model's layers round (`layers.DecoderLayer` in that dtype); accumulation is float32.
+barrier ahead of that stage, so the memory's latency overlaps the wait. Values round to the
+weights' dtype where the model's layers round (`layers.DecoderLayer` in that dtype);
+accumulation is float32.
 
 The programs must all be resident at once or the first barrier never opens: the grid is at most
 the GPU's SM count, one program each, with nothing else running. Pallas interpret mode (CPU
@@ -99,7 +100,8 @@ def decode_layers(x: jax.Array, position: jax.Array, weights: StackedLayers, key
         keys, values: [L, S, K, H] the stack's caches; the new key and value are written at
             `position` (in place when donated).
         num_heads, eps, inv_freq: N, the norms' epsilon, rotary's [H/2] inverse frequencies.
-        programs: the grid (default: the GPU's SMs; 1 in interpret mode, which runs programs in turn).
+        programs: the grid, at most (and by default) the GPU's SMs; 1 in interpret mode, which runs
+            programs in turn.
         part_slots: cache slots of an attention work item (a power of two >= 16).
         rows: output features of a projection's work item.
         prefetch: each stage of at most one item a program loads what no program writes in this
@@ -110,7 +112,13 @@ def decode_layers(x: jax.Array, position: jax.Array, weights: StackedLayers, key
     """
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    programs = 1 if interpret else (programs or default_programs())
+    for name, size, least in (("rows", rows, 1), ("part_slots", part_slots, 16)):
+        if size < least or size & (size - 1):
+            raise ValueError(f"{name} must be a power of two >= {least} (a Triton block), got {size}")
+    resident = 1 if interpret else default_programs()
+    programs = programs or resident
+    if not 0 < programs <= resident:  # more programs than run at once would wait at the first barrier forever
+        raise ValueError(f"programs must be in 1..{resident} (one a streaming multiprocessor), got {programs}")
     frequencies = jnp.asarray(np.concatenate([inv_freq, inv_freq]), jnp.float32)
     return _decode_layers(jnp.reshape(position, (1,)).astype(jnp.int32), frequencies, x, *weights, keys, values,
                           num_heads=num_heads, eps=eps, programs=programs, part_slots=part_slots, rows=rows,

@@ -76,3 +76,13 @@ def test_loading_ahead_of_the_barriers_changes_nothing(random_target):
 def test_refuses_biased_layers(random_target):
     with pytest.raises(ValueError, match="biases"):
         persistent_layers.stack_layers(random_target(attention_bias=True))
+
+
+@pytest.mark.parametrize("settings, message", [(dict(programs=2), "programs must be in 1..1"),
+                                               (dict(rows=12), "rows must be a power of two"),
+                                               (dict(part_slots=8), "part_slots must be a power of two >= 16")])
+def test_refuses_a_grid_that_cannot_all_be_resident_and_ragged_blocks(random_target, settings, message):
+    """Interpret mode runs one program at a time: two would wait for each other at the first barrier."""
+    target = random_target()
+    with pytest.raises(ValueError, match=message):
+        run_kernel(target, 1, 3, filled_cache(target, 3, seed=0), **settings)
