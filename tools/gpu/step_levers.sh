@@ -22,13 +22,17 @@
 #   bash tools/gpu/step_levers.sh draft    the draft head's kernels (final norm + lm_head with float32 logits, input
 #                                          norms + q/k/v, gate_up, split-K down_proj) in Pallas against XLA's, one
 #                                          row, a sweep of column and K blocks, L2 evicted
+#   bash tools/gpu/step_levers.sh persistent  the decoder stack as one persistent kernel against the fused kernels
+#                                          (benchmarks/persistent_bench.py: work items of 8 and 16 rows, attention parts
+#                                          of 128 and 256 slots, loads ahead of the barriers or not), then what a device
+#                                          call costs besides its steps (benchmarks/call_overhead.py)
 #   bash tools/gpu/step_levers.sh ab       a kernel change: plain (AB_PASSES times, default 2, alternated) and k = 6 steps of this tree
 #                                          and of it with .stage/kernel_base's files over it (an earlier commit's,
 #                                          at their paths), on a 2048-slot cache; k = 6 with .stage/kernel_variant's
 #                                          files over this tree too, if carried
 # Rows go to $OUT/profile.json and $OUT/torch_peer.jsonl; the console to $OUT/console_<phase>.txt.
 set -uo pipefail
-phase=${1:?base, pdl, repeat, cache, peer, serve, saturation, shipped, draft or ab}
+phase=${1:?base, pdl, repeat, cache, peer, serve, saturation, shipped, draft, persistent or ab}
 out=${OUT:?}; export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 EAGLE_JAX_CACHE_DIR=/tmp/eagle_jax_cache
 exec > >(tee -a "$out/console_$phase.txt") 2>&1
 config=.stage/smollm2_config.json
@@ -131,6 +135,12 @@ case $phase in
     timeout 480 python3 benchmarks/kernels_bench.py --ops draft_lm_head,draft_qkv,draft_gate_up,draft_down_parts \
       --rows 1 --block-n 16,32,64,128 --block-k 64,128,256 --evict-mb 256 --check --iterations 50 --trace-calls 20 \
       --out "$out/kernels.json" 2>&1 | grep -v -i warn | tail -56 ;;
+  persistent)
+    for rows in 16 8; do  # 16 first: every stage then has one item a program, so every stage loads ahead
+      timeout 240 python3 benchmarks/persistent_bench.py --random-target "$config" --rows $rows --part-slots 256,128 \
+        --num-warps 4 --prefetch 1,0 --out "$out/persistent.json" 2>&1 | grep -v -i warn | tail -6
+    done
+    timeout 120 python3 benchmarks/call_overhead.py --out "$out/call_overhead.json" 2>&1 | grep -v -i warn ;;
   base)
     echo "== plain and EAGLE-3 k = 6, default flags (PTX dumped for the plain step)"
     rm -rf /tmp/dump_default
