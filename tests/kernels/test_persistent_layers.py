@@ -1,5 +1,7 @@
 """The persistent decode kernel against the model's own cached decode step (Pallas interpret mode, CPU)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -86,3 +88,21 @@ def test_refuses_a_grid_that_cannot_all_be_resident_and_ragged_blocks(random_tar
     target = random_target()
     with pytest.raises(ValueError, match=message):
         run_kernel(target, 1, 3, filled_cache(target, 3, seed=0), **settings)
+
+
+@pytest.mark.parametrize("rows, prefetch", [(16, True), (8, True), (8, False)])
+def test_lowers_to_triton_for_a_gpu(rows, prefetch):
+    """Lowered for CUDA at SmolLM2's shapes (two layers), off a GPU: what interpret mode never
+    meets, Pallas's Triton lowering (its refusals of an op or a load's setting), runs here."""
+    layers, hidden, heads, kv_heads, head_dim, inter, slots = 2, 576, 9, 3, 64, 1536, 2048
+    array = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
+    weights = persistent_layers.StackedLayers(
+        array(layers, hidden), array(layers, (heads + 2 * kv_heads) * head_dim, hidden),
+        array(layers, hidden, heads * head_dim), array(layers, hidden), array(layers, inter, hidden),
+        array(layers, inter, hidden), array(layers, hidden, inter))
+    call = functools.partial(persistent_layers._decode_layers, num_heads=heads, eps=1e-5, programs=132,
+                             part_slots=256, rows=rows, num_warps=4, prefetch=prefetch, interpret=False)
+    cache = array(layers, slots, kv_heads, head_dim)
+    lowered = jax.jit(call).trace(array(1, dtype=jnp.int32), array(head_dim, dtype=jnp.float32), array(hidden),
+                                  *weights, cache, cache).lower(lowering_platforms=("cuda",))
+    assert "__gpu$xla.gpu.triton" in lowered.as_text()
