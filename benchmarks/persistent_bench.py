@@ -1,7 +1,7 @@
 """The decoder stack of a one-token decode step: one persistent kernel against the fused kernels' launches.
 
     python benchmarks/persistent_bench.py --random-target config.json --out docs/results/persistent.json
-    python benchmarks/persistent_bench.py --rows 8,16 --part-slots 128,256 --num-warps 4,8
+    python benchmarks/persistent_bench.py --rows auto,8,16 --part-slots 128,256 --num-warps 4,8 --prefetch 1,0
 
 `kernels.persistent_layers.decode_layers` (every layer in one launch, grid barriers between its
 stages) against the model's own cached call on the fused Pallas kernels (`layers.Kernels("pallas")`,
@@ -53,7 +53,8 @@ def main(argv=None) -> int:
     parser.add_argument("--position", type=int, default=300, help="the first call's position (slots below it filled)")
     parser.add_argument("--steps", type=int, default=64, help="calls in one timed device loop")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--rows", default="8", help="comma list: output features of a work item")
+    parser.add_argument("--rows", default="auto",
+                        help="comma list: output features of a work item (auto: each stage's own, `work_rows`)")
     parser.add_argument("--part-slots", default="256", help="comma list: cache slots of an attention item")
     parser.add_argument("--num-warps", default="8", help="comma list")
     parser.add_argument("--programs", default="", help="comma list: grid sizes (default: the GPU's SMs)")
@@ -128,18 +129,21 @@ def main(argv=None) -> int:
     print(f"{rows[0]['kernel']:<46} {rows[0]['us_per_call']:>10.1f} {0.0:>11.4f}", flush=True)
     grids = ints(args.programs) or [persistent_layers.default_programs()]
     for programs in grids:
-        for rows_per_item in ints(args.rows):
+        for rows_per_item in [None if value.strip() == "auto" else int(value) for value in args.rows.split(",")]:
             for part_slots in ints(args.part_slots):
                 for num_warps, prefetch in ((w, bool(p)) for w in ints(args.num_warps) for p in ints(args.prefetch)):
                     settings = dict(programs=programs, rows=rows_per_item, part_slots=part_slots, num_warps=num_warps,
                                     prefetch=prefetch)
-                    label = (f"persistent {programs}p rows {rows_per_item} part {part_slots} warps {num_warps}"
+                    label = (f"persistent {programs}p rows {rows_per_item or 'auto'} part {part_slots} warps {num_warps}"
                              + (" ahead" if prefetch else ""))
                     try:
                         call = persistent_call(settings)
                         hidden = jax.jit(call)((keys, values), jnp.int32(args.position))[0].astype(jnp.float32)
                         difference = float(jnp.max(jnp.abs(hidden - reference)))
-                        row = dict(common, kernel=label, **settings, us_per_call=timed(call, (keys, values)),
+                        work = persistent_layers.work_rows(programs, stacked.qkv.shape[1], cfg.hidden_size,
+                                                           cfg.intermediate_size, rows_per_item)
+                        row = dict(common, kernel=label, **settings, work=work._asdict(),
+                                   us_per_call=timed(call, (keys, values)),
                                    max_abs_difference=difference, same_next_token=greedy(hidden) == greedy(reference),
                                    reference_max_abs=float(jnp.max(jnp.abs(reference))))
                     except Exception as error:  # a setting that does not compile is a row too

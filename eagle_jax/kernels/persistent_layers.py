@@ -9,8 +9,8 @@ have): a megakernel after Hazy Research's Llama-1B one, which waits on finer per
 instead. A layer costs five barriers in place of six launches.
 
 Stages of layer l, each a loop over work items shared round-robin by the programs; an item is
-`rows` output features, whose weight rows (stacked over layers and transposed by
-`stack_layers`) are contiguous:
+a few output features (by default as few as leave each program one item, `work_rows`), whose
+weight rows (stacked over layers and transposed by `stack_layers`) are contiguous:
 
   1 qkv      qkv = rmsnorm(x) @ Wqkv (each program recomputes the norm of x: D values)
   2 attend   per (kv head, part of `part_slots` cache slots): rotary of the q heads and the new
@@ -64,6 +64,29 @@ class StackedLayers(NamedTuple):
     down: jax.Array  # [L, D, I]
 
 
+class Work(NamedTuple):
+    """Output features of a work item, by projection stage (powers of two)."""
+
+    qkv: int
+    o: int
+    gate_up: int
+    down: int
+
+
+def work_rows(programs: int, qkv_width: int, hidden: int, inter: int, rows: int | None = None) -> Work:
+    """`rows` for every stage, or (None) for each the fewest that leave each program at most one
+    item: as many programs as the stage can use, each loading its weights ahead (`prefetch`).
+    At SmolLM2's shapes on 132 programs: 8 (qkv, 120 items), 8 (o, 72), 16 (gate/up, 96), 8 (down, 72)."""
+    def fewest(features: int) -> int:
+        size = 1
+        while pl.cdiv(features, size) > programs:
+            size *= 2
+        return size
+    if rows is not None:
+        return Work(rows, rows, rows, rows)
+    return Work(fewest(qkv_width), fewest(hidden), fewest(inter), fewest(hidden))
+
+
 def stack_layers(model) -> StackedLayers:
     """The kernel's weights from a `llama.Llama` (no biases, one shard: the HF Llama layout)."""
     cfg, layers = model.config, model.layers
@@ -89,7 +112,7 @@ def default_programs() -> int:
 
 def decode_layers(x: jax.Array, position: jax.Array, weights: StackedLayers, keys: jax.Array, values: jax.Array, *,
                   num_heads: int, eps: float, inv_freq: np.ndarray, programs: int | None = None,
-                  part_slots: int = 256, rows: int = 8, num_warps: int = 8, prefetch: bool = True,
+                  part_slots: int = 256, rows: int | None = None, num_warps: int = 8, prefetch: bool = True,
                   interpret: bool | None = None):
     """Every layer of one token's decode step.
 
@@ -103,7 +126,7 @@ def decode_layers(x: jax.Array, position: jax.Array, weights: StackedLayers, key
         programs: the grid, at most (and by default) the GPU's SMs; 1 in interpret mode, which runs
             programs in turn.
         part_slots: cache slots of an attention work item (a power of two >= 16).
-        rows: output features of a projection's work item.
+        rows: output features of a projection's work item; None: each stage's own (`work_rows`).
         prefetch: each stage of at most one item a program loads what no program writes in this
             launch (its weights, the older cache slots) before the barrier ahead of it.
         interpret: Pallas interpret mode; None: unless the default backend is a GPU.
@@ -112,22 +135,24 @@ def decode_layers(x: jax.Array, position: jax.Array, weights: StackedLayers, key
     """
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    for name, size, least in (("rows", rows, 1), ("part_slots", part_slots, 16)):
+    for name, size, least in (("rows", rows or 1, 1), ("part_slots", part_slots, 16)):
         if size < least or size & (size - 1):
             raise ValueError(f"{name} must be a power of two >= {least} (a Triton block), got {size}")
     resident = 1 if interpret else default_programs()
     programs = programs or resident
     if not 0 < programs <= resident:  # more programs than run at once would wait at the first barrier forever
         raise ValueError(f"programs must be in 1..{resident} (one a streaming multiprocessor), got {programs}")
+    _, qkv_width, hidden = weights.qkv.shape
+    work = work_rows(programs, qkv_width, hidden, weights.gate.shape[1], rows)
     frequencies = jnp.asarray(np.concatenate([inv_freq, inv_freq]), jnp.float32)
     return _decode_layers(jnp.reshape(position, (1,)).astype(jnp.int32), frequencies, x, *weights, keys, values,
-                          num_heads=num_heads, eps=eps, programs=programs, part_slots=part_slots, rows=rows,
+                          num_heads=num_heads, eps=eps, programs=programs, part_slots=part_slots, work=work,
                           num_warps=num_warps, prefetch=prefetch, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("num_heads", "eps", "programs", "part_slots", "rows", "num_warps",
+@functools.partial(jax.jit, static_argnames=("num_heads", "eps", "programs", "part_slots", "work", "num_warps",
                                              "prefetch", "interpret"))
-def _decode_layers(position, frequencies, x, *arrays, num_heads, eps, programs, part_slots, rows, num_warps,
+def _decode_layers(position, frequencies, x, *arrays, num_heads, eps, programs, part_slots, work, num_warps,
                    prefetch, interpret):
     *weights, keys, values = arrays
     weights = StackedLayers(*weights)
@@ -146,7 +171,7 @@ def _decode_layers(position, frequencies, x, *arrays, num_heads, eps, programs, 
     counter = jnp.zeros((1,), jnp.int32)
     first_cache = 3 + len(weights)
     results = pl.pallas_call(
-        functools.partial(_kernel, num_heads=num_heads, eps=eps, programs=programs, part_slots=part_slots, rows=rows,
+        functools.partial(_kernel, num_heads=num_heads, eps=eps, programs=programs, part_slots=part_slots, work=work,
                           prefetch=prefetch, interpret=interpret),
         out_shape=out_shape,
         grid=(programs,),
@@ -166,7 +191,7 @@ def _block(size: int) -> int:
 def _kernel(position_ref, frequencies_ref, x0_ref, input_norm_ref, qkv_w_ref, o_w_ref, post_norm_ref, gate_ref, up_ref,
             down_ref, keys_ref, values_ref, _counter_in, x_ref, keys_out, values_out, counter_ref, qkv_ref,
             part_out_ref, part_max_ref, part_sum_ref, h_ref, *, num_heads: int, eps: float, programs: int,
-            part_slots: int, rows: int, prefetch: bool, interpret: bool):
+            part_slots: int, work: Work, prefetch: bool, interpret: bool):
     program = pl.program_id(0)
     num_layers, qkv_width, hidden = qkv_w_ref.shape
     slots, num_kv_heads, head_dim = keys_ref.shape[1:]
@@ -213,13 +238,13 @@ def _kernel(position_ref, frequencies_ref, x0_ref, input_norm_ref, qkv_w_ref, o_
             normed.append(rnd(rnd(piece * scale) * weight))
         return normed
 
-    def features_of(item):
+    def features_of(item, rows):
         return item * rows + jnp.arange(rows)
 
-    def weight_rows(weight_ref, layer, item, size):
+    def weight_rows(weight_ref, layer, item, size, rows):
         """Item `item`'s rows of weight[layer] ([rows, size], in CHUNK-wide tiles of the weights'
         dtype); an item past the last feature loads nothing."""
-        features = features_of(item)
+        features = features_of(item, rows)
         real = features < weight_ref.shape[1]
         tiles = []
         for chunk in range(pl.cdiv(size, CHUNK)):
@@ -230,7 +255,7 @@ def _kernel(position_ref, frequencies_ref, x0_ref, input_norm_ref, qkv_w_ref, o_
 
     def matvec(tiles, pieces):
         """[rows] float32: weight rows (`weight_rows`) . a vector's pieces."""
-        total = jnp.zeros((rows, CHUNK), f32)
+        total = jnp.zeros((tiles[0].shape[0], CHUNK), f32)
         for tile, piece in zip(tiles, pieces):
             total += tile.astype(f32) * piece[None, :]
         return jnp.sum(total, axis=1)
@@ -270,8 +295,8 @@ def _kernel(position_ref, frequencies_ref, x0_ref, input_norm_ref, qkv_w_ref, o_
     frequencies = plgpu.load(frequencies_ref.at[columns], mask=in_head, other=0)
     angles = position.astype(f32) * frequencies
     cos, sin = jnp.cos(angles), jnp.sin(angles)
-    counts = dict(qkv=pl.cdiv(qkv_width, rows), attend=num_kv_heads * parts, o=pl.cdiv(hidden, rows),
-                  gate_up=pl.cdiv(inter, rows), down=pl.cdiv(hidden, rows))
+    counts = dict(qkv=pl.cdiv(qkv_width, work.qkv), attend=num_kv_heads * parts, o=pl.cdiv(hidden, work.o),
+                  gate_up=pl.cdiv(inter, work.gate_up), down=pl.cdiv(hidden, work.down))
 
     def rotated(starts, real):
         """Rotate-half rotary of qkv[starts[r] : starts[r] + H] [R, H'], rounded as `rotary` rounds."""
@@ -334,7 +359,7 @@ def _kernel(position_ref, frequencies_ref, x0_ref, input_norm_ref, qkv_w_ref, o_
 
     def o_load(layer, item):
         """Item `item`'s rows of Wo[layer] as [rows, N', H'] (query head, head dim)."""
-        features = features_of(item)
+        features = features_of(item, work.o)
         inputs = all_heads[:, None] * head_dim + columns[None, :]
         mask = (features < hidden)[:, None, None] & ((all_heads < num_heads)[:, None] & in_head[None, :])[None]
         return plgpu.load(o_w_ref.at[layer, features[:, None, None], inputs[None, :, :]], mask=mask, other=0)
@@ -354,15 +379,14 @@ def _kernel(position_ref, frequencies_ref, x0_ref, input_norm_ref, qkv_w_ref, o_
         attended = jnp.sum(outs * weight[:, :, None], axis=1) / jnp.where(real, total, 1.0)[:, None]
         attended = jnp.where(real[:, None], rnd(attended), 0.0)  # [N', H']
         update = jnp.sum(jnp.sum(weights.astype(f32) * attended[None], axis=2), axis=1)
-        add_residual(item, update)
+        add_residual(features_of(item, work.o), update)
 
-    def add_residual(item, update):
-        features = features_of(item)
+    def add_residual(features, update):
         residual = shared(x_ref, (features,), features < hidden)
         plgpu.store(x_ref.at[features], rnd(residual + rnd(update)), mask=features < hidden)
 
     def qkv_load(layer, item):
-        return weight_rows(qkv_w_ref, layer, item, hidden)
+        return weight_rows(qkv_w_ref, layer, item, hidden, work.qkv)
 
     def ahead(name, load):
         """What stage `name` loads before the barrier ahead of it (`early`), else None."""
@@ -375,7 +399,7 @@ def _kernel(position_ref, frequencies_ref, x0_ref, input_norm_ref, qkv_w_ref, o_
         normed = rmsnorm(vector(x_ref, hidden), input_norm_ref, layer)
 
         def qkv(item, tiles):
-            features = features_of(item)
+            features = features_of(item, work.qkv)
             plgpu.store(qkv_ref.at[features], rnd(matvec(tiles, normed)), mask=features < qkv_width)
 
         stage(counts["qkv"], functools.partial(qkv_load, layer), qkv, qkv_weights)
@@ -389,7 +413,8 @@ def _kernel(position_ref, frequencies_ref, x0_ref, input_norm_ref, qkv_w_ref, o_
 
         # 3: merge the partials; x += attended @ Wo
         stage(counts["o"], functools.partial(o_load, layer), o_proj, loaded)
-        gate_up_load = lambda item: (weight_rows(gate_ref, layer, item, hidden), weight_rows(up_ref, layer, item, hidden))
+        gate_up_load = lambda item: (weight_rows(gate_ref, layer, item, hidden, work.gate_up),
+                                     weight_rows(up_ref, layer, item, hidden, work.gate_up))
         loaded = ahead("gate_up", gate_up_load)
         barrier(base + 3)
 
@@ -397,18 +422,19 @@ def _kernel(position_ref, frequencies_ref, x0_ref, input_norm_ref, qkv_w_ref, o_
         normed = rmsnorm(vector(x_ref, hidden), post_norm_ref, layer)
 
         def gate_up(item, tiles):
-            features = features_of(item)
+            features = features_of(item, work.gate_up)
             gate, up = rnd(matvec(tiles[0], normed)), rnd(matvec(tiles[1], normed))
             plgpu.store(h_ref.at[features], rnd(rnd(gate / (1.0 + jnp.exp(-gate))) * up), mask=features < inter)
 
         stage(counts["gate_up"], gate_up_load, gate_up, loaded)
-        down_load = lambda item: weight_rows(down_ref, layer, item, inter)
+        down_load = lambda item: weight_rows(down_ref, layer, item, inter, work.down)
         loaded = ahead("down", down_load)
         barrier(base + 4)
 
         # 5: x += h @ Wdown
         hidden_pieces = vector(h_ref, inter)
-        stage(counts["down"], down_load, lambda item, tiles: add_residual(item, matvec(tiles, hidden_pieces)), loaded)
+        stage(counts["down"], down_load,
+              lambda item, tiles: add_residual(features_of(item, work.down), matvec(tiles, hidden_pieces)), loaded)
         following = ahead("qkv", functools.partial(qkv_load, jnp.minimum(layer + 1, num_layers - 1)))
         barrier(base + 5)
         return following

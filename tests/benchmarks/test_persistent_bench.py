@@ -16,11 +16,12 @@ def test_rows_compare_the_persistent_kernel_with_the_fused_kernels(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(hf_config_dict()))
     out = tmp_path / "rows.json"
     assert bench.main(["--random-target", str(tmp_path / "config.json"), "--dtype", "float32", "--cache-length", "64",
-                       "--position", "20", "--steps", "3", "--repeats", "1", "--part-slots", "16", "--rows", "4,8",
+                       "--position", "20", "--steps", "3", "--repeats", "1", "--part-slots", "16", "--rows", "4,auto",
                        "--out", str(out)]) == 0
     fused, *persistent = json.loads(out.read_text())
     assert fused["kernel"] == "fused kernels" and fused["us_per_call"] > 0
-    assert [row["rows"] for row in persistent] == [4, 8]
+    assert [row["rows"] for row in persistent] == [4, None]
+    assert persistent[1]["work"] == dict(qkv=64, o=32, gate_up=64, down=32)  # one program: one item a stage
     for row in persistent:
         assert "error" not in row and row["programs"] == 1  # interpret mode runs one program
         assert row["same_next_token"] and row["max_abs_difference"] < 1e-4 * row["reference_max_abs"] + 1e-5

@@ -90,7 +90,7 @@ def test_refuses_a_grid_that_cannot_all_be_resident_and_ragged_blocks(random_tar
         run_kernel(target, 1, 3, filled_cache(target, 3, seed=0), **settings)
 
 
-@pytest.mark.parametrize("rows, prefetch", [(16, True), (8, True), (8, False)])
+@pytest.mark.parametrize("rows, prefetch", [(None, True), (16, True), (8, False)])
 def test_lowers_to_triton_for_a_gpu(rows, prefetch):
     """Lowered for CUDA at SmolLM2's shapes (two layers), off a GPU: what interpret mode never
     meets, Pallas's Triton lowering (its refusals of an op or a load's setting), runs here."""
@@ -100,9 +100,19 @@ def test_lowers_to_triton_for_a_gpu(rows, prefetch):
         array(layers, hidden), array(layers, (heads + 2 * kv_heads) * head_dim, hidden),
         array(layers, hidden, heads * head_dim), array(layers, hidden), array(layers, inter, hidden),
         array(layers, inter, hidden), array(layers, hidden, inter))
+    work = persistent_layers.work_rows(132, (heads + 2 * kv_heads) * head_dim, hidden, inter, rows)
     call = functools.partial(persistent_layers._decode_layers, num_heads=heads, eps=1e-5, programs=132,
-                             part_slots=256, rows=rows, num_warps=4, prefetch=prefetch, interpret=False)
+                             part_slots=256, work=work, num_warps=4, prefetch=prefetch, interpret=False)
     cache = array(layers, slots, kv_heads, head_dim)
     lowered = jax.jit(call).trace(array(1, dtype=jnp.int32), array(head_dim, dtype=jnp.float32), array(hidden),
                                   *weights, cache, cache).lower(lowering_platforms=("cuda",))
     assert "__gpu$xla.gpu.triton" in lowered.as_text()
+
+
+def test_work_items_leave_each_program_at_most_one_item_by_default():
+    """SmolLM2's projections (qkv 960, hidden 576, MLP 1536 features) on an H100's 132 programs,
+    and on the one program of interpret mode; a given size holds for every stage."""
+    rows = persistent_layers.work_rows
+    assert rows(132, 960, 576, 1536) == persistent_layers.Work(qkv=8, o=8, gate_up=16, down=8)
+    assert rows(1, 64, 32, 64) == persistent_layers.Work(qkv=64, o=32, gate_up=64, down=32)
+    assert rows(132, 960, 576, 1536, rows=4) == persistent_layers.Work(4, 4, 4, 4)

@@ -23,8 +23,9 @@
 #                                          norms + q/k/v, gate_up, split-K down_proj) in Pallas against XLA's, one
 #                                          row, a sweep of column and K blocks, L2 evicted
 #   bash tools/gpu/step_levers.sh persistent  the decoder stack as one persistent kernel against the fused kernels
-#                                          (benchmarks/persistent_bench.py: work items of 8 and 16 rows, attention parts
-#                                          of 128 and 256 slots, loads ahead of the barriers or not), then what a device
+#                                          (benchmarks/persistent_bench.py: each stage's own work items or 8 or 16 rows,
+#                                          attention parts of 128 and 256 slots, loads ahead of the barriers or not,
+#                                          4 or 8 warps), then what a device
 #                                          call costs besides its steps (benchmarks/call_overhead.py)
 #   bash tools/gpu/step_levers.sh ab       a kernel change: plain (AB_PASSES times, default 2, alternated) and k = 6 steps of this tree
 #                                          and of it with .stage/kernel_base's files over it (an earlier commit's,
@@ -136,10 +137,11 @@ case $phase in
       --rows 1 --block-n 16,32,64,128 --block-k 64,128,256 --evict-mb 256 --check --iterations 50 --trace-calls 20 \
       --out "$out/kernels.json" 2>&1 | grep -v -i warn | tail -56 ;;
   persistent)
-    for rows in 16 8; do  # 16 first: every stage then has one item a program, so every stage loads ahead
-      timeout 240 python3 benchmarks/persistent_bench.py --random-target "$config" --rows $rows --part-slots 256,128 \
-        --num-warps 4 --prefetch 1,0 --out "$out/persistent.json" 2>&1 | grep -v -i warn | tail -6
-    done
+    # Each stage's own work items first (one a program: every stage loads ahead), then one size for all.
+    timeout 240 python3 benchmarks/persistent_bench.py --random-target "$config" --rows auto --part-slots 256,128 \
+      --num-warps 4 --prefetch 1,0 --out "$out/persistent.json" 2>&1 | grep -v -i warn | tail -6
+    timeout 200 python3 benchmarks/persistent_bench.py --random-target "$config" --rows 16,8 --part-slots 256 \
+      --num-warps 4,8 --out "$out/persistent.json" 2>&1 | grep -v -i warn | tail -6
     timeout 120 python3 benchmarks/call_overhead.py --out "$out/call_overhead.json" 2>&1 | grep -v -i warn ;;
   base)
     echo "== plain and EAGLE-3 k = 6, default flags (PTX dumped for the plain step)"
