@@ -275,7 +275,7 @@ def _kernel(position_ref, frequencies_ref, x0_ref, input_norm_ref, qkv_w_ref, o_
         """A stage's items: compute(item, load(item)) each, or, with `loaded` (`early`), its one
         item's compute on what was loaded before the barrier."""
         if loaded is not None:
-            compute(program, loaded)
+            pl.when(program < count)(lambda: compute(program, loaded))  # the programs past the items wait
         else:
             each_item(count, lambda item: compute(item, load(item)))
 
