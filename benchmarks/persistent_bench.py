@@ -63,10 +63,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="JSON list the rows are appended to")
     args = parser.parse_args(argv)
 
-    if args.random_target:
-        target = models.random_target(args.random_target, args.dtype)
-    else:
-        target, _ = models.load_target(args.model, args.dtype)
+    target, _ = models.target_or_random(args.model, args.random_target, args.dtype)
     cfg, dtype = target.config, target.embed_tokens.embedding[...].dtype
     inv_freq = rotary.rope_inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     rng = np.random.default_rng(0)

@@ -368,10 +368,7 @@ def main(argv=None) -> int:
     question = data.load_mtbench(args.dataset)[0]["turns"][0] if needs_prompt and not args.random_target else None
     rows = []
     with tempfile.TemporaryDirectory(prefix="eagle-jax-profile-") as scratch:
-        if args.random_target:
-            target, tokenizer_dir = models.random_target(args.random_target, args.dtype), None
-        else:
-            target, tokenizer_dir = models.load_target(args.model, args.dtype)
+        target, tokenizer_dir = models.target_or_random(args.model, args.random_target, args.dtype)
         draft_path, head_is_random = head_dir(args, target, Path(scratch)) if args.method != "none" else (None, False)
         # Cold/warm first: its subprocesses then find the accelerator before this process claims memory.
         if "cold_warm" in args.parts:

@@ -83,10 +83,7 @@ def main(argv=None) -> int:
     parser.add_argument("--label", help="free text saved in the row (e.g. the lever tried)")
     parser.add_argument("--out", default="docs/results/profile_h200.json")
     args = parser.parse_args(argv)
-    if args.random_target:
-        target = models.random_target(args.random_target, args.dtype)
-    else:
-        target, _ = models.load_target(args.model, args.dtype)
+    target, _ = models.target_or_random(args.model, args.random_target, args.dtype)
     unroll = args.unroll or (1 if args.method == "eagle" else 7)
     cfg = train.TrainConfig(method=args.method, batch_size=args.batch_size, draft_vocab_size=args.draft_vocab_size,
                             objective=train_objective.Objective(num_steps=unroll, attention=args.attention))

@@ -82,6 +82,17 @@ def random_target(config_json: str | Path, dtype: str = "float32") -> llama.Llam
     return target_factory(cfg, DTYPES[dtype])()
 
 
+def target_or_random(path: str | Path | None, random_config: str | Path | None,
+                     dtype: str = "float32") -> tuple[llama.Llama, Path | None]:
+    """The target at `path`, or random weights of `random_config`'s shapes when it is given (no tokenizer then).
+
+    Benchmarks take either: step times do not depend on the weights.
+    """
+    if random_config:
+        return random_target(random_config, dtype), None
+    return load_target(path, dtype)
+
+
 def load_target(path: str | Path | None = None, dtype: str = "float32") -> tuple[llama.Llama, Path]:
     """Loads a target model.
 

@@ -57,6 +57,15 @@ def test_the_fixture_loads(hf_dir):
     assert model.config.num_layers == 2
 
 
+def test_benchmarks_take_the_checkpoint_or_random_weights_of_its_config(hf_dir):
+    directory = hf_dir()
+    loaded, tokenizer_dir = models.target_or_random(directory, None)
+    random, no_tokenizer = models.target_or_random(directory, directory / "config.json")
+    assert tokenizer_dir == directory and no_tokenizer is None
+    assert random.config == loaded.config
+    assert not np.allclose(random.embed_tokens.embedding[...], loaded.embed_tokens.embedding[...])
+
+
 def _set(name, value, dtype=None):
     def edit(tensors):
         array = tensors[name].astype(dtype) if dtype else tensors[name].copy()
