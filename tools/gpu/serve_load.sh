@@ -11,6 +11,7 @@
 # a change's check beside kernel_base (the k = 6 step, the 16-slot servers, the offline figure);
 # QUEUE=calls the cost of a device call apart from its steps (steps in calls of 64 and 16, servers
 # with and without command buffers).
+# QUEUE=tpot the 16-slot servers at 1 request/s only (the low-load TPOT goal).
 # A server variant, set per `serve` call, tells what a change of the host loop is worth:
 #   CODE=DIR    the server's code from DIR (holding eagle_jax/). The queue builds one (`overlay`)
 #               from this tree with the files of /root/stage/base_overlay over it (carried: an
@@ -136,6 +137,14 @@ if [ "${QUEUE:-full}" = calls ]; then
   serve eagle3-16 16 1 "" --method eagle3
   XLA_FLAGS=--xla_gpu_enable_command_buffer= serve eagle3-16-no-command-buffers 16 1 "" --method eagle3
   serve eagle3-16-64-steps 16 1 "" --method eagle3 --steps-per-call 64
+  echo "queue end $(date -u +%T)"
+  echo BENCH DONE
+  exit 0
+fi
+if [ "${QUEUE:-full}" = tpot ]; then
+  # The low-load goal alone: the 16-slot EAGLE-3 and plain servers at 1 request/s (48 requests each).
+  serve eagle3-16 16 1 "" --method eagle3
+  serve plain-16 16 1 "" --num-speculative-tokens 0
   echo "queue end $(date -u +%T)"
   echo BENCH DONE
   exit 0
