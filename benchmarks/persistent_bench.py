@@ -33,6 +33,7 @@ import numpy as np
 from jax import lax
 
 from eagle_jax.io import models
+from eagle_jax.kernels import grid_barrier
 from eagle_jax.kernels import persistent_layers
 from eagle_jax.model import kv_cache as kv_cache_lib
 from eagle_jax.model import layers
@@ -124,7 +125,7 @@ def main(argv=None) -> int:
                  max_abs_difference=0.0)]
     print(f"{'kernel':<46} {'us a call':>10} {'max |diff|':>11}")
     print(f"{rows[0]['kernel']:<46} {rows[0]['us_per_call']:>10.1f} {0.0:>11.4f}", flush=True)
-    grids = ints(args.programs) or [persistent_layers.default_programs()]
+    grids = ints(args.programs) or [grid_barrier.resident_programs()]
     for programs in grids:
         for rows_per_item in [None if value.strip() == "auto" else int(value) for value in args.rows.split(",")]:
             for part_slots in ints(args.part_slots):

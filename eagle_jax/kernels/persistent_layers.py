@@ -46,6 +46,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from eagle_jax.kernels import grid_barrier
 from eagle_jax.model import attention_ops
 
 CHUNK = 64  # weight columns a matvec loads at once
@@ -104,12 +105,6 @@ def stack_layers(model) -> StackedLayers:
         down=stack(lambda layer: layer.mlp.down_proj.kernel[...].T))
 
 
-def default_programs() -> int:
-    """One program per SM of the default device (a GPU), else 1."""
-    device = jax.devices()[0]
-    return int(getattr(device, "core_count", 0) or 1) if device.platform == "gpu" else 1
-
-
 def decode_layers(x: jax.Array, position: jax.Array, weights: StackedLayers, keys: jax.Array, values: jax.Array, *,
                   num_heads: int, eps: float, inv_freq: np.ndarray, programs: int | None = None,
                   part_slots: int = 256, rows: int | None = None, num_warps: int = 8, prefetch: bool = True,
@@ -138,10 +133,7 @@ def decode_layers(x: jax.Array, position: jax.Array, weights: StackedLayers, key
     for name, size, least in (("rows", rows or 1, 1), ("part_slots", part_slots, 16)):
         if size < least or size & (size - 1):
             raise ValueError(f"{name} must be a power of two >= {least} (a Triton block), got {size}")
-    resident = 1 if interpret else default_programs()
-    programs = programs or resident
-    if not 0 < programs <= resident:  # more programs than run at once would wait at the first barrier forever
-        raise ValueError(f"programs must be in 1..{resident} (one a streaming multiprocessor), got {programs}")
+    programs = grid_barrier.grid(programs, interpret)
     _, qkv_width, hidden = weights.qkv.shape
     work = work_rows(programs, qkv_width, hidden, weights.gate.shape[1], rows)
     frequencies = jnp.asarray(np.concatenate([inv_freq, inv_freq]), jnp.float32)
@@ -202,22 +194,8 @@ def _kernel(position_ref, frequencies_ref, x0_ref, input_norm_ref, qkv_w_ref, o_
     position = position_ref[jnp.int32(0)]
     rnd = lambda value: value.astype(dtype).astype(f32)  # where the layers hold a value in their dtype
 
-    def barrier(index):
-        """Waits until every program has arrived here: the index-th barrier of the launch."""
-        if not interpret:  # Pallas interpret mode has no CTA barrier (nor needs one)
-            plgpu.debug_barrier()  # every thread's stores before this program's release
-        arrived = plgpu.atomic_add(counter_ref, (jnp.int32(0),), jnp.int32(1)) + 1
-        target = index * programs
-        lax.while_loop(lambda seen: seen < target,
-                       lambda _: plgpu.load(counter_ref.at[jnp.int32(0)], volatile=True), arrived)
-        plgpu.atomic_add(counter_ref, (jnp.int32(0),), jnp.int32(0))  # acquire: others' stores now visible
-        if not interpret:
-            plgpu.debug_barrier()
-
-    def shared(ref, index, mask, other=0.0):
-        """A load of what other programs stored in this launch: volatile, so from L2, never a stale
-        line of this SM's L1 (Pallas lowers no `.cg` cache modifier)."""
-        return plgpu.load(ref.at[index], mask=mask, other=other, volatile=True)
+    barrier = functools.partial(grid_barrier.wait, counter_ref, programs=programs, interpret=interpret)
+    shared = grid_barrier.shared_load
 
     def vector(ref, size):
         """ref[:size] (another program's stores) as CHUNK-wide float32 pieces."""

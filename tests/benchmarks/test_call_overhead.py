@@ -1,16 +1,12 @@
 """benchmarks/call_overhead.py: a row per buffer count and steps a call."""
 
-import importlib.util
 import json
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.benchmarks import script
 
 
 def test_a_row_per_setting(tmp_path):
-    spec = importlib.util.spec_from_file_location("call_overhead", REPO / "benchmarks" / "call_overhead.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = script("call_overhead")
     out = tmp_path / "rows.json"
     assert bench.main(["--buffers", "1:1,3:2", "--kernels", "2", "--steps", "1,4", "--calls", "2", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())

@@ -1,18 +1,13 @@
 """benchmarks/persistent_bench.py on a tiny random target: a row per kernel, the two steps agreeing."""
 
-import importlib.util
 import json
-from pathlib import Path
 
+from tests.benchmarks import script
 from tests.conftest import hf_config_dict
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_rows_compare_the_persistent_kernel_with_the_fused_kernels(tmp_path):
-    spec = importlib.util.spec_from_file_location("persistent_bench", REPO / "benchmarks" / "persistent_bench.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = script("persistent_bench")
     (tmp_path / "config.json").write_text(json.dumps(hf_config_dict()))
     out = tmp_path / "rows.json"
     assert bench.main(["--random-target", str(tmp_path / "config.json"), "--dtype", "float32", "--cache-length", "64",

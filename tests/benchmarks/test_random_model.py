@@ -1,20 +1,16 @@
 """benchmarks/random_model.py: a model of a config's shapes that the engine and its tokenizer load."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 from eagle_jax.io import models
 from eagle_jax.io import tokenization
 from eagle_jax.serve import engine as engine_lib
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.benchmarks import script
 
 
 def test_a_random_model_of_the_config_shapes_loads_and_generates(tmp_path):
-    spec = importlib.util.spec_from_file_location("random_model", REPO / "benchmarks" / "random_model.py")
-    random_model = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(random_model)
+    random_model = script("random_model")
     config = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=64, hidden_size=32,
                   intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True,

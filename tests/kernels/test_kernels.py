@@ -4,9 +4,7 @@ On CPU the Pallas kernels run in interpret mode (the same kernel code, evaluated
 lowering them for CUDA checks, without a GPU, that Triton accepts their shapes.
 """
 
-import importlib.util
 import json
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +21,7 @@ from eagle_jax.model import layers
 from eagle_jax.decode import tree as tree_lib
 from eagle_jax.kernels import decode_attention
 from eagle_jax.kernels import fused_linear
+from tests.benchmarks import script
 from tests.kernels import kernel_calls
 
 EPS = 1e-5
@@ -290,11 +289,7 @@ def test_pallas_decode_gives_the_same_tokens(tokens_by_setting, method, setting)
 
 
 def load_kernel_bench():
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels_bench.py"
-    spec = importlib.util.spec_from_file_location("kernels_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    return script("kernels_bench")
 
 
 def test_kernel_bench_l2_evictor_is_one_named_triton_kernel():

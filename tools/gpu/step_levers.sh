@@ -27,13 +27,16 @@
 #                                          attention parts of 128 and 256 slots, loads ahead of the barriers or not,
 #                                          4 or 8 warps), then what a device
 #                                          call costs besides its steps (benchmarks/call_overhead.py)
+#   bash tools/gpu/step_levers.sh barrier  the persistent kernels' grid barrier alone (benchmarks/grid_barrier_bench.py:
+#                                          wrong values read across it, us a barrier) on 1-132 programs, then the
+#                                          persistent kernel on a small two-layer config at 1-32 programs
 #   bash tools/gpu/step_levers.sh ab       a kernel change: plain (AB_PASSES times, default 2, alternated) and k = 6 steps of this tree
 #                                          and of it with .stage/kernel_base's files over it (an earlier commit's,
 #                                          at their paths), on a 2048-slot cache; k = 6 with .stage/kernel_variant's
 #                                          files over this tree too, if carried
 # Rows go to $OUT/profile.json and $OUT/torch_peer.jsonl; the console to $OUT/console_<phase>.txt.
 set -uo pipefail
-phase=${1:?base, pdl, repeat, cache, peer, serve, saturation, shipped, draft, persistent or ab}
+phase=${1:?base, pdl, repeat, cache, peer, serve, saturation, shipped, draft, persistent, barrier or ab}
 out=${OUT:?}; export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 EAGLE_JAX_CACHE_DIR=/tmp/eagle_jax_cache
 exec > >(tee -a "$out/console_$phase.txt") 2>&1
 config=.stage/smollm2_config.json
@@ -143,6 +146,21 @@ case $phase in
     timeout 200 python3 benchmarks/persistent_bench.py --random-target "$config" --rows 16,8 --part-slots 256 \
       --num-warps 4,8 --out "$out/persistent.json" 2>&1 | grep -v -i warn | tail -6
     timeout 120 python3 benchmarks/call_overhead.py --out "$out/call_overhead.json" 2>&1 | grep -v -i warn ;;
+  barrier)
+    # The grid barrier alone on grids up to the SMs, then the persistent kernel on a small config
+    # (two layers, compiled in seconds at any grid) at 1, 2, 4, 8 and 32 programs: which grid first
+    # gives a wrong step, and whether the barrier alone already lets a wrong value through.
+    timeout 200 python3 benchmarks/grid_barrier_bench.py --programs 1,2,8,32,132 --rounds 1000 \
+      --out "$out/grid_barrier.json" 2>&1 | grep -v -i warn | tail -7
+    python3 -c '
+import json
+config = json.load(open(".stage/smollm2_config.json"))
+config.update(num_hidden_layers=2, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=32, vocab_size=1024)
+json.dump(config, open("/tmp/small_config.json", "w"))'
+    timeout 300 python3 benchmarks/persistent_bench.py --random-target /tmp/small_config.json --cache-length 512 \
+      --position 300 --programs 1,2,4,8,32 --part-slots 64 --num-warps 4 --prefetch 0,1 --steps 4 --repeats 1 \
+      --out "$out/persistent.json" 2>&1 | grep -v -i warn | tail -12 ;;
   base)
     echo "== plain and EAGLE-3 k = 6, default flags (PTX dumped for the plain step)"
     rm -rf /tmp/dump_default

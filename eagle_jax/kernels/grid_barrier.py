@@ -1,0 +1,112 @@
+"""A grid-wide barrier for Pallas (Triton) kernels whose programs are all resident at once, and a
+kernel that checks it on a GPU.
+
+Each program adds one to a counter in global memory, then spins until the counter reaches the
+barrier's index times the grid: barrier i of a launch opens once every program has arrived at it.
+The counter starts at zero each launch (the caller passes a zeroed buffer, aliased to an output),
+so a launch may hold any number of barriers with no reset between them. What a program stored
+before a barrier, another reads after it with volatile loads (`shared_load`), past its SM's L1.
+
+The programs must all be resident: more than the GPU runs at once would wait at the first barrier
+forever. Pallas interpret mode runs programs one after another, so it runs one program, whose
+barriers never wait.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+WIDTH = 64  # values each program writes a round in `check`: a vector store spread over the threads
+
+
+def resident_programs() -> int:
+    """Programs that run at once, one per SM of the default device (a GPU); else 1."""
+    device = jax.devices()[0]
+    return int(getattr(device, "core_count", 0) or 1) if device.platform == "gpu" else 1
+
+
+def grid(programs: int | None, interpret: bool) -> int:
+    """The grid for `programs` (None: one per SM; interpret mode runs one program).
+
+    Raises:
+        ValueError: more programs than run at once (they would wait at the first barrier forever).
+    """
+    resident = 1 if interpret else resident_programs()
+    programs = programs or resident
+    if not 0 < programs <= resident:
+        raise ValueError(f"programs must be in 1..{resident} (one a streaming multiprocessor), got {programs}")
+    return programs
+
+
+def wait(counter_ref, index, programs: int, interpret: bool) -> None:
+    """Waits until every one of `programs` programs has arrived here: the launch's `index`-th barrier (from 1)."""
+    if not interpret:  # Pallas interpret mode has no CTA barrier (nor needs one)
+        plgpu.debug_barrier()  # every thread's stores before this program's release
+    arrived = plgpu.atomic_add(counter_ref, (jnp.int32(0),), jnp.int32(1)) + 1
+    target = index * programs
+    lax.while_loop(lambda seen: seen < target,
+                   lambda _: plgpu.load(counter_ref.at[jnp.int32(0)], volatile=True), arrived)
+    plgpu.atomic_add(counter_ref, (jnp.int32(0),), jnp.int32(0))  # acquire: others' stores now visible
+    if not interpret:
+        plgpu.debug_barrier()
+
+
+def shared_load(ref, index, mask, other=0.0):
+    """A load of what other programs stored in this launch: volatile, so from L2, never a stale
+    line of this SM's L1 (Pallas lowers no `.cg` cache modifier)."""
+    return plgpu.load(ref.at[index], mask=mask, other=other, volatile=True)
+
+
+def check(programs: int | None, rounds: int, interpret: bool | None = None) -> jax.Array:
+    """Runs `rounds` rounds of: each program stores WIDTH values of its own, barrier, reads its
+    neighbour's (program + 1, cyclically), barrier. Returns [programs] int32: the values each program
+    read that were not what its neighbour stored that round (all zero where the barrier holds).
+
+    Args:
+        programs: the grid, all resident at once (`grid`: None is one program per SM).
+        interpret: Pallas interpret mode; None: unless the default backend is a GPU.
+    """
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    return _check(jnp.zeros((1,), jnp.int32), programs=grid(programs, interpret), rounds=rounds, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("programs", "rounds", "interpret"))
+def _check(counter, *, programs, rounds, interpret):
+    out_shape = (jax.ShapeDtypeStruct((1,), jnp.int32),  # the counter
+                 jax.ShapeDtypeStruct((programs, WIDTH), jnp.int32),  # what each program stored last
+                 jax.ShapeDtypeStruct((programs,), jnp.int32))  # mismatches a program saw
+    _, _, mismatches = pl.pallas_call(
+        functools.partial(_check_kernel, programs=programs, rounds=rounds, interpret=interpret),
+        out_shape=out_shape, grid=(programs,), input_output_aliases={0: 0},
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
+        name="grid_barrier_check",
+    )(counter)
+    return mismatches
+
+
+def _check_kernel(_counter_in, counter_ref, stored_ref, mismatches_ref, *, programs, rounds, interpret):
+    program = pl.program_id(0)
+    neighbour = lax.rem(program + 1, programs)
+    lanes = jnp.arange(WIDTH)
+    everywhere = lanes < WIDTH
+
+    def value(round_, who):
+        return (round_ * programs + who) * WIDTH + lanes
+
+    def one_round(round_, mismatches):
+        plgpu.store(stored_ref.at[program, lanes], value(round_, program))
+        wait(counter_ref, 2 * round_ + 1, programs, interpret)
+        seen = shared_load(stored_ref, (neighbour, lanes), everywhere, 0)
+        mismatches += jnp.sum((seen != value(round_, neighbour)).astype(jnp.int32))
+        wait(counter_ref, 2 * round_ + 2, programs, interpret)  # nobody stores the next round before all have read
+        return mismatches
+
+    mismatches = lax.fori_loop(0, rounds, one_round, jnp.int32(0))
+    plgpu.store(mismatches_ref.at[program], mismatches)
