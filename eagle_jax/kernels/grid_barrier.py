@@ -50,9 +50,12 @@ def wait(counter_ref, index, programs: int, interpret: bool) -> None:
         plgpu.debug_barrier()  # every thread's stores before this program's release
     arrived = plgpu.atomic_add(counter_ref, (jnp.int32(0),), jnp.int32(1)) + 1
     target = index * programs
-    lax.while_loop(lambda seen: seen < target,
-                   lambda _: plgpu.load(counter_ref.at[jnp.int32(0)], volatile=True), arrived)
-    plgpu.atomic_add(counter_ref, (jnp.int32(0),), jnp.int32(0))  # acquire: others' stores now visible
+    seen = lax.while_loop(lambda seen: seen < target,
+                          lambda _: plgpu.load(counter_ref.at[jnp.int32(0)], volatile=True), arrived)
+    # The acquire (others' stores now visible) adds min(seen - target, 0): zero, since the wait is over,
+    # but it uses the spin's result. A loop whose result nothing uses is dead code to tracing, volatile
+    # loads or not: without this the kernel had no wait at all.
+    plgpu.atomic_add(counter_ref, (jnp.int32(0),), jnp.minimum(seen - target, 0))
     if not interpret:
         plgpu.debug_barrier()
 
@@ -63,29 +66,31 @@ def shared_load(ref, index, mask, other=0.0):
     return plgpu.load(ref.at[index], mask=mask, other=other, volatile=True)
 
 
-def check(programs: int | None, rounds: int, interpret: bool | None = None) -> jax.Array:
+def check(programs: int | None, rounds: int, interpret: bool | None = None, debug: bool = False) -> jax.Array:
     """Runs `rounds` rounds of: each program stores WIDTH values of its own, barrier, reads its
     neighbour's (program + 1, cyclically), barrier. Returns [programs] int32: the values each program
     read that were not what its neighbour stored that round (all zero where the barrier holds).
 
     Args:
         programs: the grid, all resident at once (`grid`: None is one program per SM).
+        debug: print the kernel's jaxpr and, lowering for a GPU, its Triton module (`pl.pallas_call`'s flag).
         interpret: Pallas interpret mode; None: unless the default backend is a GPU.
     """
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    return _check(jnp.zeros((1,), jnp.int32), programs=grid(programs, interpret), rounds=rounds, interpret=interpret)
+    return _check(jnp.zeros((1,), jnp.int32), programs=grid(programs, interpret), rounds=rounds, interpret=interpret,
+                  debug=debug)
 
 
-@functools.partial(jax.jit, static_argnames=("programs", "rounds", "interpret"))
-def _check(counter, *, programs, rounds, interpret):
+@functools.partial(jax.jit, static_argnames=("programs", "rounds", "interpret", "debug"))
+def _check(counter, *, programs, rounds, interpret, debug=False):
     out_shape = (jax.ShapeDtypeStruct((1,), jnp.int32),  # the counter
                  jax.ShapeDtypeStruct((programs, WIDTH), jnp.int32),  # what each program stored last
                  jax.ShapeDtypeStruct((programs,), jnp.int32))  # mismatches a program saw
     _, _, mismatches = pl.pallas_call(
         functools.partial(_check_kernel, programs=programs, rounds=rounds, interpret=interpret),
         out_shape=out_shape, grid=(programs,), input_output_aliases={0: 0},
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1), interpret=interpret, debug=debug,
         name="grid_barrier_check",
     )(counter)
     return mismatches
