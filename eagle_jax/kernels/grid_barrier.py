@@ -53,8 +53,8 @@ def wait(counter_ref, index, programs: int, interpret: bool) -> None:
     seen = lax.while_loop(lambda seen: seen < target,
                           lambda _: plgpu.load(counter_ref.at[jnp.int32(0)], volatile=True), arrived)
     # The acquire (others' stores now visible) adds min(seen - target, 0): zero, since the wait is over,
-    # but it uses the spin's result. A loop whose result nothing uses is dead code to tracing, volatile
-    # loads or not: without this the kernel had no wait at all.
+    # but it uses the spin's result. Tracing drops a loop whose result nothing uses as dead code,
+    # volatile loads or not, and no program would wait.
     plgpu.atomic_add(counter_ref, (jnp.int32(0),), jnp.minimum(seen - target, 0))
     if not interpret:
         plgpu.debug_barrier()
@@ -73,8 +73,8 @@ def check(programs: int | None, rounds: int, interpret: bool | None = None, debu
 
     Args:
         programs: the grid, all resident at once (`grid`: None is one program per SM).
-        debug: print the kernel's jaxpr and, lowering for a GPU, its Triton module (`pl.pallas_call`'s flag).
         interpret: Pallas interpret mode; None: unless the default backend is a GPU.
+        debug: print the kernel's jaxpr and, lowering for a GPU, its Triton module (`pl.pallas_call`'s flag).
     """
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
