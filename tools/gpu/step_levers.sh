@@ -25,8 +25,8 @@
 #   bash tools/gpu/step_levers.sh persistent  the decoder stack as one persistent kernel against the fused kernels
 #                                          (benchmarks/persistent_bench.py: each stage's own work items or 8 or 16 rows,
 #                                          attention parts of 128 and 256 slots, loads ahead of the barriers or not,
-#                                          4 or 8 warps), then what a device
-#                                          call costs besides its steps (benchmarks/call_overhead.py)
+#                                          4 or 8 warps)
+#   bash tools/gpu/step_levers.sh calls    what a device call costs besides its steps (benchmarks/call_overhead.py)
 #   bash tools/gpu/step_levers.sh barrier  the persistent kernels' grid barrier alone (benchmarks/grid_barrier_bench.py:
 #                                          wrong values read across it, us a barrier) on 1-132 programs, then the
 #                                          persistent kernel on a small two-layer config at 1-32 programs
@@ -36,7 +36,7 @@
 #                                          files over this tree too, if carried
 # Rows go to $OUT/profile.json and $OUT/torch_peer.jsonl; the console to $OUT/console_<phase>.txt.
 set -uo pipefail
-phase=${1:?base, pdl, repeat, cache, peer, serve, saturation, shipped, draft, persistent, barrier or ab}
+phase=${1:?base, pdl, repeat, cache, peer, serve, saturation, shipped, draft, persistent, barrier, calls or ab}
 out=${OUT:?}; export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 EAGLE_JAX_CACHE_DIR=/tmp/eagle_jax_cache
 exec > >(tee -a "$out/console_$phase.txt") 2>&1
 config=.stage/smollm2_config.json
@@ -144,7 +144,8 @@ case $phase in
     timeout 240 python3 benchmarks/persistent_bench.py --random-target "$config" --rows auto --part-slots 256,128 \
       --num-warps 4 --prefetch 1,0 --out "$out/persistent.json" 2>&1 | grep -v -i warn | tail -6
     timeout 200 python3 benchmarks/persistent_bench.py --random-target "$config" --rows 16,8 --part-slots 256 \
-      --num-warps 4,8 --out "$out/persistent.json" 2>&1 | grep -v -i warn | tail -6
+      --num-warps 4,8 --out "$out/persistent.json" 2>&1 | grep -v -i warn | tail -6 ;;
+  calls)
     timeout 120 python3 benchmarks/call_overhead.py --out "$out/call_overhead.json" 2>&1 | grep -v -i warn ;;
   barrier)
     # The grid barrier alone on grids up to the SMs, then the persistent kernel on a small config
