@@ -2,6 +2,7 @@
 
     python benchmarks/persistent_bench.py --random-target config.json --out docs/results/persistent.json
     python benchmarks/persistent_bench.py --rows auto,8,16 --part-slots 128,256 --num-warps 4,8 --prefetch 1,0
+    python benchmarks/persistent_bench.py --spin volatile,atomic --skip none,all,qkv,attend,o,gate_up,down
 
 `kernels.persistent_layers.decode_layers` (every layer in one launch, grid barriers between its
 stages) against the model's own cached call on the fused Pallas kernels (`layers.Kernels("pallas")`,
@@ -10,7 +11,10 @@ five or six launches a layer), both from the token's embedding to the final norm
 --steps calls in one program (the position advancing, caches donated), as the engine's run
 programs loop: microseconds a call are the loop's wall time over its calls, best of --repeats.
 Before timing, one call of each from the same state is compared: the final hidden state's largest
-difference (bfloat16 rounds differently in the two) and whether both pick the same next token. Prints a table; --out appends JSON rows.
+difference (bfloat16 rounds differently in the two) and whether both pick the same next token.
+--skip leaves stages out of the persistent kernel, their barriers kept (a timing ablation: "all"
+times the barriers alone, a stage's name the step without that stage's work; such rows are
+wrong by design). Prints a table; --out appends JSON rows.
 """
 
 from __future__ import annotations
@@ -60,6 +64,10 @@ def main(argv=None) -> int:
     parser.add_argument("--num-warps", default="8", help="comma list")
     parser.add_argument("--programs", default="", help="comma list: grid sizes (default: the GPU's SMs)")
     parser.add_argument("--prefetch", default="1", help="comma list of 1 / 0: weights loaded ahead of the barriers")
+    parser.add_argument("--spin", default="volatile", help="comma list: how the barriers poll (grid_barrier.SPINS)")
+    parser.add_argument("--skip", default="none",
+                        help="comma list of stage sets left out, each none, all or stages joined by '+' "
+                             f"(of {', '.join(persistent_layers.STAGES)})")
     parser.add_argument("--label", default="")
     parser.add_argument("--out", help="JSON list the rows are appended to")
     args = parser.parse_args(argv)
@@ -126,32 +134,37 @@ def main(argv=None) -> int:
     print(f"{'kernel':<46} {'us a call':>10} {'max |diff|':>11}")
     print(f"{rows[0]['kernel']:<46} {rows[0]['us_per_call']:>10.1f} {0.0:>11.4f}", flush=True)
     grids = ints(args.programs) or [grid_barrier.resident_programs()]
-    for programs in grids:
-        for rows_per_item in [None if value.strip() == "auto" else int(value) for value in args.rows.split(",")]:
-            for part_slots in ints(args.part_slots):
-                for num_warps, prefetch in ((w, bool(p)) for w in ints(args.num_warps) for p in ints(args.prefetch)):
-                    settings = dict(programs=programs, rows=rows_per_item, part_slots=part_slots, num_warps=num_warps,
-                                    prefetch=prefetch)
-                    label = (f"persistent {programs}p rows {rows_per_item or 'auto'} part {part_slots} warps {num_warps}"
-                             + (" ahead" if prefetch else ""))
-                    try:
-                        call = persistent_call(settings)
-                        hidden = jax.jit(call)((keys, values), jnp.int32(args.position))[0].astype(jnp.float32)
-                        difference = float(jnp.max(jnp.abs(hidden - reference)))
-                        work = persistent_layers.work_rows(programs, stacked.qkv.shape[1], cfg.hidden_size,
-                                                           cfg.intermediate_size, rows_per_item)
-                        row = dict(common, kernel=label, **settings, work=work._asdict(),
-                                   us_per_call=timed(call, (keys, values)),
-                                   max_abs_difference=difference, same_next_token=greedy(hidden) == greedy(reference),
-                                   reference_max_abs=float(jnp.max(jnp.abs(reference))))
-                    except Exception as error:  # a setting that does not compile is a row too
-                        row = dict(common, kernel=label, **settings, error=f"{type(error).__name__}: {error}"[:400])
-                    rows.append(row)
-                    if "error" in row:
-                        print(f"{label:<46} {row['error'][:120]}", flush=True)
-                    else:
-                        print(f"{label:<46} {row['us_per_call']:>10.1f} {row['max_abs_difference']:>11.4f}",
-                              flush=True)
+    spins = [value.strip() for value in args.spin.split(",") if value.strip()]
+    skips = [() if value == "none" else persistent_layers.STAGES if value == "all" else tuple(value.split("+"))
+             for value in (value.strip() for value in args.skip.split(",")) if value]
+    settings_list = [dict(programs=programs, rows=rows_per_item, part_slots=part_slots, num_warps=num_warps,
+                          prefetch=bool(prefetch), spin=spin, skip=skip)
+                     for programs in grids
+                     for rows_per_item in [None if value.strip() == "auto" else int(value)
+                                           for value in args.rows.split(",")]
+                     for part_slots in ints(args.part_slots) for num_warps in ints(args.num_warps)
+                     for prefetch in ints(args.prefetch) for spin in spins for skip in skips]
+    for settings in settings_list:
+        label = (f"persistent {settings['programs']}p rows {settings['rows'] or 'auto'} part {settings['part_slots']} "
+                 f"warps {settings['num_warps']}" + (" ahead" if settings["prefetch"] else "")
+                 + (f" {settings['spin']}" if len(spins) > 1 else "")
+                 + (f" skip {'+'.join(settings['skip'])}" if settings["skip"] else ""))
+        try:
+            call = persistent_call(settings)
+            hidden = jax.jit(call)((keys, values), jnp.int32(args.position))[0].astype(jnp.float32)
+            difference = float(jnp.max(jnp.abs(hidden - reference)))
+            work = persistent_layers.work_rows(settings["programs"], stacked.qkv.shape[1], cfg.hidden_size,
+                                               cfg.intermediate_size, settings["rows"])
+            row = dict(common, kernel=label, **settings, work=work._asdict(), us_per_call=timed(call, (keys, values)),
+                       max_abs_difference=difference, same_next_token=greedy(hidden) == greedy(reference),
+                       reference_max_abs=float(jnp.max(jnp.abs(reference))))
+        except Exception as error:  # a setting that does not compile is a row too
+            row = dict(common, kernel=label, **settings, error=f"{type(error).__name__}: {error}"[:400])
+        rows.append(row)
+        if "error" in row:
+            print(f"{label:<46} {row['error'][:120]}", flush=True)
+        else:
+            print(f"{label:<46} {row['us_per_call']:>10.1f} {row['max_abs_difference']:>11.4f}", flush=True)
     if args.out:
         append_rows(args.out, rows)
     return 0

@@ -50,7 +50,7 @@ from eagle_jax.kernels import grid_barrier
 from eagle_jax.model import attention_ops
 
 CHUNK = 64  # weight columns a matvec loads at once
-STAGES = 5  # barriers a layer
+STAGES = ("qkv", "attend", "o", "gate_up", "down")  # a layer's, one barrier after each
 
 
 class StackedLayers(NamedTuple):
@@ -108,7 +108,7 @@ def stack_layers(model) -> StackedLayers:
 def decode_layers(x: jax.Array, position: jax.Array, weights: StackedLayers, keys: jax.Array, values: jax.Array, *,
                   num_heads: int, eps: float, inv_freq: np.ndarray, programs: int | None = None,
                   part_slots: int = 256, rows: int | None = None, num_warps: int = 8, prefetch: bool = True,
-                  interpret: bool | None = None):
+                  spin: str = "volatile", skip: tuple[str, ...] = (), interpret: bool | None = None):
     """Every layer of one token's decode step.
 
     Args:
@@ -124,6 +124,9 @@ def decode_layers(x: jax.Array, position: jax.Array, weights: StackedLayers, key
         rows: output features of a projection's work item; None: each stage's own (`work_rows`).
         prefetch: each stage of at most one item a program loads what no program writes in this
             launch (its weights, the older cache slots) before the barrier ahead of it.
+        spin: how the barriers poll (`grid_barrier.wait`).
+        skip: stages (of `STAGES`) left out, their barriers kept: a timing ablation that tells
+            each stage's share of a step; the result is then wrong.
         interpret: Pallas interpret mode; None: unless the default backend is a GPU.
     Returns:
         (x [D] float32 after the last layer, rounded as the layers round it, keys, values).
@@ -134,18 +137,20 @@ def decode_layers(x: jax.Array, position: jax.Array, weights: StackedLayers, key
         if size < least or size & (size - 1):
             raise ValueError(f"{name} must be a power of two >= {least} (a Triton block), got {size}")
     programs = grid_barrier.grid(programs, interpret)
+    if not set(skip) <= set(STAGES):
+        raise ValueError(f"skip takes stages of {STAGES}, got {skip}")
     _, qkv_width, hidden = weights.qkv.shape
     work = work_rows(programs, qkv_width, hidden, weights.gate.shape[1], rows)
     frequencies = jnp.asarray(np.concatenate([inv_freq, inv_freq]), jnp.float32)
     return _decode_layers(jnp.reshape(position, (1,)).astype(jnp.int32), frequencies, x, *weights, keys, values,
                           num_heads=num_heads, eps=eps, programs=programs, part_slots=part_slots, work=work,
-                          num_warps=num_warps, prefetch=prefetch, interpret=interpret)
+                          num_warps=num_warps, prefetch=prefetch, spin=spin, skip=tuple(skip), interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "eps", "programs", "part_slots", "work", "num_warps",
-                                             "prefetch", "interpret"))
+                                             "prefetch", "spin", "skip", "interpret"))
 def _decode_layers(position, frequencies, x, *arrays, num_heads, eps, programs, part_slots, work, num_warps,
-                   prefetch, interpret):
+                   prefetch, interpret, spin="volatile", skip=()):
     *weights, keys, values = arrays
     weights = StackedLayers(*weights)
     _, qkv_width, hidden = weights.qkv.shape
@@ -164,7 +169,7 @@ def _decode_layers(position, frequencies, x, *arrays, num_heads, eps, programs, 
     first_cache = 3 + len(weights)
     results = pl.pallas_call(
         functools.partial(_kernel, num_heads=num_heads, eps=eps, programs=programs, part_slots=part_slots, work=work,
-                          prefetch=prefetch, interpret=interpret),
+                          prefetch=prefetch, spin=spin, skip=skip, interpret=interpret),
         out_shape=out_shape,
         grid=(programs,),
         input_output_aliases={first_cache: 1, first_cache + 1: 2, first_cache + 2: 3},
@@ -183,7 +188,7 @@ def _block(size: int) -> int:
 def _kernel(position_ref, frequencies_ref, x0_ref, input_norm_ref, qkv_w_ref, o_w_ref, post_norm_ref, gate_ref, up_ref,
             down_ref, keys_ref, values_ref, _counter_in, x_ref, keys_out, values_out, counter_ref, qkv_ref,
             part_out_ref, part_max_ref, part_sum_ref, h_ref, *, num_heads: int, eps: float, programs: int,
-            part_slots: int, work: Work, prefetch: bool, interpret: bool):
+            part_slots: int, work: Work, prefetch: bool, spin: str, skip: tuple[str, ...], interpret: bool):
     program = pl.program_id(0)
     num_layers, qkv_width, hidden = qkv_w_ref.shape
     slots, num_kv_heads, head_dim = keys_ref.shape[1:]
@@ -194,7 +199,7 @@ def _kernel(position_ref, frequencies_ref, x0_ref, input_norm_ref, qkv_w_ref, o_
     position = position_ref[jnp.int32(0)]
     rnd = lambda value: value.astype(dtype).astype(f32)  # where the layers hold a value in their dtype
 
-    barrier = functools.partial(grid_barrier.wait, counter_ref, programs=programs, interpret=interpret)
+    barrier = functools.partial(grid_barrier.wait, counter_ref, programs=programs, interpret=interpret, spin=spin)
     shared = grid_barrier.shared_load
 
     def vector(ref, size):
@@ -249,9 +254,12 @@ def _kernel(position_ref, frequencies_ref, x0_ref, input_norm_ref, qkv_w_ref, o_
         at most one item (its own index). Their latency then overlaps the wait."""
         return prefetch and count <= programs
 
-    def stage(count, load, compute, loaded=None):
-        """A stage's items: compute(item, load(item)) each, or, with `loaded` (`early`), its one
+    def stage(name, load, compute, loaded=None):
+        """Stage `name`'s items: compute(item, load(item)) each, or, with `loaded` (`early`), its one
         item's compute on what was loaded before the barrier."""
+        count = counts[name]
+        if name in skip:
+            return
         if loaded is not None:
             pl.when(program < count)(lambda: compute(program, loaded))  # the programs past the items wait
         else:
@@ -368,50 +376,51 @@ def _kernel(position_ref, frequencies_ref, x0_ref, input_norm_ref, qkv_w_ref, o_
 
     def ahead(name, load):
         """What stage `name` loads before the barrier ahead of it (`early`), else None."""
-        return load(program) if early(counts[name]) else None
+        return load(program) if early(counts[name]) and name not in skip else None
 
     def layer_step(layer, qkv_weights):
-        base = 1 + STAGES * layer
+        base = 1 + len(STAGES) * layer
 
         # 1: qkv = rmsnorm(x) @ Wqkv
-        normed = rmsnorm(vector(x_ref, hidden), input_norm_ref, layer)
-
         def qkv(item, tiles):
             features = features_of(item, work.qkv)
             plgpu.store(qkv_ref.at[features], rnd(matvec(tiles, normed)), mask=features < qkv_width)
 
-        stage(counts["qkv"], functools.partial(qkv_load, layer), qkv, qkv_weights)
+        if "qkv" not in skip:
+            normed = rmsnorm(vector(x_ref, hidden), input_norm_ref, layer)
+        stage("qkv", functools.partial(qkv_load, layer), qkv, qkv_weights)
         loaded = ahead("attend", functools.partial(attend_load, layer))
         barrier(base + 1)
 
         # 2: attention partials, one item a (kv head, part of the cache)
-        stage(counts["attend"], functools.partial(attend_load, layer), functools.partial(attend, layer), loaded)
+        stage("attend", functools.partial(attend_load, layer), functools.partial(attend, layer), loaded)
         loaded = ahead("o", functools.partial(o_load, layer))
         barrier(base + 2)
 
         # 3: merge the partials; x += attended @ Wo
-        stage(counts["o"], functools.partial(o_load, layer), o_proj, loaded)
+        stage("o", functools.partial(o_load, layer), o_proj, loaded)
         gate_up_load = lambda item: (weight_rows(gate_ref, layer, item, hidden, work.gate_up),
                                      weight_rows(up_ref, layer, item, hidden, work.gate_up))
         loaded = ahead("gate_up", gate_up_load)
         barrier(base + 3)
 
         # 4: h = silu(rmsnorm(x) @ Wgate) * (rmsnorm(x) @ Wup)
-        normed = rmsnorm(vector(x_ref, hidden), post_norm_ref, layer)
+        if "gate_up" not in skip:
+            normed = rmsnorm(vector(x_ref, hidden), post_norm_ref, layer)
 
         def gate_up(item, tiles):
             features = features_of(item, work.gate_up)
             gate, up = rnd(matvec(tiles[0], normed)), rnd(matvec(tiles[1], normed))
             plgpu.store(h_ref.at[features], rnd(rnd(gate / (1.0 + jnp.exp(-gate))) * up), mask=features < inter)
 
-        stage(counts["gate_up"], gate_up_load, gate_up, loaded)
+        stage("gate_up", gate_up_load, gate_up, loaded)
         down_load = lambda item: weight_rows(down_ref, layer, item, inter, work.down)
         loaded = ahead("down", down_load)
         barrier(base + 4)
 
         # 5: x += h @ Wdown
-        hidden_pieces = vector(h_ref, inter)
-        stage(counts["down"], down_load,
+        hidden_pieces = vector(h_ref, inter) if "down" not in skip else None
+        stage("down", down_load,
               lambda item, tiles: add_residual(features_of(item, work.down), matvec(tiles, hidden_pieces)), loaded)
         following = ahead("qkv", functools.partial(qkv_load, jnp.minimum(layer + 1, num_layers - 1)))
         barrier(base + 5)

@@ -29,15 +29,24 @@ def test_refuses_more_programs_than_run_at_once():
         grid_barrier.check(2, rounds=1, interpret=True)
 
 
-def test_lowers_to_triton_for_a_gpu_with_its_waits(capsys):
+@pytest.mark.parametrize("spin, poll", [("volatile", "isVolatile = true"), ("atomic", "tt.atomic_rmw add")])
+def test_lowers_to_triton_for_a_gpu_with_its_waits(capsys, spin, poll):
     """Lowered for CUDA on an H100's 132 programs, off a GPU: Pallas's Triton lowering runs here, and
-    each of a round's two barriers keeps its spin (a while loop of volatile loads of the counter,
-    which tracing drops as dead code when nothing uses its result)."""
-    call = lambda counter: grid_barrier._check(counter, programs=132, rounds=4, interpret=False, debug=True)
+    each of a round's two barriers keeps its spin (a while loop polling the counter, with volatile
+    loads or atomics; tracing drops a loop of loads as dead code when nothing uses its result).
+    Either way a wait has two atomics: the arrival and, for volatile polls, the acquire after them."""
+    call = lambda counter: grid_barrier._check(counter, programs=132, rounds=4, interpret=False, debug=True, spin=spin)
     lowered = jax.jit(call).trace(jax.ShapeDtypeStruct((1,), jnp.int32)).lower(lowering_platforms=("cuda",))
     assert "__gpu$xla.gpu.triton" in lowered.as_text()
     module = capsys.readouterr().out
     module = module[module.index("The Triton module"):]
     spins = module.split("scf.while")[1:]
     assert len(spins) == 2  # the round's loop is an scf.for; each wait's spin an scf.while
-    assert all("isVolatile = true" in spin.split("scf.yield")[0] for spin in spins)
+    assert all(poll in spin_.split("scf.yield")[0] for spin_ in spins)
+    assert module.count("tt.atomic_rmw add, acq_rel, gpu") == 4
+
+
+def test_atomic_polls_check_in_interpret_mode():
+    assert int(grid_barrier.check(1, rounds=3, interpret=True, spin="atomic")[0]) == 0
+    with pytest.raises(ValueError, match="spin must be one of"):
+        grid_barrier.check(1, rounds=1, interpret=True, spin="busy")

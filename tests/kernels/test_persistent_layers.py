@@ -80,9 +80,30 @@ def test_refuses_biased_layers(random_target):
         persistent_layers.stack_layers(random_target(attention_bias=True))
 
 
+def test_skipping_stages_leaves_out_their_work(random_target):
+    """The timing ablation: with every stage skipped the residual stream stays the embedding and the
+    cache is untouched; skipping the MLP's two stages leaves attention's update alone; and polling
+    the barriers with atomics changes nothing (one program never polls)."""
+    target = random_target(seed=6, num_layers=2)
+    position = 12
+    cache = filled_cache(target, position, seed=3)
+    embedding = target.embed_tokens(jnp.array([[4]], jnp.int32))[0, 0]
+    x, keys, values = run_kernel(target, 4, position, cache, skip=persistent_layers.STAGES)
+    np.testing.assert_array_equal(x, embedding)
+    np.testing.assert_array_equal(keys, jnp.stack(cache.keys)[:, 0])
+    np.testing.assert_array_equal(values, jnp.stack(cache.values)[:, 0])
+    full = run_kernel(target, 4, position, cache)
+    attention_only = run_kernel(target, 4, position, cache, skip=("gate_up", "down"))
+    assert not np.allclose(attention_only[0], full[0]) and not np.allclose(attention_only[0], embedding)
+    np.testing.assert_array_equal(attention_only[1][0], full[1][0])  # layer 0's cache write precedes its MLP
+    for got, want in zip(run_kernel(target, 4, position, cache, spin="atomic"), full):
+        np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("settings, message", [(dict(programs=2), "programs must be in 1..1"),
                                                (dict(rows=12), "rows must be a power of two"),
-                                               (dict(part_slots=8), "part_slots must be a power of two >= 16")])
+                                               (dict(part_slots=8), "part_slots must be a power of two >= 16"),
+                                               (dict(skip=("mlp",)), "skip takes stages of")])
 def test_refuses_a_grid_that_cannot_all_be_resident_and_ragged_blocks(random_target, settings, message):
     """Interpret mode runs one program at a time: two would wait for each other at the first barrier."""
     target = random_target()
@@ -90,8 +111,10 @@ def test_refuses_a_grid_that_cannot_all_be_resident_and_ragged_blocks(random_tar
         run_kernel(target, 1, 3, filled_cache(target, 3, seed=0), **settings)
 
 
-@pytest.mark.parametrize("rows, prefetch", [(None, True), (16, True), (8, False)])
-def test_lowers_to_triton_for_a_gpu(rows, prefetch):
+@pytest.mark.parametrize("rows, prefetch, spin, skip", [(None, True, "volatile", ()), (16, True, "atomic", ()),
+                                                       (8, False, "volatile", ()), (None, True, "atomic", ("qkv",)),
+                                                       (None, True, "volatile", persistent_layers.STAGES)])
+def test_lowers_to_triton_for_a_gpu(rows, prefetch, spin, skip):
     """Lowered for CUDA at SmolLM2's shapes (two layers), off a GPU: what interpret mode never
     meets, Pallas's Triton lowering (its refusals of an op or a load's setting), runs here."""
     layers, hidden, heads, kv_heads, head_dim, inter, slots = 2, 576, 9, 3, 64, 1536, 2048
@@ -102,7 +125,8 @@ def test_lowers_to_triton_for_a_gpu(rows, prefetch):
         array(layers, inter, hidden), array(layers, hidden, inter))
     work = persistent_layers.work_rows(132, (heads + 2 * kv_heads) * head_dim, hidden, inter, rows)
     call = functools.partial(persistent_layers._decode_layers, num_heads=heads, eps=1e-5, programs=132,
-                             part_slots=256, work=work, num_warps=4, prefetch=prefetch, interpret=False)
+                             part_slots=256, work=work, num_warps=4, prefetch=prefetch, spin=spin, skip=skip,
+                             interpret=False)
     cache = array(layers, slots, kv_heads, head_dim)
     lowered = jax.jit(call).trace(array(1, dtype=jnp.int32), array(head_dim, dtype=jnp.float32), array(hidden),
                                   *weights, cache, cache).lower(lowering_platforms=("cuda",))

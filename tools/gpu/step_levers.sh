@@ -23,12 +23,11 @@
 #                                          norms + q/k/v, gate_up, split-K down_proj) in Pallas against XLA's, one
 #                                          row, a sweep of column and K blocks, L2 evicted
 #   bash tools/gpu/step_levers.sh persistent  the decoder stack as one persistent kernel against the fused kernels
-#                                          (benchmarks/persistent_bench.py: each stage's own work items or 8 or 16 rows,
-#                                          attention parts of 128 and 256 slots, loads ahead of the barriers or not,
-#                                          4 or 8 warps)
+#                                          (benchmarks/persistent_bench.py: barriers polled with volatile loads or
+#                                          atomics; each stage left out in turn, and all of them: the barriers alone)
 #   bash tools/gpu/step_levers.sh calls    what a device call costs besides its steps (benchmarks/call_overhead.py)
 #   bash tools/gpu/step_levers.sh barrier  the persistent kernels' grid barrier alone (benchmarks/grid_barrier_bench.py:
-#                                          wrong values read across it, us a barrier) on 1-132 programs, then the
+#                                          wrong values read across it, us a barrier, either spin) on 1-132 programs, then the
 #                                          persistent kernel on a small two-layer config at 1-32 programs
 #   bash tools/gpu/step_levers.sh ab       a kernel change: plain (AB_PASSES times, default 2, alternated) and k = 6 steps of this tree
 #                                          and of it with .stage/kernel_base's files over it (an earlier commit's,
@@ -140,19 +139,19 @@ case $phase in
       --rows 1 --block-n 16,32,64,128 --block-k 64,128,256 --evict-mb 256 --check --iterations 50 --trace-calls 20 \
       --out "$out/kernels.json" 2>&1 | grep -v -i warn | tail -56 ;;
   persistent)
-    # Each stage's own work items first (one a program: every stage loads ahead), then one size for all.
-    timeout 240 python3 benchmarks/persistent_bench.py --random-target "$config" --rows auto --part-slots 256,128 \
-      --num-warps 4 --prefetch 1,0 --out "$out/persistent.json" 2>&1 | grep -v -i warn | tail -6
-    timeout 200 python3 benchmarks/persistent_bench.py --random-target "$config" --rows 16,8 --part-slots 256 \
-      --num-warps 4,8 --out "$out/persistent.json" 2>&1 | grep -v -i warn | tail -6 ;;
+    # The defaults (each stage's own work items, one a program, loaded ahead) polling either way,
+    # then the timing ablation: the barriers alone (skip all) and each stage left out in turn.
+    timeout 420 python3 benchmarks/persistent_bench.py --random-target "$config" --rows auto --part-slots 256 \
+      --num-warps 4 --spin volatile,atomic --skip none,all,qkv,attend,o,gate_up,down \
+      --out "$out/persistent.json" 2>&1 | grep -v -i warn | tail -16 ;;
   calls)
     timeout 120 python3 benchmarks/call_overhead.py --out "$out/call_overhead.json" 2>&1 | grep -v -i warn ;;
   barrier)
     # The grid barrier alone on grids up to the SMs, then the persistent kernel on a small config
-    # (two layers, compiled in seconds at any grid) at 1, 2, 4, 8 and 32 programs: which grid first
+    # (two layers, compiled in seconds at any grid) at 1, 2, 4, 8, 32 and 132 programs: which grid first
     # gives a wrong step, and whether the barrier alone already lets a wrong value through.
-    timeout 200 python3 benchmarks/grid_barrier_bench.py --programs 1,2,8,32,132 --rounds 1000 \
-      --out "$out/grid_barrier.json" 2>&1 | grep -v -i warn | tail -7
+    timeout 200 python3 benchmarks/grid_barrier_bench.py --programs 1,2,8,32,132 --rounds 1000 --spin volatile,atomic \
+      --out "$out/grid_barrier.json" 2>&1 | grep -v -i warn | tail -12
     python3 -c '
 import json
 config = json.load(open(".stage/smollm2_config.json"))
@@ -160,7 +159,7 @@ config.update(num_hidden_layers=2, hidden_size=128, intermediate_size=256, num_a
               num_key_value_heads=2, head_dim=32, vocab_size=1024)
 json.dump(config, open("/tmp/small_config.json", "w"))'
     timeout 300 python3 benchmarks/persistent_bench.py --random-target /tmp/small_config.json --cache-length 512 \
-      --position 300 --programs 1,2,4,8,32 --part-slots 64 --num-warps 4 --prefetch 0,1 --steps 4 --repeats 1 \
+      --position 300 --programs 1,2,4,8,32,132 --part-slots 64 --num-warps 4 --prefetch 0,1 --steps 4 --repeats 1 \
       --out "$out/persistent.json" 2>&1 | grep -v -i warn | tail -12 ;;
   base)
     echo "== plain and EAGLE-3 k = 6, default flags (PTX dumped for the plain step)"
