@@ -212,7 +212,7 @@ def _kernel(position_ref, frequencies_ref, x0_ref, input_norm_ref, qkv_w_ref, o_
 
     def rmsnorm(pieces, weight_ref, layer):
         """`layers.RMSNorm` of x's pieces with layer `layer`'s weight."""
-        total = sum(jnp.sum(piece * piece) for piece in pieces)
+        total = jnp.sum(sum(piece * piece for piece in pieces))  # one reduction across the threads, not one a piece
         scale = lax.rsqrt(total / hidden + eps)
         normed = []
         for chunk, piece in enumerate(pieces):
