@@ -25,6 +25,8 @@
 #   bash tools/gpu/step_levers.sh persistent  the decoder stack as one persistent kernel against the fused kernels
 #                                          (benchmarks/persistent_bench.py: barriers polled with volatile loads or
 #                                          atomics; each stage left out in turn, and all of them: the barriers alone)
+#   bash tools/gpu/step_levers.sh chain    a chain of dependent kernels: Pallas Triton against Mosaic GPU with and without
+#                                          programmatic dependent launch (benchmarks/pdl_chain_bench.py)
 #   bash tools/gpu/step_levers.sh calls    what a device call costs besides its steps (benchmarks/call_overhead.py)
 #   bash tools/gpu/step_levers.sh barrier  the persistent kernels' grid barrier alone (benchmarks/grid_barrier_bench.py:
 #                                          wrong values read across it, us a barrier, either spin) on 1-132 programs, then the
@@ -35,7 +37,7 @@
 #                                          files over this tree too, if carried
 # Rows go to $OUT/profile.json and $OUT/torch_peer.jsonl; the console to $OUT/console_<phase>.txt.
 set -uo pipefail
-phase=${1:?base, pdl, repeat, cache, peer, serve, saturation, shipped, draft, persistent, barrier, calls or ab}
+phase=${1:?base, pdl, repeat, cache, peer, serve, saturation, shipped, draft, persistent, barrier, chain, calls or ab}
 out=${OUT:?}; export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 EAGLE_JAX_CACHE_DIR=/tmp/eagle_jax_cache
 exec > >(tee -a "$out/console_$phase.txt") 2>&1
 config=.stage/smollm2_config.json
@@ -144,6 +146,16 @@ case $phase in
     timeout 420 python3 benchmarks/persistent_bench.py --random-target "$config" --rows auto --part-slots 256 \
       --num-warps 4 --spin volatile,atomic --skip none,all,qkv,attend,o,gate_up,down \
       --out "$out/persistent.json" 2>&1 | grep -v -i warn | tail -16 ;;
+  chain)
+    # A chain of 100 dependent kernels, each its own weights: Pallas Triton, Mosaic GPU, Mosaic GPU with
+    # programmatic dependent launch (weights' copy issued before the wait); then XLA's PDL flag off, and
+    # links of 4 KB of weights a program (the latency floor).
+    timeout 240 python3 benchmarks/pdl_chain_bench.py --kernels 100 --steps 32 --out "$out/pdl_chain.json" 2>&1 \
+      | grep -v -i warn | tail -4
+    XLA_FLAGS=--xla_gpu_enable_pdl=false timeout 150 python3 benchmarks/pdl_chain_bench.py --kernels 100 --steps 32 \
+      --out "$out/pdl_chain.json" 2>&1 | grep -v -i warn | tail -4
+    timeout 150 python3 benchmarks/pdl_chain_bench.py --kernels 100 --rows 8 --steps 32 --out "$out/pdl_chain.json" 2>&1 \
+      | grep -v -i warn | tail -4 ;;
   calls)
     timeout 120 python3 benchmarks/call_overhead.py --out "$out/call_overhead.json" 2>&1 | grep -v -i warn ;;
   barrier)
