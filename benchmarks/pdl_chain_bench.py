@@ -10,6 +10,9 @@ loop, as the engine's step loop runs. Variants (--variants):
 
   * triton: a Pallas Triton kernel, the link as our fused kernels are written (XLA launches it,
     and with its PDL flag on waits for the kernel before at its very start)
+  * triton_early: the same kernel letting the next one launch as it starts (an inline
+    `griddepcontrol.launch_dependents`, its output feeding the indexing so that it stays): the
+    next kernel's launch overlaps this one, its work still waits at its start
   * mosaic: a Pallas Mosaic GPU kernel: its weights copied to shared memory by the TMA, then the
     vector read
   * mosaic_pdl: the same kernel, which lets the next kernel launch at once
@@ -45,7 +48,7 @@ from results_file import append_rows
 
 WIDTH = 256  # a weight slab's row: one TMA box wide
 LANES = 128  # values of the vector a program writes: one warpgroup's
-VARIANTS = ("triton", "mosaic", "mosaic_pdl")
+VARIANTS = ("triton", "triton_early", "mosaic", "mosaic_pdl")
 
 
 def reference(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -75,25 +78,30 @@ def mosaic_link(x: jax.Array, w: jax.Array, pdl: bool) -> jax.Array:
                        scratch_types=[plmg.SMEM((rows, width), w.dtype), plmg.Barrier()])(x, w)
 
 
-def _triton_body(x_ref, w_ref, y_ref):
+def _triton_body(x_ref, w_ref, y_ref, *, early: bool):
     program = pl.program_id(0)
     rows, width = w_ref.shape[1:]
+    lanes = jnp.arange(LANES)
+    if early:  # inline asm is pure to Pallas: a result nothing used would be dropped
+        [lanes] = pltr.elementwise_inline_asm("griddepcontrol.launch_dependents;\n\tmov.b32 $0, $1;", args=[lanes],
+                                              constraints="=r,r", pack=1,
+                                              result_shape_dtypes=[jax.ShapeDtypeStruct((LANES,), jnp.int32)])
     weights = pltr.load(w_ref.at[program, jnp.arange(rows)[:, None], jnp.arange(width)[None, :]])
     total = jnp.sum(pltr.load(x_ref.at[jnp.arange(x_ref.shape[0])]))
-    mine = program * LANES + jnp.arange(LANES)
+    mine = program * LANES + lanes
     extra = total * 1e-3 + jnp.sum(weights.astype(jnp.float32)) * 1e-6
     pltr.store(y_ref.at[mine], pltr.load(x_ref.at[mine]) * 0.5 + extra)
 
 
-def triton_link(x: jax.Array, w: jax.Array, interpret: bool = False) -> jax.Array:
-    return pl.pallas_call(_triton_body, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(w.shape[0],),
+def triton_link(x: jax.Array, w: jax.Array, early: bool = False, interpret: bool = False) -> jax.Array:
+    return pl.pallas_call(functools.partial(_triton_body, early=early), out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(w.shape[0],),
                           compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
                           name="link")(x, w)
 
 
 def link_for(variant: str, interpret: bool = False):
-    if variant == "triton":
-        return functools.partial(triton_link, interpret=interpret)
+    if variant in ("triton", "triton_early"):
+        return functools.partial(triton_link, early=variant == "triton_early", interpret=interpret)
     if variant in ("mosaic", "mosaic_pdl"):
         return functools.partial(mosaic_link, pdl=variant == "mosaic_pdl")
     raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
