@@ -25,8 +25,9 @@
 #   bash tools/gpu/step_levers.sh persistent  the decoder stack as one persistent kernel against the fused kernels
 #                                          (benchmarks/persistent_bench.py: barriers polled with volatile loads or
 #                                          atomics; each stage left out in turn, and all of them: the barriers alone)
-#   bash tools/gpu/step_levers.sh chain    a chain of dependent kernels: Pallas Triton against Mosaic GPU with and without
-#                                          programmatic dependent launch (benchmarks/pdl_chain_bench.py)
+#   bash tools/gpu/step_levers.sh chain    chains of dependent kernels: Pallas Triton against Mosaic GPU with and without
+#                                          programmatic dependent launch, sum links and 576 x 576 projections
+#                                          (benchmarks/pdl_chain_bench.py)
 #   bash tools/gpu/step_levers.sh calls    what a device call costs besides its steps (benchmarks/call_overhead.py)
 #   bash tools/gpu/step_levers.sh barrier  the persistent kernels' grid barrier alone (benchmarks/grid_barrier_bench.py:
 #                                          wrong values read across it, us a barrier, either spin) on 1-132 programs, then the
@@ -147,15 +148,16 @@ case $phase in
       --num-warps 4 --spin volatile,atomic --skip none,all,qkv,attend,o,gate_up,down \
       --out "$out/persistent.json" 2>&1 | grep -v -i warn | tail -16 ;;
   chain)
-    # A chain of 100 dependent kernels, each its own weights: Pallas Triton, Mosaic GPU, Mosaic GPU with
-    # programmatic dependent launch (weights' copy issued before the wait); then XLA's PDL flag off, and
-    # links of 4 KB of weights a program (the latency floor).
-    timeout 240 python3 benchmarks/pdl_chain_bench.py --kernels 100 --steps 32 --out "$out/pdl_chain.json" 2>&1 \
-      | grep -v -i warn | tail -4
+    # Chains of 100 dependent kernels, each its own weights: the sum links (Pallas Triton, the same releasing
+    # the next launch early, Mosaic GPU with and without programmatic dependent launch) and the 576 x 576
+    # projection links (our fused Triton kernel at one row, a Mosaic GPU wgmma kernel with and without PDL);
+    # then XLA's PDL flag off; then sum links of 4 KB a program (the latency floor).
+    timeout 300 python3 benchmarks/pdl_chain_bench.py --kernels 100 --steps 32 --out "$out/pdl_chain.json" 2>&1 \
+      | grep -v -i warn | tail -8
     XLA_FLAGS=--xla_gpu_enable_pdl=false timeout 150 python3 benchmarks/pdl_chain_bench.py --kernels 100 --steps 32 \
-      --out "$out/pdl_chain.json" 2>&1 | grep -v -i warn | tail -4
-    timeout 150 python3 benchmarks/pdl_chain_bench.py --kernels 100 --rows 8 --steps 32 --out "$out/pdl_chain.json" 2>&1 \
-      | grep -v -i warn | tail -4 ;;
+      --variants triton,triton_early,fused,mma_pdl --out "$out/pdl_chain.json" 2>&1 | grep -v -i warn | tail -5
+    timeout 150 python3 benchmarks/pdl_chain_bench.py --kernels 100 --rows 8 --steps 32 --variants triton,mosaic,mosaic_pdl \
+      --out "$out/pdl_chain.json" 2>&1 | grep -v -i warn | tail -4 ;;
   calls)
     timeout 120 python3 benchmarks/call_overhead.py --out "$out/call_overhead.json" 2>&1 | grep -v -i warn ;;
   barrier)
