@@ -142,11 +142,12 @@ case $phase in
       --rows 1 --block-n 16,32,64,128 --block-k 64,128,256 --evict-mb 256 --check --iterations 50 --trace-calls 20 \
       --out "$out/kernels.json" 2>&1 | grep -v -i warn | tail -56 ;;
   persistent)
-    # The defaults (each stage's own work items, one a program, loaded ahead) polling either way,
-    # then the timing ablation: the barriers alone (skip all) and each stage left out in turn.
-    timeout 420 python3 benchmarks/persistent_bench.py --random-target "$config" --rows auto --part-slots 256 \
-      --num-warps 4 --spin volatile,atomic --skip none,all,qkv,attend,o,gate_up,down \
-      --out "$out/persistent.json" 2>&1 | grep -v -i warn | tail -16 ;;
+    # The defaults (each stage's own work items, one a program, loaded ahead) polling either way, with
+    # every stage and with none (the barriers alone); then each stage left out in turn: its share.
+    timeout 240 python3 benchmarks/persistent_bench.py --random-target "$config" --rows auto --part-slots 256 \
+      --num-warps 4 --spin volatile,atomic --skip none,all --out "$out/persistent.json" 2>&1 | grep -v -i warn | tail -6
+    timeout 240 python3 benchmarks/persistent_bench.py --random-target "$config" --rows auto --part-slots 256 \
+      --num-warps 4 --skip qkv,attend,o,gate_up,down --out "$out/persistent.json" 2>&1 | grep -v -i warn | tail -7 ;;
   chain)
     # Chains of 100 dependent kernels, each its own weights: the sum links (Pallas Triton, the same releasing
     # the next launch early, Mosaic GPU with and without programmatic dependent launch) and the 576 x 576
