@@ -106,16 +106,19 @@ def _triton_body(x_ref, w_ref, y_ref, *, early: bool):
         [lanes] = pltr.elementwise_inline_asm("griddepcontrol.launch_dependents;\n\tmov.b32 $0, $1;", args=[lanes],
                                               constraints="=r,r", pack=1,
                                               result_shape_dtypes=[jax.ShapeDtypeStruct((LANES,), jnp.int32)])
-    weights = pltr.load(w_ref.at[program, jnp.arange(rows)[:, None], jnp.arange(width)[None, :]])
-    total = jnp.sum(pltr.load(x_ref.at[jnp.arange(x_ref.shape[0])]))
+    # Triton's blocks are powers of two: the slab's rows and the vector padded, masked.
+    row_index, vector_index = jnp.arange(pl.next_power_of_2(rows)), jnp.arange(pl.next_power_of_2(x_ref.shape[0]))
+    weights = pltr.load(w_ref.at[program, row_index[:, None], jnp.arange(width)[None, :]],
+                        mask=(row_index < rows)[:, None], other=0)
+    total = jnp.sum(pltr.load(x_ref.at[vector_index], mask=vector_index < x_ref.shape[0], other=0))
     mine = program * LANES + lanes
     extra = total * 1e-3 + jnp.sum(weights.astype(jnp.float32)) * 1e-6
     pltr.store(y_ref.at[mine], pltr.load(x_ref.at[mine]) * 0.5 + extra)
 
 
 def triton_link(x: jax.Array, w: jax.Array, early: bool = False, interpret: bool = False) -> jax.Array:
-    return pl.pallas_call(functools.partial(_triton_body, early=early), out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(w.shape[0],),
-                          compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
+    return pl.pallas_call(functools.partial(_triton_body, early=early), out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                          grid=(w.shape[0],), compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
                           name="link")(x, w)
 
 
