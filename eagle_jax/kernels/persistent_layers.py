@@ -6,7 +6,9 @@ step is bound by the count and fixed cost of its kernels. Here one launch of as 
 the GPU has SMs, all resident at once, walks every layer in five stages and meets at a grid-wide
 barrier between stages (a counter in global memory: each program adds one, then waits until all
 have): a megakernel after Hazy Research's Llama-1B one, which waits on finer per-stage counters
-instead. A layer costs five barriers in place of six launches.
+instead. A layer costs five barriers in place of six launches. Measured on an H100 that does not
+pay: a grid barrier costs about what a launch does (1.5-1.8 us), and the kernel runs slower than
+the fused kernels (docs/benchmarks.md, "The decode step"); it is kept to measure against.
 
 Stages of layer l, each a loop over work items shared round-robin by the programs; an item is
 a few output features (by default as few as leave each program one item, `work_rows`), whose
