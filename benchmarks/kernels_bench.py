@@ -18,6 +18,8 @@ Random bf16 weights, no model files. Ops (`kernels.fused_linear`, implementation
     then the kernel that sums its parts into the residual (norm_gate_up, norm_linear)
   * draft_lm_head: an EAGLE-3 head's final norm + lm_head with float32 logits, norm_linear
     (576 -> --draft-vocab): what every draft forward ends in
+  * draft_lm_head_int8: the same over the lm_head as the package stores it, int8 with a float32
+    scale a row (`io.int8_weights`), read as int8 (`norm_linear(..., weight_scale=...)`)
   * draft_qkv, draft_gate_up, draft_down_parts: the rest of an EAGLE-3 head's layer: its two
     input norms + q/k/v (norm_pair_linear, 2 x 576 -> 960), its MLP's first half (576 -> 2 x
     --draft-intermediate) and one row's split-K down_proj, the parts added in XLA
@@ -85,6 +87,7 @@ from jax.experimental.pallas import triton as plgpu
 from eagle_jax.model import config as config_lib
 from eagle_jax.model import layers
 from eagle_jax.model import rotary
+from eagle_jax.io import int8_weights
 from eagle_jax.io import models
 from eagle_jax.decode import tree
 from eagle_jax.kernels import compact_cache
@@ -99,7 +102,8 @@ DEFAULT_CONFIG = config_lib.LlamaConfig(vocab_size=49152, hidden_size=576, inter
                                         num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0)
 SMOLLM2_LAYERS = 30  # compact_cache moves a path in every layer's keys and values
 LINEAR_OPS = ("norm_linear", "norm_gate_up", "o_proj_residual", "down_proj_residual", "o_proj_parts",
-              "down_proj_parts", "draft_lm_head", "draft_qkv", "draft_gate_up", "draft_down_parts")  # <= MAX_ROWS rows
+              "down_proj_parts", "draft_lm_head", "draft_lm_head_int8", "draft_qkv", "draft_gate_up",
+              "draft_down_parts")  # <= MAX_ROWS rows
 OPS = LINEAR_OPS + ("decode_attention", "decoder_layer", "draft_top_k", "compact_cache")
 
 
@@ -282,6 +286,10 @@ def linear_cases(cfg: config_lib.LlamaConfig, rows: int, dtype, seed: int = 0, d
     norm_linear = lambda i, **kw: fused_linear.norm_linear(i[0], i[1], eps, i[2], **kw)
     lm_head = lambda i, **kw: fused_linear.norm_linear(i[0], i[1], eps, i[2], out_dtype=jnp.float32, **kw)
     lm_head_weight = weight(hidden, draft_vocab)
+    stored = int8_weights.quantize({"lm_head": np.asarray(lm_head_weight, np.float32).T}, ["lm_head"])
+    lm_head_int8, lm_head_scale = jnp.asarray(stored["lm_head"].T), jnp.asarray(stored["lm_head_scale"][:, 0])
+    lm_head_scaled = lambda i, **kw: fused_linear.norm_linear(i[0], i[1], eps, i[2], weight_scale=i[3],
+                                                              out_dtype=jnp.float32, **kw)
     norm_gate_up = lambda i, **kw: fused_linear.norm_gate_up(i[0], i[1], eps, i[2], **kw)
     linear_residual = lambda i, **kw: fused_linear.linear_residual(*i, **kw)
 
@@ -305,6 +313,8 @@ def linear_cases(cfg: config_lib.LlamaConfig, rows: int, dtype, seed: int = 0, d
             "down_proj_parts": (split_k(fused_linear.norm_linear), (x, activations(intermediate), down_proj, norm, qkv),
                                 size(down_proj) + size(qkv)),
             "draft_lm_head": (lm_head, (x, norm, lm_head_weight), size(lm_head_weight)),
+            "draft_lm_head_int8": (lm_head_scaled, (x, norm, lm_head_int8, lm_head_scale),
+                                   size(lm_head_int8) + size(lm_head_scale)),
             "draft_qkv": (pair_linear, (x, norm, activations(hidden), norm, draft_qkv), size(draft_qkv)),
             "draft_gate_up": (norm_gate_up, (x, norm, draft_gate_up), size(draft_gate_up)),
             "draft_down_parts": (parts_added, (x, activations(draft_intermediate), draft_down), size(draft_down))}

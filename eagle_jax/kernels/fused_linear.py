@@ -11,7 +11,9 @@ layer's projections take four kernels:
   linear_parts     x @ W as float32 partial sums over K      down_proj (the target's layers)
   norm_pair_linear [rmsnorm(a); rmsnorm(b)] @ W            EAGLE-3's midlayer input norms + qkv_proj
 
-and `norm_linear(..., out_dtype=float32)` is a draft head's final norm + lm_head.
+and `norm_linear(..., out_dtype=float32)` is a draft head's final norm + lm_head; given
+`weight_scale` it reads an int8 weight with one float32 scale an output column (the EAGLE-3 head's
+lm_head as the package stores it: half the bytes of bfloat16, and the widest read of a draft).
 
 A split-K `linear_parts` spreads a narrow output (576 columns: 18 programs of 32 columns would
 leave most of the GPU idle, each streaming its whole K = 1536) over one program per block_k chunk
@@ -82,8 +84,8 @@ class Tiling:
 
 
 def norm_linear(x: jax.Array, norm_weight: jax.Array, eps: float, weight: jax.Array, *,
-                parts: jax.Array | None = None, implementation: str = "xla", interpret: bool | None = None,
-                tiling: Tiling = Tiling(), out_dtype=None):
+                parts: jax.Array | None = None, weight_scale: jax.Array | None = None, implementation: str = "xla",
+                interpret: bool | None = None, tiling: Tiling = Tiling(), out_dtype=None):
     """rmsnorm(x) @ weight: HF's RMSNorm (as `layers.RMSNorm`), then a bias-free linear layer.
 
     Args:
@@ -93,6 +95,8 @@ def norm_linear(x: jax.Array, norm_weight: jax.Array, eps: float, weight: jax.Ar
         weight: [K, N], `nnx.Linear`'s kernel layout.
         parts: [S, ..., K] float32 partial sums of a linear layer closing a residual branch
             (`linear_parts`); the input is then `add_parts(x, parts)`.
+        weight_scale: [N] float32 for an int8 weight: column n is weight[:, n] x weight_scale[n]. The
+            int8 values widen exactly; the float32 sums are scaled before out_dtype's rounding.
         implementation: "xla" (reference) or "pallas".
         interpret: run the Pallas kernel in interpret mode; None: unless the backend is a GPU.
         tiling: the Pallas kernel's block sizes.
@@ -101,7 +105,15 @@ def norm_linear(x: jax.Array, norm_weight: jax.Array, eps: float, weight: jax.Ar
     Returns:
         [..., N] in out_dtype; with parts, (that, the input `add_parts(x, parts)` [..., K]).
     """
-    _check(implementation, x, weight, parts)
+    _check(implementation, x, weight, parts, weight_scale)
+    if weight_scale is not None:
+        if parts is not None:
+            raise ValueError("an int8 weight takes no parts (it is an output layer's)")
+        if implementation == "xla":
+            sums = _linear(rms_norm(x, norm_weight, eps), weight, jnp.float32)
+            return (sums * weight_scale).astype(out_dtype or x.dtype)
+        return _call(_scaled_norm_linear_kernel, "norm_linear_int8", x, (norm_weight, weight, weight_scale),
+                     weight.shape[1], interpret, tiling, out_dtype=out_dtype, eps=eps)
     if implementation == "xla":
         normed = x if parts is None else add_parts(x, parts)
         out = _linear(rms_norm(normed, norm_weight, eps), weight, out_dtype)
@@ -230,11 +242,18 @@ def _linear(x: jax.Array, weight: jax.Array, out_dtype=None) -> jax.Array:
                            preferred_element_type=out_dtype)
 
 
-def _check(implementation: str, x: jax.Array, weight: jax.Array, parts: jax.Array | None = None) -> None:
+def _check(implementation: str, x: jax.Array, weight: jax.Array, parts: jax.Array | None = None,
+           weight_scale: jax.Array | None = None) -> None:
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"unknown implementation {implementation!r} ({', '.join(IMPLEMENTATIONS)})")
     if weight.ndim != 2 or weight.shape[0] != x.shape[-1]:
         raise ValueError(f"weight shape {weight.shape} does not take inputs of shape {x.shape}")
+    if (weight.dtype == jnp.int8) != (weight_scale is not None):
+        raise ValueError(f"an int8 weight needs its weight_scale, and only an int8 weight takes one "
+                         f"(weight {weight.dtype}, weight_scale {None if weight_scale is None else weight_scale.shape})")
+    if weight_scale is not None and (weight_scale.shape != (weight.shape[1],) or weight_scale.dtype != jnp.float32):
+        raise ValueError(f"weight_scale {weight_scale.shape} {weight_scale.dtype} is not float32 [{weight.shape[1]}]: "
+                         "one scale an output column")
     if parts is not None and (parts.shape[1:] != x.shape or parts.dtype != jnp.float32):
         raise ValueError(f"parts {parts.shape} {parts.dtype} are not float32 partial sums of x {x.shape}")
 
@@ -451,6 +470,16 @@ def _norm_linear_kernel(x_ref, norm_ref, w_ref, out_ref, *, eps: float, tiling: 
     normed = lambda k: _normed(load, x_ref.dtype, norm_ref, k, inverse_rms, tiling)
     [out] = _project(normed, w_ref, [(column, w_ref.shape[1])], tiling)
     _store(out_ref, (row, column), out.astype(out_ref.dtype))
+
+
+def _scaled_norm_linear_kernel(x_ref, norm_ref, w_ref, scale_ref, out_ref, *, eps: float, tiling: Tiling):
+    """`_norm_linear_kernel` over an int8 weight (widened to x's dtype, exactly), its float32 sums
+    times the columns' scales."""
+    row, column = _origin(tiling)
+    inverse_rms, load = _inverse_rms(x_ref, row, eps, tiling)
+    normed = lambda k: _normed(load, x_ref.dtype, norm_ref, k, inverse_rms, tiling)
+    [out] = _project(normed, w_ref, [(column, w_ref.shape[1])], tiling)
+    _store(out_ref, (row, column), (out * _vector(scale_ref, column, tiling.block_n)[None, :]).astype(out_ref.dtype))
 
 
 def _norm_pair_linear_kernel(a_ref, b_ref, a_norm_ref, b_norm_ref, w_ref, out_ref, *, eps: float, tiling: Tiling):

@@ -136,6 +136,37 @@ def test_norm_linear_keeps_float32_logits_unrounded(shape, rows):
     assert bf16.dtype == jnp.bfloat16 and not np.array_equal(np.asarray(bf16, np.float32), want)
 
 
+@pytest.mark.parametrize("shape,rows", [(REAL, 1), (RAGGED, 17)], ids=["real-1", "ragged-17"])
+def test_norm_linear_reads_an_int8_weight_with_column_scales(shape, rows):
+    """An output layer stored as int8 with one float32 scale a column (as `int8_weights` stores an
+    lm_head): the kernel gives the float32 logits of the normed input times the widened weight,
+    which the XLA reference computes, within float32 summation order."""
+    o = operands(shape, rows, jnp.bfloat16)
+    rng = np.random.default_rng(1)
+    weight = jnp.asarray(rng.integers(-127, 128, (shape["hidden"], shape["qkv"])), jnp.int8)
+    scale = jnp.asarray(rng.uniform(1e-3, 1e-2, shape["qkv"]), jnp.float32)
+    normed = fused_linear.rms_norm(o["x"], o["norm"], EPS).astype(jnp.float32)
+    want = np.asarray(normed @ (weight.astype(jnp.float32) * scale[None, :]))
+    for implementation in ("xla", "pallas"):
+        got = fused_linear.norm_linear(o["x"], o["norm"], EPS, weight, weight_scale=scale,
+                                       implementation=implementation, out_dtype=jnp.float32)
+        assert got.dtype == jnp.float32 and got.shape == want.shape
+        assert within(got, want, 1e-5)
+    bf16 = fused_linear.norm_linear(o["x"], o["norm"], EPS, weight, weight_scale=scale, implementation="pallas")
+    assert bf16.dtype == jnp.bfloat16 and within(bf16, want, 2 ** -8)
+
+
+def test_int8_weights_come_with_their_scales():
+    x, norm = jnp.ones((1, 4), jnp.bfloat16), jnp.ones(4, jnp.bfloat16)
+    int8, scale = jnp.ones((4, 2), jnp.int8), jnp.ones(2, jnp.float32)
+    with pytest.raises(ValueError, match="needs its weight_scale"):
+        fused_linear.norm_linear(x, norm, EPS, int8)
+    with pytest.raises(ValueError, match="only an int8 weight takes one"):
+        fused_linear.norm_linear(x, norm, EPS, int8.astype(jnp.bfloat16), weight_scale=scale)
+    with pytest.raises(ValueError, match="one scale an output column"):
+        fused_linear.norm_linear(x, norm, EPS, int8, weight_scale=jnp.ones(3, jnp.float32))
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_xla_reference_is_what_the_layers_compute(dtype):
     o = operands(RAGGED, 3, dtype)
@@ -155,6 +186,8 @@ def test_pallas_kernels_lower_for_cuda(dtype, rows):
     """Triton's rules (power-of-two tensors, dot operands >= 16) are checked while lowering: the
     target layers' kernels, the split-K pair, the draft head's two-input q/k/v and float32 logits."""
     o = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), operands(REAL, rows, dtype))
+    o["int8"] = jax.ShapeDtypeStruct(o["gate_up"].shape, jnp.int8)  # an lm_head stored as int8
+    o["scale"] = jax.ShapeDtypeStruct(o["gate_up"].shape[1:], jnp.float32)
 
     def split_k(o):  # down_proj's parts, summed by the next norm_linear and norm_gate_up
         kw = dict(implementation="pallas", interpret=False)
@@ -162,16 +195,18 @@ def test_pallas_kernels_lower_for_cuda(dtype, rows):
         return [fused(o["x"], o["norm"], EPS, weight, parts=parts, **kw)
                 for fused, weight in ((fused_linear.norm_linear, o["qkv"]), (fused_linear.norm_gate_up, o["gate_up"]))]
 
-    def draft_head(o):  # EAGLE-3's midlayer q/k/v over two normed inputs, its float32 logits
+    def draft_head(o):  # EAGLE-3's midlayer q/k/v over two normed inputs, its float32 logits (bf16 and int8 weights)
         kw = dict(implementation="pallas", interpret=False)
         return [fused_linear.norm_pair_linear(o["x"], o["norm"], o["x"], o["norm"], EPS,
                                               jnp.concatenate([o["qkv"], o["qkv"]]), **kw),
-                fused_linear.norm_linear(o["x"], o["norm"], EPS, o["gate_up"], out_dtype=jnp.float32, **kw)]
+                fused_linear.norm_linear(o["x"], o["norm"], EPS, o["gate_up"], out_dtype=jnp.float32, **kw),
+                fused_linear.norm_linear(o["x"], o["norm"], EPS, o["int8"], weight_scale=o["scale"],
+                                         out_dtype=jnp.float32, **kw)]
 
     lowered = export.export(jax.jit(lambda o: (all_kernels(o, "pallas", interpret=False), split_k(o), draft_head(o))),
                             platforms=["cuda"],
                             disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(o)
-    assert lowered.mlir_module().count("__gpu$xla.gpu.triton") == 8
+    assert lowered.mlir_module().count("__gpu$xla.gpu.triton") == 9
 
 
 def test_tiling_needs_powers_of_two_of_at_least_16():
@@ -313,12 +348,13 @@ def test_kernel_bench_runs_without_model_files(tmp_path, tiny_hf_config):
     (tmp_path / "config.json").write_text(json.dumps(tiny_hf_config()))
     out = tmp_path / "rows.json"
     assert bench.main(["--config", str(tmp_path / "config.json"), "--dtype", "float32", "--ops",
-                       "norm_gate_up,draft_lm_head,decode_attention,decoder_layer", "--cache-length", "64",
+                       "norm_gate_up,draft_lm_head,draft_lm_head_int8,decode_attention,decoder_layer", "--cache-length", "64",
                        "--draft-vocab", "100", "--iterations", "1", "--trace-calls", "1", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())
     assert [(r["kind"], r["op"], r["implementation"], r.get("attend_length")) for r in rows] == [
         ("kernel_bench", "norm_gate_up", "xla", None), ("kernel_bench", "norm_gate_up", "pallas", None),
         ("kernel_bench", "draft_lm_head", "xla", None), ("kernel_bench", "draft_lm_head", "pallas", None),
+        ("kernel_bench", "draft_lm_head_int8", "xla", None), ("kernel_bench", "draft_lm_head_int8", "pallas", None),
         ("kernel_bench", "decode_attention", "xla", None), ("kernel_bench", "decode_attention", "pallas", None),
         ("kernel_bench", "decode_attention", "xla", 32), ("kernel_bench", "decode_attention", "pallas", 32),
         ("kernel_bench", "decoder_layer", "xla", None), ("kernel_bench", "decoder_layer", "pallas", None),

@@ -19,7 +19,7 @@
 #                                          figure on the same model and slots, the engine in its own process and in
 #                                          the HTTP process, alternated; the SM clock while it takes 1 request/s
 #   bash tools/gpu/step_levers.sh shipped  plain, then EAGLE-3 k = 6 and k = 4 with the shipped head, on a 2048-slot cache
-#   bash tools/gpu/step_levers.sh draft    the draft head's kernels (final norm + lm_head with float32 logits, input
+#   bash tools/gpu/step_levers.sh draft    the draft head's kernels (final norm + lm_head with float32 logits, bf16 or int8, input
 #                                          norms + q/k/v, gate_up, split-K down_proj) in Pallas against XLA's, one
 #                                          row, a sweep of column and K blocks, L2 evicted
 #   bash tools/gpu/step_levers.sh persistent  the decoder stack as one persistent kernel against the fused kernels
@@ -138,7 +138,7 @@ case $phase in
     closed_loops 2 ;;
   shipped) shipped_steps ;;
   draft)
-    timeout 480 python3 benchmarks/kernels_bench.py --ops draft_lm_head,draft_qkv,draft_gate_up,draft_down_parts \
+    timeout 480 python3 benchmarks/kernels_bench.py --ops draft_lm_head,draft_lm_head_int8,draft_qkv,draft_gate_up,draft_down_parts \
       --rows 1 --block-n 16,32,64,128 --block-k 64,128,256 --evict-mb 256 --check --iterations 50 --trace-calls 20 \
       --out "$out/kernels.json" 2>&1 | grep -v -i warn | tail -56 ;;
   persistent)
