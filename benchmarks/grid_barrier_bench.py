@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # results_file
@@ -23,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # results_file
 import jax
 
 from eagle_jax.kernels import grid_barrier
-from results_file import append_rows
+from results_file import append_rows, error_field
+from timing import best_seconds
 
 
 def main(argv=None) -> int:
@@ -43,20 +43,16 @@ def main(argv=None) -> int:
     print(f"{'programs':>8} {'spin':>9} {'wrong values':>13} {'us a barrier':>13}")
     for programs in grids:
         for spin in [value.strip() for value in args.spin.split(",") if value.strip()]:
-            check = lambda: jax.block_until_ready(grid_barrier.check(programs, args.rounds, spin=spin))
+            check = lambda: grid_barrier.check(programs, args.rounds, spin=spin)
             try:
-                mismatches = check()  # compiles
-                best = float("inf")
-                for _ in range(args.repeats):
-                    began = time.perf_counter()
-                    check()
-                    best = min(best, time.perf_counter() - began)
+                mismatches = jax.block_until_ready(check())  # compiles
+                best = best_seconds(check, args.repeats)
                 row = dict(common, programs=programs, spin=spin, wrong_values=int(mismatches.sum()),
                            programs_that_saw_wrong_values=int((mismatches > 0).sum()),
                            us_per_barrier=best / (2 * args.rounds) * 1e6)
                 print(f"{programs:>8} {spin:>9} {row['wrong_values']:>13} {row['us_per_barrier']:>13.2f}", flush=True)
             except Exception as error:  # a grid the GPU refuses is a row too
-                row = dict(common, programs=programs, spin=spin, error=f"{type(error).__name__}: {error}"[:400])
+                row = dict(common, programs=programs, spin=spin, error=error_field(error))
                 print(f"{programs:>8} {spin:>9} {row['error'][:100]}", flush=True)
             rows.append(row)
     if args.out:

@@ -43,7 +43,6 @@ import datetime
 import functools
 import os
 import sys
-import time
 from pathlib import Path
 
 try:
@@ -61,7 +60,8 @@ from jax.experimental.pallas import mosaic_gpu as plmg
 from jax.experimental.pallas import triton as pltr
 
 from eagle_jax.kernels import fused_linear
-from results_file import append_rows
+from results_file import append_rows, error_field
+from timing import best_seconds
 
 WIDTH = 256  # a weight slab's row: one TMA box wide
 LANES = 128  # values of the vector a program writes: one warpgroup's
@@ -230,16 +230,12 @@ def main(argv=None) -> int:
                 return lax.fori_loop(0, args.steps, chain, x)
 
             jax.block_until_ready(run(x0, weights))  # compiles
-            best = float("inf")
-            for _ in range(args.repeats):
-                began = time.perf_counter()
-                jax.block_until_ready(run(x0, weights))
-                best = min(best, time.perf_counter() - began)
+            best = best_seconds(lambda: run(x0, weights), args.repeats)
             row = dict(common, variant=variant, us_per_kernel=best / (args.steps * args.kernels) * 1e6,
                        max_abs_error=error, reference_max_abs=largest)
             print(f"{variant:<12} {row['us_per_kernel']:>12.3f} {error:>12.2e}", flush=True)
         except Exception as error:  # a variant this backend cannot run is a row too
-            row = dict(common, variant=variant, error=f"{type(error).__name__}: {error}"[:400])
+            row = dict(common, variant=variant, error=error_field(error))
             print(f"{variant:<12} {row['error'][:100]}", flush=True)
         rows.append(row)
     if args.out:

@@ -42,7 +42,7 @@ from eagle_jax.kernels import persistent_layers
 from eagle_jax.model import kv_cache as kv_cache_lib
 from eagle_jax.model import layers
 from eagle_jax.model import rotary
-from results_file import append_rows
+from results_file import append_rows, error_field
 
 
 def ints(text: str) -> list[int]:
@@ -159,7 +159,7 @@ def main(argv=None) -> int:
                        max_abs_difference=difference, same_next_token=greedy(hidden) == greedy(reference),
                        reference_max_abs=float(jnp.max(jnp.abs(reference))))
         except Exception as error:  # a setting that does not compile is a row too
-            row = dict(common, kernel=label, **settings, error=f"{type(error).__name__}: {error}"[:400])
+            row = dict(common, kernel=label, **settings, error=error_field(error))
         rows.append(row)
         if "error" in row:
             print(f"{label:<46} {row['error'][:120]}", flush=True)

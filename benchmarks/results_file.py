@@ -17,3 +17,8 @@ def append_rows(path: str | Path, rows: list[dict]) -> None:
     temporary = path.with_suffix(path.suffix + ".tmp")
     temporary.write_text(json.dumps(existing + rows, indent=1) + "\n")
     os.replace(temporary, path)
+
+
+def error_field(error: BaseException) -> str:
+    """A row's `error`: what a setting that failed raised, short enough for a table."""
+    return f"{type(error).__name__}: {error}"[:400]

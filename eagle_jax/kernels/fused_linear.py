@@ -112,7 +112,7 @@ def norm_linear(x: jax.Array, norm_weight: jax.Array, eps: float, weight: jax.Ar
         if implementation == "xla":
             sums = _linear(rms_norm(x, norm_weight, eps), weight, jnp.float32)
             return (sums * weight_scale).astype(out_dtype or x.dtype)
-        return _call(_scaled_norm_linear_kernel, "norm_linear_int8", x, (norm_weight, weight, weight_scale),
+        return _call(_norm_linear_kernel, "norm_linear_int8", x, (norm_weight, weight, weight_scale),
                      weight.shape[1], interpret, tiling, out_dtype=out_dtype, eps=eps)
     if implementation == "xla":
         normed = x if parts is None else add_parts(x, parts)
@@ -464,22 +464,17 @@ def _project(rows_at, w_ref, columns, tiling: Tiling) -> tuple[jax.Array, ...]:
     return lax.fori_loop(0, pl.cdiv(size, block_k), accumulate, (zeros,) * len(columns))
 
 
-def _norm_linear_kernel(x_ref, norm_ref, w_ref, out_ref, *, eps: float, tiling: Tiling, sums=None):
+def _norm_linear_kernel(x_ref, norm_ref, w_ref, *refs, eps: float, tiling: Tiling, sums=None):
+    """refs: (out,), or (scale, out) over an int8 weight (widened to x's dtype, exactly), its float32
+    sums times the columns' scales."""
+    *scale_ref, out_ref = refs
     row, column = _origin(tiling)
     inverse_rms, load = _inverse_rms(x_ref, row, eps, tiling, sums)
     normed = lambda k: _normed(load, x_ref.dtype, norm_ref, k, inverse_rms, tiling)
     [out] = _project(normed, w_ref, [(column, w_ref.shape[1])], tiling)
+    for scale in scale_ref:
+        out = out * _vector(scale, column, tiling.block_n)[None, :]
     _store(out_ref, (row, column), out.astype(out_ref.dtype))
-
-
-def _scaled_norm_linear_kernel(x_ref, norm_ref, w_ref, scale_ref, out_ref, *, eps: float, tiling: Tiling):
-    """`_norm_linear_kernel` over an int8 weight (widened to x's dtype, exactly), its float32 sums
-    times the columns' scales."""
-    row, column = _origin(tiling)
-    inverse_rms, load = _inverse_rms(x_ref, row, eps, tiling)
-    normed = lambda k: _normed(load, x_ref.dtype, norm_ref, k, inverse_rms, tiling)
-    [out] = _project(normed, w_ref, [(column, w_ref.shape[1])], tiling)
-    _store(out_ref, (row, column), (out * _vector(scale_ref, column, tiling.block_n)[None, :]).astype(out_ref.dtype))
 
 
 def _norm_pair_linear_kernel(a_ref, b_ref, a_norm_ref, b_norm_ref, w_ref, out_ref, *, eps: float, tiling: Tiling):
