@@ -32,11 +32,13 @@ from eagle_jax.io import int8_weights
 from eagle_jax.io import staging
 from eagle_jax.model import config as config_lib
 from eagle_jax.model import eagle
+from eagle_jax.model import int8_linear
 from eagle_jax.model import layers
 from eagle_jax.model import llama
 
 PARAMS_FILE = "params.safetensors"
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+INT8_LM_HEAD_DTYPES = ("bfloat16",)  # where a head stored with an int8 lm_head runs it as int8
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                     "chat_template.jinja", "tokenizer.model", "vocab.json", "merges.txt")
 
@@ -253,14 +255,33 @@ def load_head(path: str | Path, target: llama.Llama, dtype: str = "float32", par
 
     `dtype` is the compute dtype; parameters are stored in `param_dtype` (default: the same).
     Training from a head keeps float32 parameters under bf16 compute, as `train.new_head` does.
+    An EAGLE-3 lm_head stored as int8 (`int8_weights`) runs as int8 in a bfloat16 head
+    (`int8_linear.Int8Linear`), and is widened otherwise.
     """
     path = resolve_head_dir(path)
     try:
-        tensors = int8_weights.dequantize(hf_files.load_tensors(path))
-        return head_from_tensors(tensors, hf_files.load_config(path if path.is_dir() else path.parent), target, dtype,
-                                 param_dtype)
+        stored = hf_files.load_tensors(path)
+        head = head_from_tensors(int8_weights.dequantize(stored), hf_files.load_config(path if path.is_dir() else path.parent),
+                                 target, dtype, param_dtype)
     except hf_files.CheckpointError as error:
         raise _naming(error, path) from None
+    return _int8_lm_head(head, stored) if dtype in INT8_LM_HEAD_DTYPES and param_dtype in (None, dtype) else head
+
+
+def _int8_lm_head(head, stored: dict):
+    """`head` running its lm_head as stored, when that is int8 with its scales (`int8_linear`).
+
+    Only heads computing and holding their parameters in 16 bits (inference): there a draft reads
+    half the bytes, and the logits are the stored weight's own. Float32 heads (training, parity
+    checks) keep the widened weight, as `int8_weights.dequantize` gives it.
+    """
+    weight, scale = stored.get("lm_head.weight"), stored.get("lm_head.weight" + int8_weights.SCALE_SUFFIX)
+    if head.config.method != "eagle3" or scale is None or np.asarray(weight).dtype != np.int8:
+        return head
+    head.lm_head = int8_linear.Int8Linear(jnp.asarray(np.asarray(weight).T),  # [in, out], nnx.Linear's layout
+                                          jnp.asarray(np.asarray(scale, np.float32).reshape(-1)),
+                                          head.lm_head.dtype)
+    return head
 
 
 def head_from_tensors(tensors: dict, config: dict, target: llama.Llama, dtype: str = "float32",

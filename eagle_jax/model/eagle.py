@@ -26,6 +26,7 @@ from flax import nnx
 from eagle_jax.kernels import fused_linear
 from eagle_jax.model import config as config_lib
 from eagle_jax.model import float32_logits
+from eagle_jax.model import int8_linear
 from eagle_jax.model import kv_cache as kv_cache_lib
 from eagle_jax.model import layers
 from eagle_jax.model import llama
@@ -148,10 +149,16 @@ class Eagle3Head(nnx.Module):
         return self.layers
 
     def logits(self, out, target: llama.Llama, decode_kernels: str = "xla"):
+        """Float32 logits over the draft vocabulary; an `int8_linear.Int8Linear` lm_head (a head
+        stored int8 and run in 16 bits, `io.models.load_head`) is read as int8 either way."""
+        int8 = isinstance(self.lm_head, int8_linear.Int8Linear)
         if layers.uses_decode_kernels(decode_kernels, out, self.lm_head):  # the final norm in the lm_head's kernel
             return fused_linear.norm_linear(out, self.norm.weight[...], self.norm.eps, self.lm_head.kernel[...],
+                                            weight_scale=self.lm_head.scale[...] if int8 else None,
                                             implementation=layers.fused_kernels(decode_kernels), out_dtype=jnp.float32,
                                             tiling=LM_HEAD_TILING)
+        if int8:
+            return self.lm_head(self.norm(out))
         return float32_logits.float32_logits(self.norm(out), self.lm_head.kernel[...])
 
     def __call__(self, tokens, features, positions, cache: kv_cache_lib.KVCache, target: llama.Llama,

@@ -54,6 +54,7 @@ P = PartitionSpec
 PARAM_AXES = (
     ("embed_tokens/embedding", ("vocab", "embed")),
     ("lm_head/kernel", ("embed", "vocab")),
+    ("lm_head/scale", ("vocab",)),  # an int8 lm_head's column scales (`int8_linear`), split with its columns
     ("self_attn/qkv_proj/kernel", ("embed", "heads")),
     ("self_attn/qkv_proj/bias", ("heads",)),
     ("self_attn/o_proj/kernel", ("heads", "embed")),

@@ -25,6 +25,7 @@ from eagle_jax.io import models
 from eagle_jax.serve import sharding
 from eagle_jax.decode import tree as tree_lib
 from tests.cli.test_generate_cli import save_tokenizer
+from tests.model import test_int8_linear
 
 REPO = Path(__file__).resolve().parents[2]
 # Heads and kv heads divide 2 and 4 (attention split), with biases on the fused projections.
@@ -210,6 +211,15 @@ def test_a_split_head_splits_its_mlp_and_draft_vocabulary_only(random_target, ra
     whole_text = draft_step_text(sharded_target, sharding.replicate(head, mesh))
     assert all_reduces(split_text) > all_reduces(whole_text)  # + the MLP's
     assert table_gathers(split_text, target.config) == []
+
+    # An lm_head run as int8 splits its column scales with its columns.
+    head.lm_head = test_int8_linear.int8_lm_head(head)
+    split = sharding.shard_head(head, mesh)
+    assert spec(split.lm_head.kernel[...]) == PartitionSpec(None, "tensor")
+    assert spec(split.lm_head.scale[...]) == PartitionSpec("tensor")
+    out = jax.random.normal(jax.random.key(0), (1, 2, head.config.hidden_size))
+    np.testing.assert_allclose(np.asarray(split.logits(out, target)), np.asarray(head.logits(out, target)),
+                               rtol=1e-5, atol=1e-5)
 
     with pytest.raises(sharding.ShardingError, match=r"does not divide the head's draft_vocab_size=65"):
         sharding.shard_head(random_head(target.config, "eagle3", draft_vocab_size=65), mesh)

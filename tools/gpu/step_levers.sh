@@ -52,7 +52,7 @@ prof() {  # label, then profile_step flags; EAGLE-3 steps run the shipped head (
   local label=$1; shift
   local draft=(); [[ " $* " == *" eagle3 "* ]] && draft=(--draft eagle_jax/heads/smollm2-135m-instruct-eagle3)
   timeout 200 python3 benchmarks/profile_step.py --parts step_trace --decode-kernels pallas --random-target "$config" \
-    --trace-steps 64 --out "$out/profile.json" --label "$label" "$@" "${draft[@]}" 2>&1 \
+    --trace-steps 64 --top-kernels 30 --out "$out/profile.json" --label "$label" "$@" "${draft[@]}" 2>&1 \
     | grep -E "\] step_trace|Error|error" | tail -3
 }
 peer() {  # the torch peer on random weights of the same shapes, on this GPU
