@@ -95,6 +95,7 @@ from eagle_jax.kernels import decode_attention
 from eagle_jax.kernels import fused_linear
 from eagle_jax.cli import errors as script_errors
 import step_trace
+import results_file
 from results_file import append_rows
 
 # SmolLM2-135M's decoder layer.
@@ -467,7 +468,11 @@ def run_cases(args, cfg: config_lib.LlamaConfig, dtype, common: dict, evict) -> 
             for implementation, tiling in settings:
                 kw = dict(implementation=implementation) | (dict(tiling=tiling) if tiling else {})
                 jitted = jax.jit(lambda *i, kw=kw, function=function: function(i, **kw))
-                measured = measure(lambda *i, jitted=jitted: (jitted(*i), i), inputs, args, evict)
+                try:
+                    measured = measure(lambda *i, jitted=jitted: (jitted(*i), i), inputs, args, evict)
+                except jax.errors.JaxRuntimeError as error:  # a tiling past the GPU's shared memory: the sweep goes on
+                    print(f"{op} {implementation} {tiling}: {results_file.error_field(error)}", file=sys.stderr)
+                    continue
                 rows.append(dict(op=op, implementation=implementation, rows=count, weight_bytes=weight_bytes,
                                  tiling=tiling and vars(tiling), **measured, **common))
     return rows

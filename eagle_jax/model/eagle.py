@@ -59,8 +59,10 @@ class EagleConfig:
 # The draft lm_head's kernel reads a [576, 32,768] weight for one or a few rows: narrower K chunks
 # and wider column strips than `fused_linear.Tiling`'s defaults keep more loads in flight. At one
 # row on an H100 (L2 evicted): 16.3 us against 24.6 with the default tiling and 19.3 for XLA's
-# norm and matmul (docs/benchmarks.md#the-decode-step).
+# norm and matmul (docs/benchmarks.md#the-decode-step). Read as int8 (`int8_linear`), a strip of
+# 128 columns is best: 11.5 us against 14.0 at 64 and 16.4 for XLA's.
 LM_HEAD_TILING = fused_linear.Tiling(block_n=64, block_k=64)
+LM_HEAD_INT8_TILING = fused_linear.Tiling(block_n=128, block_k=64)
 
 
 def default_feature_layers(num_target_layers: int) -> tuple[int, ...]:
@@ -156,7 +158,7 @@ class Eagle3Head(nnx.Module):
             return fused_linear.norm_linear(out, self.norm.weight[...], self.norm.eps, self.lm_head.kernel[...],
                                             weight_scale=self.lm_head.scale[...] if int8 else None,
                                             implementation=layers.fused_kernels(decode_kernels), out_dtype=jnp.float32,
-                                            tiling=LM_HEAD_TILING)
+                                            tiling=LM_HEAD_INT8_TILING if int8 else LM_HEAD_TILING)
         if int8:
             return self.lm_head(self.norm(out))
         return float32_logits.float32_logits(self.norm(out), self.lm_head.kernel[...])
