@@ -299,6 +299,11 @@ class DecoderLayer(nnx.Module):
 # split against 775-800 whole, while an EAGLE-3 k = 6 step, whose 7-row verify then split too,
 # kept 20 us more busy time (996 against 975-976).
 SPLIT_K_MAX_ROWS = 1
+# A draft head's MLP (`residual_mlp`) adds its parts in XLA either way, so a chain's first draft
+# forward over k + 1 = 7 pending pairs splits too: on an H100 (2026-12-07, `step_levers.sh ab`)
+# the shipped EAGLE-3 head's 7-row down_proj (K = 3,072) took 8.4 us in whole columns, and the
+# k = 6 step's busy time fell by 4 us split.
+HEAD_SPLIT_K_MAX_ROWS = 8
 
 
 def splits_down_proj(x: jax.Array) -> bool:
@@ -379,14 +384,15 @@ def output_residual(attention: Attention, attended: jax.Array, residual: jax.Arr
 
 def residual_mlp(x: jax.Array, norm: RMSNorm, mlp: MLP, decode_kernels: str = "xla") -> jax.Array:
     """x + mlp(norm(x)), in two fused kernels when `uses_decode_kernels` says so (a draft head's
-    MLP). In a one-row call down_proj runs split-K, its parts added in XLA: a whole-column kernel
-    runs few programs over the head's long K (3,072 in the shipped EAGLE-3 head's MLP)."""
+    MLP). In calls of at most `HEAD_SPLIT_K_MAX_ROWS` rows down_proj runs split-K, its parts added
+    in XLA: a whole-column kernel runs few programs over the head's long K (3,072 in the shipped
+    EAGLE-3 head's MLP)."""
     if not uses_decode_kernels(decode_kernels, x, mlp.gate_up_proj, mlp.down_proj):
         return x + mlp(norm(x))
     implementation = fused_kernels(decode_kernels)
     hidden = fused_linear.norm_gate_up(x, norm.weight[...], norm.eps, mlp.gate_up_proj.kernel[...],
                                        implementation=implementation)
-    if not splits_down_proj(x):
+    if math.prod(x.shape[:-1]) > HEAD_SPLIT_K_MAX_ROWS:
         return fused_linear.linear_residual(hidden, mlp.down_proj.kernel[...], x, implementation=implementation)
     parts = fused_linear.linear_parts(hidden, mlp.down_proj.kernel[...], implementation=implementation)
     return fused_linear.add_parts(x, parts)

@@ -367,8 +367,9 @@ def test_a_draft_heads_cached_calls_attend_in_the_kernel(random_target, random_h
     # attention split over the cache at one row and its combine, o_proj + residual, the MLP's two;
     # under the mask the MLP's two alone (XLA's norms, q/k/v, attention and o_proj). Then the final
     # norm and the lm_head, in one kernel.
-    fused = ["decode_attention", "decode_attention_combine", "linear_residual", "norm_gate_up", "linear_residual"]
-    mlp = ["norm_gate_up", "linear_residual"]
+    # Three rows: down_proj split-K (`layers.HEAD_SPLIT_K_MAX_ROWS`), its parts added in XLA.
+    fused = ["decode_attention", "decode_attention_combine", "linear_residual", "norm_gate_up", "linear_parts"]
+    mlp = ["norm_gate_up", "linear_parts"]
     for mask, kernels in ((None, ["norm_pair_linear", *fused, "norm_linear", *fused, "norm_linear"]),
                           (chain_mask, mlp * 2 + ["norm_linear"])):
         call = lambda setting: head(tokens, features, positions, cache, target, mask=mask,

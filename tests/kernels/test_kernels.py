@@ -448,10 +448,11 @@ def test_kernel_bench_sweeps_query_rows(tmp_path, tiny_hf_config):
         bench.parse_args(["--ops", "decode_attention,norm_linear", "--rows", "64"])
 
 
-@pytest.mark.parametrize("tokens", [1, 7])
-def test_a_heads_mlp_splits_down_proj_in_one_row_calls_only(tokens, monkeypatch):
-    """`residual_mlp` (a draft head's MLP) runs down_proj split-K in a one-row call, whole columns
-    past `SPLIT_K_MAX_ROWS` rows, and computes what the unfused MLP does either way."""
+@pytest.mark.parametrize("tokens", [1, 7, 9])
+def test_a_heads_mlp_splits_down_proj_in_short_calls_only(tokens, monkeypatch):
+    """`residual_mlp` (a draft head's MLP) runs down_proj split-K in calls of up to
+    `HEAD_SPLIT_K_MAX_ROWS` rows (a chain's first draft forward over k + 1 = 7 pairs too), whole
+    columns past them, and computes what the unfused MLP does either way."""
     cfg = model_config.LlamaConfig(vocab_size=8, hidden_size=64, intermediate_size=768, num_layers=1, num_heads=4,
                                  num_kv_heads=2, head_dim=16)
     norm, mlp = layers.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps), layers.MLP(cfg, rngs=nnx.Rngs(5))
@@ -461,7 +462,7 @@ def test_a_heads_mlp_splits_down_proj_in_one_row_calls_only(tokens, monkeypatch)
         kernel = getattr(fused_linear, name)
         monkeypatch.setattr(fused_linear, name, lambda *a, _k=kernel, _n=name, **kw: calls.append(_n) or _k(*a, **kw))
     fused = layers.residual_mlp(x, norm, mlp, "pallas_linear")
-    assert calls == (["linear_parts"] if tokens <= layers.SPLIT_K_MAX_ROWS else ["linear_residual"])
+    assert calls == (["linear_parts"] if tokens <= layers.HEAD_SPLIT_K_MAX_ROWS else ["linear_residual"])
     assert within(fused, layers.residual_mlp(x, norm, mlp, "xla"), 1e-5)
 
 
