@@ -306,9 +306,10 @@ SPLIT_K_MAX_ROWS = 1
 HEAD_SPLIT_K_MAX_ROWS = 8
 
 
-def splits_down_proj(x: jax.Array) -> bool:
-    """Whether a fused call on x [..., D] runs down_proj split-K: at most `SPLIT_K_MAX_ROWS` token rows."""
-    return math.prod(x.shape[:-1]) <= SPLIT_K_MAX_ROWS
+def splits_down_proj(x: jax.Array, max_rows: int = SPLIT_K_MAX_ROWS) -> bool:
+    """Whether a fused call on x [..., D] runs down_proj split-K: at most `max_rows` token rows
+    (`SPLIT_K_MAX_ROWS` in a target layer, `HEAD_SPLIT_K_MAX_ROWS` in a draft head's MLP)."""
+    return math.prod(x.shape[:-1]) <= max_rows
 
 
 class PendingResidual(NamedTuple):
@@ -392,7 +393,7 @@ def residual_mlp(x: jax.Array, norm: RMSNorm, mlp: MLP, decode_kernels: str = "x
     implementation = fused_kernels(decode_kernels)
     hidden = fused_linear.norm_gate_up(x, norm.weight[...], norm.eps, mlp.gate_up_proj.kernel[...],
                                        implementation=implementation)
-    if math.prod(x.shape[:-1]) > HEAD_SPLIT_K_MAX_ROWS:
+    if not splits_down_proj(x, HEAD_SPLIT_K_MAX_ROWS):
         return fused_linear.linear_residual(hidden, mlp.down_proj.kernel[...], x, implementation=implementation)
     parts = fused_linear.linear_parts(hidden, mlp.down_proj.kernel[...], implementation=implementation)
     return fused_linear.add_parts(x, parts)
